@@ -1,0 +1,221 @@
+"""The `sonic::` torch.library ops: the contract between the pattern passes and the kernels.
+
+    sonic::moe_experts(x, topk_ids, topk_weights, w1, w2, b1?, b2?, activation, interleaved,
+                       transposed, alpha, limit, save_h)
+        -> (out [T, d], H [TK, w1_out] (or [0, w1_out] when save_h is False),
+            sorted_rows int32 [TK], expert_offsets int32 [E+1])
+    sonic::moe_experts_backward(grad_out, <forward inputs>, H, sorted_rows, expert_offsets, flags)
+        -> (dx, d_topk_weights, dw1, dw2, db1, db2)   (db1/db2 are empty when there is no bias)
+
+Autograd saves x, the routing (ids, weights, sorted_rows, offsets) and the pre-activation H; the
+backward recomputes A = act(H) and never sees the gathered x or the expert outputs Y.
+
+Implementations: on CUDA the Triton kernels (`codegen.triton_moe`) when they support the call;
+everywhere else the pure-torch reference (`codegen.reference`). `SONIC_MOE_KERNEL=reference` forces
+the reference on CUDA too (debugging, A/B checks); it is read once at import.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .activations import GATED, check_activation
+from .reference import torch_moe_experts_bwd, torch_moe_experts_fwd
+
+_FORCE_REFERENCE = os.environ.get("SONIC_MOE_KERNEL", "auto") == "reference"
+
+
+def _triton_backend(x: Tensor):
+    """The Triton implementation module when it can run this call, else None."""
+    if _FORCE_REFERENCE or x.device.type != "cuda":
+        return None
+    try:
+        from . import triton_moe
+    except ImportError:  # the kernels are optional until they land; the reference is always there
+        return None
+    return triton_moe
+
+
+def _flags(activation, interleaved, transposed, alpha, limit):
+    return dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
+
+
+@torch.library.custom_op("sonic::moe_experts", mutates_args=())
+def moe_experts_op(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    b1: Optional[Tensor],
+    b2: Optional[Tensor],
+    activation: str,
+    interleaved: bool,
+    transposed: bool,
+    alpha: float,
+    limit: float,
+    save_h: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    flags = _flags(activation, interleaved, transposed, alpha, limit)
+    impl = _triton_backend(x)
+    if impl is not None and impl.supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
+        return impl.triton_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, save_h=save_h, **flags)
+    return torch_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, save_h=save_h, **flags)
+
+
+@moe_experts_op.register_fake
+def _(x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, alpha, limit, save_h):
+    T, d = x.shape
+    TK = topk_ids.numel()
+    E = w1.shape[0]
+    w1_out = w1.shape[2] if transposed else w1.shape[1]
+    out = x.new_empty(T, d)
+    h = x.new_empty(TK if save_h else 0, w1_out)
+    sorted_rows = x.new_empty(TK, dtype=torch.int32)
+    offsets = x.new_empty(E + 1, dtype=torch.int32)
+    return out, h, sorted_rows, offsets
+
+
+@torch.library.custom_op("sonic::moe_experts_backward", mutates_args=())
+def moe_experts_backward_op(
+    grad_out: Tensor,
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    b1: Optional[Tensor],
+    b2: Optional[Tensor],
+    h: Tensor,
+    sorted_rows: Tensor,
+    expert_offsets: Tensor,
+    activation: str,
+    interleaved: bool,
+    transposed: bool,
+    alpha: float,
+    limit: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    flags = _flags(activation, interleaved, transposed, alpha, limit)
+    args = (grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets)
+    impl = _triton_backend(x)
+    if impl is not None and impl.supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
+        dx, dw, dw1, dw2, db1, db2 = impl.triton_moe_experts_bwd(*args, **flags)
+    else:
+        dx, dw, dw1, dw2, db1, db2 = torch_moe_experts_bwd(*args, **flags)
+    return dx, dw, dw1, dw2, x.new_empty(0) if db1 is None else db1, x.new_empty(0) if db2 is None else db2
+
+
+@moe_experts_backward_op.register_fake
+def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, *flags):
+    return (
+        torch.empty_like(x),
+        torch.empty_like(topk_weights),
+        torch.empty_like(w1),
+        torch.empty_like(w2),
+        x.new_empty(0) if b1 is None else torch.empty_like(b1),
+        x.new_empty(0) if b2 is None else torch.empty_like(b2),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, alpha, limit, _ = inputs
+    _, h, sorted_rows, offsets = output
+    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets)
+    ctx.flags = (activation, interleaved, transposed, alpha, limit)
+
+
+def _backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
+    x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(x)
+    dx, dw, dw1, dw2, db1, db2 = moe_experts_backward_op(
+        grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets, *ctx.flags
+    )
+    return (
+        dx,
+        None,
+        dw,
+        dw1,
+        dw2,
+        None if b1 is None else db1,
+        None if b2 is None else db2,
+        None, None, None, None, None, None,
+    )
+
+
+moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, activation, transposed):
+    """Clear errors for shapes, dtypes and devices the op cannot take (never a wrong answer)."""
+    check_activation(activation)
+
+    def fail(msg):
+        raise ValueError(f"sonic.moe_experts: {msg}")
+
+    if x.dim() != 2:
+        fail(f"x must be [T, d], got shape {tuple(x.shape)}")
+    T, d = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        fail(f"topk_ids must be [T={T}, K], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        fail(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        fail(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    if not topk_weights.dtype.is_floating_point:
+        fail(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if w1.dim() != 3 or w2.dim() != 3:
+        fail(f"w1 and w2 must be 3-D [E, ., .], got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    E = w1.shape[0]
+    w1_in, w1_out = (w1.shape[1], w1.shape[2]) if transposed else (w1.shape[2], w1.shape[1])
+    w2_in, w2_out = (w2.shape[1], w2.shape[2]) if transposed else (w2.shape[2], w2.shape[1])
+    n = w2_in
+    want_w1_out = 2 * n if GATED[activation] else n
+    layout = "[E, d, w1_out] / [E, n, d]" if transposed else "[E, w1_out, d] / [E, d, n]"
+    if w2.shape[0] != E or w1_in != d or w2_out != d or w1_out != want_w1_out:
+        fail(
+            f"expert weights {tuple(w1.shape)} / {tuple(w2.shape)} do not fit layout {layout} with d={d}, "
+            f"n={n}, activation {activation!r} (w1_out must be {want_w1_out})"
+        )
+    if x.dtype != w1.dtype or x.dtype != w2.dtype:
+        fail(f"x, w1, w2 must share a dtype, got {x.dtype}, {w1.dtype}, {w2.dtype}")
+    if b1 is not None and tuple(b1.shape) != (E, w1_out):
+        fail(f"b1 must be [E, w1_out] = {(E, w1_out)}, got {tuple(b1.shape)}")
+    if b2 is not None and tuple(b2.shape) != (E, d):
+        fail(f"b2 must be [E, d] = {(E, d)}, got {tuple(b2.shape)}")
+    devices = {t.device for t in (x, topk_ids, topk_weights, w1, w2, b1, b2) if t is not None}
+    if len(devices) > 1:
+        fail(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def moe_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    b1: Tensor | None = None,
+    b2: Tensor | None = None,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    transposed: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
+    """out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), fused and differentiable.
+
+    Expert e computes act(x W1[e]^T + b1[e]) W2[e]^T + b2[e] (see `codegen.reference` for layouts).
+    The result has x's dtype; the K-way combine accumulates in float32.
+    """
+    validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1, b2, activation=activation, transposed=transposed)
+    needs_grad = any(t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
+    save_h = torch.is_grad_enabled() and needs_grad
+    out, _, _, _ = moe_experts_op(
+        x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, float(alpha),
+        float(limit), save_h,
+    )
+    return out

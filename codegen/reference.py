@@ -1,0 +1,236 @@
+"""Pure-torch twin of the fused MoE experts: the CPU path, the test oracle, the benchmark baseline.
+
+Notation (see `codegen.activations`): x [T, d]; topk_ids, topk_weights [T, K]; rows r = 0..TK-1 in
+expert order; `sorted_rows[r]` is the flat slot t*K + k of row r; `expert_offsets` [E+1] bounds each
+expert's rows. Weight layouts:
+
+    transposed=False (Hugging Face):  w1 [E, 2n, d]  w2 [E, d, n]   (nn.Linear's [out, in])
+    transposed=True  (gpt-oss):       w1 [E, d, 2n]  w2 [E, n, d]   ([in, out])
+    biases (optional):                b1 [E, 2n]     b2 [E, d]
+
+Forward:  H = gather(x) @ W1^T + b1;  A = act(H);  Y = A @ W2^T + b2;  out[t] = sum_k s[t,k] Y[row(t,k)]
+Backward (recomputes A from H; never keeps Y or the gathered x):
+    dA' = gather(dO) @ W2            dS[t,k] = <dA', A> + <dO[t], b2>
+    dH  = act'(H) * s * dA'          dW2 = gather(dO)^T (s A)        db2 = sum s dO
+    dW1 = dH^T gather(x)             db1 = sum dH
+    dX  = sum_k (dH @ W1)[row(t,k)]
+
+The expert loop here reads per-expert row counts on the host; that is fine on the CPU. The CUDA
+path runs the Triton kernels, whose metadata never leaves the device.
+"""
+from __future__ import annotations
+
+import torch
+
+from .activations import (
+    GATED,
+    check_activation,
+    split_gate_up,
+    torch_activation,
+    torch_activation_and_grad,
+)
+
+
+def torch_route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing metadata, on the device: (sorted_rows int32 [TK], expert_offsets int32 [E+1]).
+
+    A stable sort keeps each expert's rows in token order, so the result is deterministic.
+    """
+    flat = topk_ids.reshape(-1).long()
+    sorted_rows = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat.clamp(0, num_experts - 1), torch.ones_like(flat))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    return sorted_rows, offsets
+
+
+def expert_matrices(w1: torch.Tensor, w2: torch.Tensor, e: int, transposed: bool):
+    """Expert e's weights as (W1 [w1_out, d], W2 [d, n]): the nn.Linear orientation."""
+    if transposed:
+        return w1[e].t(), w2[e].t()
+    return w1[e], w2[e]
+
+
+def _bounds(expert_offsets: torch.Tensor) -> list[int]:
+    return expert_offsets.tolist()  # host sync: CPU reference only
+
+
+def check_routing(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Reject ids outside [0, E): reading a wrong expert silently is the worst outcome."""
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+        raise IndexError(
+            f"expert ids must lie in [0, {num_experts}); got range "
+            f"[{int(topk_ids.min())}, {int(topk_ids.max())}]"
+        )
+
+
+def torch_moe_experts_fwd(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    transposed: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    save_h: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out [T, d] x.dtype, H [TK, w1_out] or empty, sorted_rows [TK], expert_offsets [E+1])."""
+    check_activation(activation)
+    T, d = x.shape
+    K = topk_ids.shape[1]
+    E = w1.shape[0]
+    check_routing(topk_ids, E)
+    sorted_rows, offsets = torch_route(topk_ids, E)
+    token_of_row = (sorted_rows // K).long()
+    w1_out = w1.shape[2] if transposed else w1.shape[1]
+    h = x.new_empty(T * K, w1_out)
+    y = x.new_empty(T * K, d)
+    bounds = _bounds(offsets)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        W1, W2 = expert_matrices(w1, w2, e, transposed)
+        xg = x[token_of_row[lo:hi]]
+        he = xg @ W1.t()
+        if b1 is not None:
+            he = he + b1[e]
+        h[lo:hi] = he
+        ye = torch_activation(he, activation, interleaved, alpha, limit) @ W2.t()
+        if b2 is not None:
+            ye = ye + b2[e]
+        y[lo:hi] = ye
+    y_tok = torch.empty_like(y)
+    y_tok[sorted_rows.long()] = y
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = (y_tok.view(T, K, d).to(acc) * topk_weights.to(acc).unsqueeze(-1)).sum(1).to(x.dtype)
+    if not save_h:
+        h = x.new_empty(0, w1_out)
+    return out, h, sorted_rows, offsets
+
+
+def torch_moe_experts_bwd(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    h: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    transposed: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+):
+    """Returns (dx, d_topk_weights, dw1, dw2, db1 or None, db2 or None), each in its input's dtype."""
+    T, d = x.shape
+    K = topk_ids.shape[1]
+    E = w1.shape[0]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = sorted_rows.long()
+    token_of_row = rows // K
+    s_row = topk_weights.reshape(-1)[rows].to(acc)
+    dx_rows = x.new_zeros(T * K, d)
+    ds_rows = torch.zeros(T * K, dtype=acc, device=x.device)
+    dw1 = torch.zeros_like(w1)
+    dw2 = torch.zeros_like(w2)
+    db1 = None if b1 is None else torch.zeros_like(b1)
+    db2 = None if b2 is None else torch.zeros_like(b2)
+    bounds = _bounds(expert_offsets)
+    grad_out = grad_out.to(x.dtype)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        W1, W2 = expert_matrices(w1, w2, e, transposed)
+        xg = x[token_of_row[lo:hi]]
+        if h.numel():
+            he = h[lo:hi]
+        else:  # the forward ran without saving H (inference); recompute it
+            he = xg @ W1.t() + (0 if b1 is None else b1[e])
+        dog = grad_out[token_of_row[lo:hi]]
+        s = s_row[lo:hi].unsqueeze(-1)
+        da_prime = dog @ W2  # [rows, n]
+        a = torch_activation(he, activation, interleaved, alpha, limit)
+        ds = (da_prime.to(acc) * a.to(acc)).sum(-1)
+        if b2 is not None:
+            ds = ds + (dog.to(acc) * b2[e].to(acc)).sum(-1)
+        ds_rows[lo:hi] = ds
+        _, dh = torch_activation_and_grad(he, (s * da_prime.to(acc)), activation, interleaved, alpha, limit)
+        a_scaled = (s * a.to(acc)).to(x.dtype)
+        gw2 = dog.t() @ a_scaled  # [d, n]
+        gw1 = dh.t() @ xg  # [w1_out, d]
+        if transposed:
+            gw1, gw2 = gw1.t(), gw2.t()
+        dw1[e] = gw1.to(w1.dtype)
+        dw2[e] = gw2.to(w2.dtype)
+        if db1 is not None:
+            db1[e] = dh.to(acc).sum(0).to(b1.dtype)
+        if db2 is not None:
+            db2[e] = (s * dog.to(acc)).sum(0).to(b2.dtype)
+        dx_rows[lo:hi] = dh @ W1
+    dx_tok = torch.empty_like(dx_rows)
+    dx_tok[rows] = dx_rows
+    dx = dx_tok.view(T, K, d).to(acc).sum(1).to(x.dtype)
+    ds_tok = torch.empty_like(ds_rows)
+    ds_tok[rows] = ds_rows
+    return dx, ds_tok.view(T, K).to(topk_weights.dtype), dw1, dw2, db1, db2
+
+
+def torch_moe_experts(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, **flags) -> torch.Tensor:
+    """The simplest correct loop, differentiable by plain autograd: the oracle for tests.
+
+    One token-slot at a time per expert, no sorting, no fusion; runs in the inputs' dtype.
+    """
+    activation = flags.get("activation", "swiglu")
+    check_activation(activation)
+    T, d = x.shape
+    E = w1.shape[0]
+    check_routing(topk_ids, E)
+    out = torch.zeros(T, d, dtype=torch.promote_types(x.dtype, topk_weights.dtype), device=x.device)
+    for e in range(E):
+        tok, slot = torch.where(topk_ids == e)
+        if tok.numel() == 0:
+            continue
+        W1, W2 = expert_matrices(w1, w2, e, flags.get("transposed", False))
+        he = x[tok] @ W1.t() + (0 if b1 is None else b1[e])
+        a = _differentiable_activation(he, activation, flags)
+        ye = a @ W2.t() + (0 if b2 is None else b2[e])
+        out = out.index_add(0, tok, ye * topk_weights[tok, slot].unsqueeze(-1))
+    return out.to(x.dtype)
+
+
+def _differentiable_activation(h: torch.Tensor, activation: str, flags: dict) -> torch.Tensor:
+    """act(H) written with autograd-visible torch ops (for the oracle's gradients)."""
+    interleaved = flags.get("interleaved", False)
+    alpha, limit = flags.get("alpha", 1.702), flags.get("limit", 7.0)
+    F = torch.nn.functional
+    unary = {
+        "swiglu": F.silu,
+        "silu": F.silu,
+        "geglu": F.gelu,
+        "gelu": F.gelu,
+        "geglu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+        "relu2": lambda t: torch.relu(t) ** 2,
+    }
+    if not GATED[activation]:
+        return unary[activation](h)
+    g, u = split_gate_up(h, interleaved)
+    if activation == "swiglu_oai":
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+        return (u + 1) * (g * torch.sigmoid(g * alpha))
+    return unary[activation](g) * u
