@@ -1,0 +1,156 @@
+"""Forward grouped GEMMs over expert-ordered rows (SonicMoE dataflow, steps 2-3 of DESIGN.md).
+
+    _up_proj_kernel:      H = gather(x) @ W1[e]^T + b1[e];  A = act(H)          (gate and up together)
+    _scatter_gemm_kernel: Y[slot(r)] = In[r] @ B[e] + bias[e]                   (down-proj; also dX~)
+
+Rows r are in expert order (`sorted_rows[r]` = flat slot t*K + k, token t = slot // K). Weights are
+addressed through (expert, out, in) strides, so the transposed (gpt-oss) layouts and non-contiguous
+weights need no copy. Gated H is stored in the layout W1 produces it: concatenated (gate = cols
+[0, n), up = [n, 2n)) or interleaved (gate = even cols, up = odd cols).
+Row offsets are widened to int64 before they meet a stride: TK * d passes 2^31 at the large shapes.
+"""
+import triton
+import triton.language as tl
+
+from .activation import _act_fwd
+from .routing import _expert_tile
+
+
+@triton.jit(do_not_specialize=["TK"])
+def _up_proj_kernel(
+    x_ptr,  # [T, d] x.dtype, strides (stride_x_t, stride_x_d)
+    w1_ptr,  # [E, w1_out, d] (or [E, d, w1_out] transposed) x.dtype, strides (e, out, in)
+    b1_ptr,  # [E, w1_out] x.dtype, read when HAS_B1
+    sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
+    offsets_ptr,  # [E+1] int32, expert row offsets
+    h_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order; written when STORE_H
+    a_ptr,  # [TK, n] x.dtype, contiguous, expert order; written when STORE_A
+    TK, d, n, E, top_k,
+    stride_x_t, stride_x_d,
+    stride_w1_e, stride_w1_o, stride_w1_i,
+    stride_b1_e, stride_b1_o,
+    alpha, limit,
+    ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_B1: tl.constexpr,
+    STORE_H: tl.constexpr, STORE_A: tl.constexpr, E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n, BLOCK_N),). Program = (M tile of one expert, N tile).
+
+    An N tile covers columns j..j+BLOCK_N of A, i.e. the matching gate AND up columns of H, so the
+    activation runs in the epilogue on two float32 accumulators.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(n, BLOCK_N)
+    tile = pid // num_n
+    pid_n = pid % num_n
+    expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
+    if expert >= E:
+        return
+    w1_out = n * (1 + GATED)
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
+    tokens = (slots // top_k).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    if GATED:
+        if INTERLEAVED:
+            gate_cols = 2 * cols
+            up_cols = 2 * cols + 1
+        else:
+            gate_cols = cols
+            up_cols = cols + n
+    else:
+        gate_cols = cols
+        up_cols = cols
+    ks = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + tokens[:, None] * stride_x_t + ks[None, :] * stride_x_d  # [BM, BK]
+    w_base = w1_ptr + expert.to(tl.int64) * stride_w1_e
+    wg_ptrs = w_base + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i  # [BK, BN]
+    wu_ptrs = w_base + up_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, d, BLOCK_K):
+        k_mask = (k0 + ks) < d
+        xa = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PRECISION)
+        if GATED:
+            wu = tl.load(wu_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PRECISION)
+            wu_ptrs += BLOCK_K * stride_w1_i
+        x_ptrs += BLOCK_K * stride_x_d
+        wg_ptrs += BLOCK_K * stride_w1_i
+
+    if HAS_B1:
+        b_base = b1_ptr + expert.to(tl.int64) * stride_b1_e
+        acc_g += tl.load(b_base + gate_cols * stride_b1_o, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + up_cols * stride_b1_o, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+
+    out_dtype = h_ptr.dtype.element_ty
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    h_g = acc_g.to(out_dtype)
+    h_u = acc_u.to(out_dtype)
+    if STORE_H:
+        tl.store(h_ptr + rows64[:, None] * w1_out + gate_cols[None, :], h_g, mask=mask)
+        if GATED:
+            tl.store(h_ptr + rows64[:, None] * w1_out + up_cols[None, :], h_u, mask=mask)
+    if STORE_A:
+        # act() reads H as stored (rounded to x.dtype), exactly what the backward will recompute from
+        a = _act_fwd(h_g.to(tl.float32), h_u.to(tl.float32), alpha, limit, ACTIVATION)
+        tl.store(a_ptr + rows64[:, None] * n + cols[None, :], a.to(out_dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["TK"])
+def _scatter_gemm_kernel(
+    in_ptr,  # [TK, k_dim] x.dtype, contiguous, expert order (A for the down-proj, dH for dX~)
+    w_ptr,  # expert weights x.dtype read as B[e] [k_dim, n_dim] through strides (e, k, n)
+    bias_ptr,  # [E, n_dim] x.dtype, read when HAS_BIAS
+    sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
+    offsets_ptr,  # [E+1] int32
+    out_ptr,  # [TK, n_dim] x.dtype, contiguous, SLOT order (row t*K+k): Y for the combine, dX~
+    TK, k_dim, n_dim, E,
+    stride_w_e, stride_w_k, stride_w_n,
+    stride_bias_e,
+    HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n_dim, BLOCK_N),). out[slot(r)] = in[r] @ B[e] (+ bias[e]).
+
+    Storing in slot order lets the gather-sum read each token's K rows contiguously.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(n_dim, BLOCK_N)
+    tile = pid // num_n
+    pid_n = pid % num_n
+    expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
+    if expert >= E:
+        return
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_dim
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = in_ptr + rows.to(tl.int64)[:, None] * k_dim + ks[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_e + ks[:, None] * stride_w_k + cols[None, :] * stride_w_n
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        k_mask = (k0 + ks) < k_dim
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_w_k
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+
+    slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    out_ptrs = out_ptr + slots[:, None] * n_dim + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])

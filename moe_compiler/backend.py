@@ -1,0 +1,74 @@
+"""`torch.compile(model, backend="sonic")`: rewrite MoE regions, then hand the graph to Inductor."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import pathlib
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+
+from .options import split_options
+from .passes import run_passes
+
+_PACKAGES = ("moe_compiler", "patterns", "codegen")
+_SALT_HOOK = "post_grad_custom_post_pass"
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 of every .py file of our three packages: a code change is a new cache key."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for pkg in _PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _salted_pass(user_pass=None):
+    """An Inductor custom pass that changes nothing but salts the FX graph cache key.
+
+    Our op bodies and autograd formulas are not in Inductor's cache key (FINDINGS.md section 2),
+    so without this a warm cache would serve a graph built against old kernels. The hook takes
+    one pass in torch 2.11; a pass the user set there is wrapped and still runs.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class SonicCacheSalt(CustomGraphPass):
+        def __call__(self, graph):
+            if user_pass is not None:
+                user_pass(graph)
+
+        def uuid(self):
+            inner = user_pass.uuid() if user_pass is not None and hasattr(user_pass, "uuid") else None
+            return ("moe_compiler", source_hash(), inner)
+
+    return SonicCacheSalt()
+
+
+def inductor_patches(inductor_options: Mapping[str, Any], mode: str | None) -> dict[str, Any]:
+    patches: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        patches.update(torch._inductor.list_mode_options(mode))
+    patches.update(inductor_options)
+    patches[_SALT_HOOK] = _salted_pass(patches.get(_SALT_HOOK))
+    return patches
+
+
+def sonic_backend(gm: fx.GraphModule, example_inputs, *, options: Mapping[str, Any] | None = None, mode: str | None = None):
+    """The `sonic` Dynamo backend. Options named `sonic.<field>` configure us (see SonicOptions);
+    everything else, and `mode`, goes to Inductor's compile_fx."""
+    sonic_options, inductor_options = split_options(options)
+    run_passes(gm, sonic_options)
+    if sonic_options.compiler == "eager":
+        return gm.forward
+    if sonic_options.compiler == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=inductor_patches(inductor_options, mode))

@@ -1,0 +1,80 @@
+"""What the backend found: one record per MoE candidate, collected into a printable report."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+log = logging.getLogger("moe_compiler")
+
+
+@dataclasses.dataclass
+class RegionRecord:
+    graph: int  # which graph Dynamo handed over (0, 1, ... in compile order)
+    idiom: str  # the pattern that looked at it
+    module: str  # module path, e.g. "model.layers.0.mlp.experts"
+    status: str  # "rewritten", "rejected" or "error"
+    reason: str = ""  # why it was rejected or failed
+    details: dict = dataclasses.field(default_factory=dict)  # activation, layout, router, dtype, T/d/n/E/K
+
+
+@dataclasses.dataclass
+class Report:
+    records: list[RegionRecord] = dataclasses.field(default_factory=list)
+    graphs: int = 0
+
+    @property
+    def rewritten(self) -> list[RegionRecord]:
+        return [r for r in self.records if r.status == "rewritten"]
+
+    @property
+    def rejected(self) -> list[RegionRecord]:
+        return [r for r in self.records if r.status != "rewritten"]
+
+    def __str__(self) -> str:
+        head = f"moe_compiler: {len(self.rewritten)} MoE region(s) rewritten, {len(self.rejected)} left untouched, {self.graphs} graph(s)"
+        if not self.records:
+            return head + "\n  (no MoE candidate found)"
+        cols = ("graph", "module", "idiom", "status", "activation", "layout", "router", "dtype", "shape / reason")
+        rows = []
+        for r in self.records:
+            det = r.details
+            shape = " ".join(f"{k}={det[k]}" for k in ("T", "d", "n", "E", "K") if k in det)
+            rows.append((
+                str(r.graph), r.module, r.idiom, r.status, det.get("activation", "-"), det.get("layout", "-"),
+                det.get("router", "-"), det.get("dtype", "-"), r.reason or shape,
+            ))
+        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+        line = lambda vals: "  " + " | ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
+        sep = "  " + "-+-".join("-" * w for w in widths)
+        return "\n".join([head, line(cols), sep, *map(line, rows)])
+
+    __repr__ = __str__
+
+
+_active: list[Report] = []
+
+
+@contextlib.contextmanager
+def capture():
+    """Collect the records of every graph compiled inside the block: `with capture() as report:`."""
+    report = Report()
+    _active.append(report)
+    try:
+        yield report
+    finally:
+        _active.remove(report)
+
+
+def publish(records: list[RegionRecord]) -> None:
+    for report in _active:
+        report.graphs += 1
+        report.records.extend(records)
+    for r in records:
+        where = f"graph {r.graph} {r.module} [{r.idiom}]"
+        if r.status == "rewritten":
+            log.info("rewrote MoE region %s: %s", where, r.details)
+        elif r.status == "error":
+            log.warning("pattern failed on %s, graph left untouched: %s", where, r.reason)
+        else:
+            log.debug("left MoE candidate %s untouched: %s", where, r.reason)

@@ -1,0 +1,58 @@
+"""`sonic.*` options: one frozen, hashable dataclass, validated where it is built."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+PATTERNS = ("hf_grouped_mm",)  # every idiom the pass driver knows, in the order it runs them
+COMPILERS = ("inductor", "aot_eager", "eager")
+PREFIX = "sonic."
+
+
+@dataclasses.dataclass(frozen=True)
+class SonicOptions:
+    # False: run no pattern at all, plain Inductor; the A/B switch for "is the rewrite at fault?"
+    enabled: bool = True
+    # Which idioms to look for; a subset narrows the search when one pattern misbehaves.
+    patterns: tuple[str, ...] = PATTERNS
+    # What compiles the rewritten graph. "eager"/"aot_eager" start in milliseconds instead of
+    # Inductor's seconds: for debugging and for CPU tests of the rewrite itself.
+    compiler: str = "inductor"
+    # Lint the graph after every pass step; catches a broken rewrite at its source (slower).
+    debug: bool = False
+    # An exception inside a pattern leaves that graph untouched with a logged warning instead of
+    # failing the user's step. Tests turn it off so a pattern bug fails loudly.
+    fallback: bool = True
+
+    def __post_init__(self):
+        patterns = self.patterns
+        if isinstance(patterns, str):
+            patterns = tuple(p.strip() for p in patterns.split(",") if p.strip())
+        object.__setattr__(self, "patterns", tuple(patterns))
+        unknown = [p for p in self.patterns if p not in PATTERNS]
+        if unknown:
+            raise ValueError(f"unknown sonic.patterns {unknown}; known: {', '.join(PATTERNS)}")
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"sonic.compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        for name in ("enabled", "debug", "fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"sonic.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(SonicOptions)]
+
+
+def split_options(options: Mapping[str, Any] | None) -> tuple[SonicOptions, dict[str, Any]]:
+    """("sonic.*" -> SonicOptions, everything else -> Inductor's config patches)."""
+    ours, rest = {}, {}
+    for key, value in (options or {}).items():
+        if key.startswith(PREFIX):
+            ours[key[len(PREFIX):]] = value
+        else:
+            rest[key] = value
+    unknown = sorted(set(ours) - set(field_names()))
+    if unknown:
+        valid = ", ".join(PREFIX + n for n in field_names())
+        raise ValueError(f"unknown option(s) {', '.join(PREFIX + u for u in unknown)}; valid sonic options: {valid}")
+    return SonicOptions(**ours), rest

@@ -1,0 +1,104 @@
+"""Name the activation between the up- and down-projection by running it, not by spelling it.
+
+The same SwiGLU reaches the graph as `silu(g) * u`, `g * sigmoid(g) * u`, `chunk` or slicing,
+gpt-oss's clamped form with its constants... Rather than match each spelling, the sub-graph from
+H to A is copied into a small function, evaluated in float64 on random probe rows (wide enough to
+cross gpt-oss's clamp limits), and compared with each activation the kernels implement. Only an
+exact match (float64 round-off) names it; anything else is rejected with the reason.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx as fx
+
+from codegen.activations import GATED, torch_activation
+
+from .common import backward_slice, dtype_of, example_value
+
+_PROBE_ROWS = 64
+_DEFAULT_OAI = (1.702, 7.0)
+
+
+def activation_subgraph(h: fx.Node, a: fx.Node) -> set[fx.Node] | str:
+    """Nodes computing A from H alone, or the reason they do not."""
+    nodes = backward_slice([a], stop={h})
+    for node in nodes:
+        if node.op != "call_function" and node.op != "call_method":
+            return f"activation reads {node.op} {node.name}, not only the up-projection output"
+        for inp in node.all_input_nodes:
+            if inp is not h and inp not in nodes:
+                return f"activation node {node.name} also reads {inp.name}"
+    if a is not h and h not in {i for n in nodes for i in n.all_input_nodes}:
+        return "activation does not read the up-projection output"
+    return nodes
+
+
+def _as_function(h: fx.Node, a: fx.Node, nodes: set[fx.Node]):
+    graph = fx.Graph()
+    env = {h: graph.placeholder("h")}
+    for node in h.graph.nodes:  # graph order is a topological order
+        if node in nodes:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[a])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _float_constants(nodes: set[fx.Node]) -> list[float]:
+    found = []
+    for node in nodes:
+        for value in itertools.chain(node.args, node.kwargs.values()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in found:
+                found.append(float(value))
+    return found
+
+
+def _tolerance(nodes: set[fx.Node]) -> float:
+    """float64 round-off, unless the sub-graph itself casts to a narrower dtype."""
+    eps = 1e-10
+    for node in nodes:
+        dtype = dtype_of(node)
+        if dtype is not None and dtype.is_floating_point and dtype != torch.float64:
+            if node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16", "type"):
+                eps = max(eps, 4 * torch.finfo(dtype).eps)
+    return eps
+
+
+def identify_activation(h: fx.Node, a: fx.Node) -> dict | str:
+    """{'activation', 'interleaved', 'alpha', 'limit'} for the sub-graph H -> A, or a rejection reason."""
+    nodes = activation_subgraph(h, a)
+    if isinstance(nodes, str):
+        return nodes
+    h_val, a_val = example_value(h), example_value(a)
+    if not isinstance(h_val, torch.Tensor) or not isinstance(a_val, torch.Tensor):
+        return "no shape information on the activation"
+    w1_out, n = int(h_val.shape[-1]), int(a_val.shape[-1])
+    try:
+        fn = _as_function(h, a, nodes)
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn(_PROBE_ROWS, w1_out, generator=gen, dtype=torch.float64) * 6.0
+        got = fn(probe)
+    except Exception as exc:  # an op that cannot run on a probe is not an activation we know
+        return f"activation could not be evaluated on a probe ({type(exc).__name__}: {exc})"
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != (_PROBE_ROWS, n):
+        return f"activation maps [rows, {w1_out}] to {getattr(got, 'shape', type(got))}, not [rows, {n}]"
+    got = got.double()
+    tol = _tolerance(nodes)
+    constants = _float_constants(nodes)
+    candidates = []
+    for name, gated in GATED.items():
+        if (w1_out == 2 * n) != gated:
+            continue
+        layouts = (False, True) if gated else (False,)
+        params = [_DEFAULT_OAI]
+        if name == "swiglu_oai":
+            params += [(al, li) for al in constants for li in constants if li > 0 and (al, li) != _DEFAULT_OAI]
+        for interleaved, (alpha, limit) in itertools.product(layouts, params):
+            candidates.append((name, interleaved, alpha, limit))
+    for name, interleaved, alpha, limit in candidates:
+        want = torch_activation(probe, name, interleaved, alpha, limit)
+        if torch.allclose(got, want, rtol=tol, atol=tol):
+            return {"activation": name, "interleaved": interleaved, "alpha": alpha, "limit": limit}
+    ops = sorted({str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target)) for n in nodes})
+    return f"unsupported activation (ops: {', '.join(ops)}); supported: {', '.join(GATED)}"
