@@ -27,3 +27,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own models: transformers' shared forward wrapper would otherwise hit
+    Dynamo's recompile limit (8 per code object) across tests and silently run eagerly."""
+    torch._dynamo.reset()
+    yield

@@ -1,0 +1,299 @@
+"""One MoE layer (router linear + top-k + softmax over k + SwiGLU experts), providers side by side.
+
+Question: how fast, and how much memory, is `codegen.ops.moe_experts` against SonicMoE, Liger,
+torch `_grouped_mm` (eager and Inductor max-autotune) and the per-expert loop, on the same inputs?
+
+    python benchmarks/bench_layer.py --shapes 7b-256,qwen3 --providers ours,sonic,liger,grouped_mm --out out/bench
+
+Per shape and provider: forward, backward and forward+backward model TFLOPS (6TKdn, 12TKdn, 18TKdn:
+router FLOPs not counted; backward time = fwd+bwd time - fwd time), activation memory (bytes held
+after the forward, the output included), peak memory over a fwd+bwd step (above the inputs), max
+relative error of (out, dx) against an fp32 layer on the same routing, and the first call's time
+(compile + autotune + run, in this process: the Triton disk cache may make later shapes cheaper).
+Output: a table on stdout, results.json and (when matplotlib imports) tflops.png under --out.
+Peers run when importable (SonicMoE, Liger: see ../shared/peers/README.md; never vendored here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from codegen.ops import moe_experts  # noqa: E402
+from codegen.reference import torch_moe_experts  # noqa: E402
+
+# name -> (T, d, n, E, K): the SonicMoE paper's twelve H100 shapes, then two real models
+SHAPES = {
+    "1.4b-256": (40960, 768, 256, 128, 8), "1.4b-512": (40960, 768, 512, 64, 4), "1.4b-1024": (40960, 768, 1024, 32, 2),
+    "7b-256": (24576, 1536, 256, 128, 8), "7b-512": (24576, 1536, 512, 64, 4), "7b-1024": (24576, 1536, 1024, 32, 2),
+    "30b-256": (32768, 4096, 256, 256, 16), "30b-512": (32768, 4096, 512, 128, 8), "30b-1024": (32768, 4096, 1024, 64, 4),
+    "120b-512": (32768, 4096, 512, 256, 16), "120b-1024": (32768, 4096, 1024, 128, 8),
+    "120b-2048": (32768, 4096, 2048, 64, 4),
+    "qwen3": (16384, 2048, 768, 128, 8), "olmoe": (16384, 2048, 1024, 64, 8),
+    "tiny": (2048, 512, 256, 16, 4),  # smoke test
+}
+GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
+PROVIDERS = ("ours", "sonic", "liger", "grouped_mm", "compile", "loop")
+LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
+
+
+# ------------------------------------------------------------------------------------------- layers
+
+
+def route(x, wr, K):
+    """SonicMoE's router: top-k on the logits, softmax over the k kept values."""
+    logits = x @ wr.t()
+    vals, ids = torch.topk(logits, K, dim=-1)
+    return ids, torch.softmax(vals.float(), dim=-1).to(x.dtype)
+
+
+def layer_ours(p, x, K):
+    ids, w = route(x, p["wr"], K)
+    return moe_experts(x, ids, w, p["w1"], p["w2"])
+
+
+def layer_liger(p, x, K):
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    ids, w = route(x, p["wr"], K)
+    return LigerFusedMoEFunction.apply(x, p["w1"], p["w2"], ids.to(torch.int32), w)
+
+
+def layer_grouped_mm(p, x, K):
+    """transformers v5's default `grouped_mm` experts, written out: sort, gather, 2 grouped mm, combine."""
+    ids, w = route(x, p["wr"], K)
+    T, d = x.shape
+    E = p["w1"].shape[0]
+    flat = ids.reshape(-1)
+    perm = torch.argsort(flat, stable=True)
+    xg = x[perm // K]
+    offs = torch.cumsum(torch.histc(flat.float(), bins=E, min=0, max=E - 1), 0).to(torch.int32)
+    h = torch._grouped_mm(xg, p["w1"].transpose(1, 2), offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, p["w2"].transpose(1, 2), offs=offs)
+    y = y * w.reshape(-1)[perm].unsqueeze(-1)
+    out = torch.empty_like(y)
+    out[perm] = y
+    return out.view(T, K, d).sum(1)
+
+
+def layer_loop(p, x, K):
+    ids, w = route(x, p["wr"], K)
+    return torch_moe_experts(x, ids, w, p["w1"], p["w2"])
+
+
+def make_sonic(p, E, K, d, n):
+    from sonicmoe import MoE
+    from sonicmoe.enums import ActivationType
+
+    moe = MoE(E, K, d, n, activation_function=ActivationType.SWIGLU, add_bias=False, std=0.02)
+    moe = moe.to(device="cuda", dtype=p["w1"].dtype)
+    with torch.no_grad():
+        moe.router.weight.copy_(p["wr"])
+        g, u = p["w1"].chunk(2, dim=1)  # ours: concatenated; SonicMoE: interleaved (g0, u0, g1, u1, ...)
+        moe.c_fc.weight.copy_(torch.stack((g, u), dim=2).reshape_as(p["w1"]))
+        moe.c_proj.weight.copy_(p["w2"])
+    return moe
+
+
+# ------------------------------------------------------------------------------------------ harness
+
+
+def build_provider(name, master, shape):
+    T, d, n, E, K = shape
+    params = {k: v.detach().clone().requires_grad_() for k, v in master.items()}
+    if name == "ours":
+        return (lambda x: layer_ours(params, x, K)), params
+    if name == "liger":
+        import liger_kernel.ops.fused_moe  # noqa: F401  (ImportError -> provider skipped)
+
+        return (lambda x: layer_liger(params, x, K)), params
+    if name == "grouped_mm":
+        return (lambda x: layer_grouped_mm(params, x, K)), params
+    if name == "compile":
+        fn = torch.compile(layer_grouped_mm, mode="max-autotune-no-cudagraphs", dynamic=False)
+        return (lambda x: fn(params, x, K)), params
+    if name == "loop":
+        return (lambda x: layer_loop(params, x, K)), params
+    if name == "sonic":
+        moe = make_sonic(master, E, K, d, n)
+        return (lambda x: moe(x)[0]), dict(moe.named_parameters())
+    raise ValueError(name)
+
+
+def fp32_reference(master, x, dy, K):
+    """(out, dx) of the layer in fp32 on the bf16 run's routing (top-k ids picked in bf16)."""
+    with torch.no_grad():
+        ids, _ = route(x, master["wr"], K)
+    p = {k: v.float() for k, v in master.items()}
+    x32 = x.detach().float().requires_grad_()
+    vals = (x32 @ p["wr"].t()).gather(1, ids)
+    out = torch_moe_experts(x32, ids, torch.softmax(vals, -1), p["w1"], p["w2"])
+    (dx,) = torch.autograd.grad(out, x32, dy.float())
+    return out.detach(), dx
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_one(name, master, shape, x, dy, ref, args):
+    from triton.testing import do_bench
+
+    T, d, n, E, K = shape
+    fn, params = build_provider(name, master, shape)
+    xg = x.detach().clone().requires_grad_()
+    leaves = [xg, *params.values()]
+
+    def zero():
+        for t in leaves:
+            t.grad = None
+
+    def step():
+        fn(xg).backward(dy)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn(xg)
+    out.backward(dy)
+    torch.cuda.synchronize()
+    first_call = time.perf_counter() - t0
+    errors = {"out": rel(out, ref[0]), "dx": rel(xg.grad, ref[1])}
+    del out
+    zero()
+
+    # activation memory: what the forward keeps alive until backward (output included)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = fn(xg)
+    torch.cuda.synchronize()
+    act_bytes = torch.cuda.memory_allocated() - base
+    del out
+    zero()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak_bytes = torch.cuda.max_memory_allocated() - base
+    zero()
+
+    def fwd():
+        fn(xg)
+
+    t_fwd = do_bench(fwd, warmup=args.warmup, rep=args.rep, grad_to_none=leaves, return_mode="median")
+    t_all = do_bench(step, warmup=args.warmup, rep=args.rep, grad_to_none=leaves, return_mode="median")
+    t_bwd = max(t_all - t_fwd, 1e-6)
+    flop = T * K * d * n
+    return dict(
+        fwd_ms=t_fwd, bwd_ms=t_bwd, fwdbwd_ms=t_all,
+        fwd_tflops=6 * flop / t_fwd * 1e-9, bwd_tflops=12 * flop / t_bwd * 1e-9, fwdbwd_tflops=18 * flop / t_all * 1e-9,
+        act_gib=act_bytes / 2**30, peak_gib=peak_bytes / 2**30, max_rel_err=max(errors.values()), errors=errors,
+        first_call_s=first_call,
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="7b-256", help=f"comma list of {sorted(SHAPES)} or {sorted(GROUPS)}")
+    ap.add_argument("--providers", default="ours,sonic,liger,grouped_mm", help=f"comma list of {PROVIDERS}")
+    ap.add_argument("--out", default="out/bench_layer")
+    ap.add_argument("--warmup", type=int, default=50, help="ms of warm-up per timing (do_bench)")
+    ap.add_argument("--rep", type=int, default=300, help="ms of timed repeats per timing (do_bench)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
+    shapes = [s for item in args.shapes.split(",") for s in GROUPS.get(item, [item])]
+    providers = args.providers.split(",")
+    for s in shapes:
+        assert s in SHAPES, f"unknown shape {s}"
+    for p in providers:
+        assert p in PROVIDERS, f"unknown provider {p}"
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}; torch {torch.__version__}", flush=True)
+
+    results = []
+    for sname in shapes:
+        T, d, n, E, K = shape = SHAPES[sname]
+        gen = torch.Generator(device="cuda").manual_seed(args.seed)
+        rnd = lambda *s, std: (torch.randn(*s, device="cuda", generator=gen) * std).to(torch.bfloat16)
+        master = {"wr": rnd(E, d, std=d**-0.5), "w1": rnd(E, 2 * n, d, std=d**-0.5), "w2": rnd(E, d, n, std=n**-0.5)}
+        x = rnd(T, d, std=1.0)
+        dy = rnd(T, d, std=1.0)
+        ref = fp32_reference(master, x, dy, K)
+        torch.cuda.empty_cache()
+        for prov in providers:
+            if prov == "loop" and T * K > LOOP_MAX_TK:
+                continue
+            try:
+                r = bench_one(prov, master, shape, x, dy, ref, args)
+            except ImportError as exc:
+                print(f"  skip {prov}: {exc}", flush=True)
+                continue
+            except torch.OutOfMemoryError as exc:
+                print(f"  skip {prov} at {sname}: out of memory ({exc})", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            r.update(shape=sname, T=T, d=d, n=n, E=E, K=K, provider=prov)
+            results.append(r)
+            print(f"{sname:>10} {prov:>10}: fwd {r['fwd_tflops']:6.1f}  bwd {r['bwd_tflops']:6.1f}  "
+                  f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOPS  act {r['act_gib']:.2f} GiB  peak {r['peak_gib']:.2f} GiB"
+                  f"  err {r['max_rel_err']:.1e}  first {r['first_call_s']:.1f}s", flush=True)
+            torch.cuda.empty_cache()
+        del master, x, dy, ref
+        torch.cuda.empty_cache()
+
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(dict(device=dev, torch=torch.__version__, command=sys.argv, results=results), f, indent=1)
+    print_table(results)
+    plot(results, args.out)
+
+
+def print_table(results):
+    head = f"| {'shape':>10} | {'provider':>10} | fwd | bwd | fwd+bwd TFLOPS | act GiB | peak GiB | max rel err | first call s |"
+    print("\n" + head + "\n|" + "---|" * 9)
+    for r in results:
+        print(f"| {r['shape']:>10} | {r['provider']:>10} | {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} | "
+              f"{r['fwdbwd_tflops']:.0f} | {r['act_gib']:.2f} | {r['peak_gib']:.2f} | {r['max_rel_err']:.1e} | "
+              f"{r['first_call_s']:.1f} |")
+
+
+def plot(results, out):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    provs = list(dict.fromkeys(r["provider"] for r in results))
+    width = 0.8 / max(1, len(provs))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shapes) * math.sqrt(len(provs))), 4))
+    for i, p in enumerate(provs):
+        xs, ys = [], []
+        for j, s in enumerate(shapes):
+            for r in results:
+                if r["shape"] == s and r["provider"] == p:
+                    xs.append(j + i * width)
+                    ys.append(r["fwdbwd_tflops"])
+        ax.bar(xs, ys, width=width, label=p)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, rotation=30)
+    ax.set_ylabel("fwd+bwd TFLOPS (18TKdn / time)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "tflops.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""Launchers for the Triton MoE kernels, and the two entry points `codegen.ops` calls on CUDA.
+
+    supports(...)               -> bool: the one predicate for what the kernels handle
+    triton_moe_experts_fwd(...) -> (out [T, d], H [TK, w1_out] or [0, w1_out], sorted_rows [TK], offsets [E+1])
+    triton_moe_experts_bwd(...) -> (dx, d_topk_weights, dw1, dw2, db1 | None, db2 | None)
+
+Notation as in `codegen.activations`. Rows r = 0..TK-1 are in expert order (stable: token order
+inside an expert); `sorted_rows[r]` is the flat slot t*K + k of row r; `expert_offsets` [E+1] is the
+exclusive prefix of the per-expert counts. H (saved for the backward) is in expert order.
+
+Forward:  route (torch ops on the device, no host sync) -> _up_proj_kernel (gather x, H and A = act(H))
+          -> _scatter_gemm_kernel (Y = A W2^T + b2, stored in slot order) -> _gather_sum_kernel (out).
+Backward: _dact_kernel (dA' = gather(dO) W2 -> dS, dH, A' = s A) -> _wgrad_kernel x2 (dW2, dW1, biases)
+          -> _scatter_gemm_kernel (dX~ = dH W1, slot order) -> _gather_sum_kernel (dX).
+
+Tuning. Each GEMM kernel autotunes over a small config set, keyed on the problem's (d, n, E, K)
+dims and the tensors' dtypes (Triton adds those), never on T: the row count TK is a runtime int
+marked do_not_specialize, so a new T neither recompiles nor retunes. `SONIC_MOE_TRITON_CONFIG`
+pins one config per kernel, read once at import:
+
+    SONIC_MOE_TRITON_CONFIG="up:128x128x64:8:3;scatter:128x128x64:8:3;dact:128x128x64:8:3;wgrad:128x128x64:8:3"
+
+Each entry is `kernel:AxBxC:num_warps:num_stages`; kernel is one of up, scatter, dact, wgrad, or `*`
+for all. AxBxC is BLOCK_M x BLOCK_N x BLOCK_K for up/scatter/dact, and BLOCK_P x BLOCK_Q x BLOCK_M
+(the two output tile sides, then the row chunk of the reduction) for wgrad. Under TRITON_INTERPRET=1
+every kernel runs one small config (autotuning with several configs needs a GPU).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from torch import Tensor
+
+from .activations import ACTIVATIONS, GATED
+from .kernels.backward import _dact_kernel, _wgrad_kernel
+from .kernels.combine import _gather_sum_kernel
+from .kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel
+
+# activation name -> the constexpr code of codegen/kernels/activation.py
+_ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
+assert tuple(_ACT_CODE) == ("swiglu", "geglu", "geglu_tanh", "swiglu_oai", "relu2", "gelu", "silu")
+
+# True when Triton was imported with TRITON_INTERPRET=1: kernels run on the CPU, on CPU tensors.
+INTERPRETED = type(_up_proj_kernel).__name__ == "InterpretedFunction"
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_EXPERTS = 4096  # the tile schedule scans all experts in registers (E_POW2-wide vectors)
+
+_KERNEL_NAMES = ("up", "scatter", "dact", "wgrad")
+
+
+def _cfg(kernel: str, a: int, b: int, c: int, warps: int, stages: int) -> triton.Config:
+    if kernel == "wgrad":
+        kw = dict(BLOCK_P=a, BLOCK_Q=b, BLOCK_M=c)
+    else:
+        kw = dict(BLOCK_M=a, BLOCK_N=b, BLOCK_K=c)
+    return triton.Config(kw, num_warps=warps, num_stages=stages)
+
+
+# Candidate configs for the H100 (bf16): 128-row tiles match the wgmma M of two warpgroups.
+_GPU_CONFIGS = {
+    "up": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 8, 4)],
+    "scatter": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
+    "dact": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)],
+    "wgrad": [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
+}
+# The interpreter: one config, small tiles (tiny test shapes; ~0.25 GFLOP/s there).
+_INTERPRETER_CONFIG = (16, 16, 16, 1, 1)
+
+
+def _parse_pinned(spec: str) -> dict[str, tuple]:
+    """`SONIC_MOE_TRITON_CONFIG` -> {kernel: (a, b, c, warps, stages)}; see the module docstring."""
+    pinned = {}
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        try:
+            name, tile, warps, stages = entry.split(":")
+            a, b, c = (int(v) for v in tile.lower().split("x"))
+            cfg = (a, b, c, int(warps), int(stages))
+        except ValueError as exc:
+            raise ValueError(
+                f"SONIC_MOE_TRITON_CONFIG entry {entry!r} is not kernel:AxBxC:num_warps:num_stages"
+            ) from exc
+        names = _KERNEL_NAMES if name == "*" else (name,)
+        for n in names:
+            if n not in _KERNEL_NAMES:
+                raise ValueError(f"SONIC_MOE_TRITON_CONFIG: unknown kernel {n!r}; one of {_KERNEL_NAMES} or *")
+            pinned[n] = cfg
+    return pinned
+
+
+_PINNED = _parse_pinned(os.environ.get("SONIC_MOE_TRITON_CONFIG", ""))
+
+
+def _configs(kernel: str) -> list[triton.Config]:
+    if INTERPRETED:
+        return [_cfg(kernel, *_INTERPRETER_CONFIG)]
+    if kernel in _PINNED:
+        return [_cfg(kernel, *_PINNED[kernel])]
+    return [_cfg(kernel, *c) for c in _GPU_CONFIGS[kernel]]
+
+
+# Autotune keys: the fixed problem dims only (never TK/T: a new batch size must not retune).
+_up = triton.autotune(_configs("up"), key=["d", "n", "E", "top_k"])(_up_proj_kernel)
+_scatter = triton.autotune(_configs("scatter"), key=["k_dim", "n_dim", "E"])(_scatter_gemm_kernel)
+_dact = triton.autotune(_configs("dact"), key=["d", "n", "E", "top_k"])(_dact_kernel)
+_wgrad = triton.autotune(_configs("wgrad"), key=["P", "Q", "E", "top_k"])(_wgrad_kernel)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 tl.dot defaults to tf32 on the GPU (~3e-4 relative error); fp32 callers get IEEE fp32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _e_pow2(E: int) -> int:
+    return max(2, triton.next_power_of_2(E))
+
+
+def _dims(x, w1, w2, activation, transposed):
+    T, d = x.shape
+    E = w1.shape[0]
+    w1_out = w1.shape[2] if transposed else w1.shape[1]
+    n = w2.shape[1] if transposed else w2.shape[2]
+    return T, d, n, E, w1_out
+
+
+def _w1_strides(w1: Tensor, transposed: bool):
+    """(e, out, in) strides of W1: [E, w1_out, d], or [E, d, w1_out] when transposed."""
+    s = w1.stride()
+    return (s[0], s[2], s[1]) if transposed else (s[0], s[1], s[2])
+
+
+def _w2_strides(w2: Tensor, transposed: bool):
+    """(e, d, n) strides of W2: [E, d, n], or [E, n, d] when transposed."""
+    s = w2.stride()
+    return (s[0], s[2], s[1]) if transposed else (s[0], s[1], s[2])
+
+
+def supports(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleaved, transposed, alpha, limit) -> bool:
+    """Whether the Triton kernels handle this call; anything else runs the pure-torch reference."""
+    if activation not in _ACT_CODE:
+        return False
+    if not (x.is_cuda or (INTERPRETED and x.device.type == "cpu")):
+        return False
+    if x.dtype not in _SUPPORTED_DTYPES or w1.dtype != x.dtype or w2.dtype != x.dtype:
+        return False
+    if any(b is not None and b.dtype != x.dtype for b in (b1, b2)):
+        return False
+    if not topk_weights.dtype.is_floating_point or topk_weights.dtype == torch.float64:
+        return False
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        return False
+    E = w1.shape[0]
+    return 0 < E <= _MAX_EXPERTS and topk_ids.numel() < 2**31
+
+
+def route(topk_ids: Tensor, E: int) -> tuple[Tensor, Tensor]:
+    """(sorted_rows int32 [TK], expert_offsets int32 [E+1]) on the device, with no host sync.
+
+    Same contract as `codegen.reference.torch_route`. An id outside [0, E) fails in scatter_add_
+    (a device-side assert on CUDA, an IndexError-like RuntimeError on the CPU): never a silent
+    wrong expert.
+    """
+    flat = topk_ids.reshape(-1)
+    sorted_rows = torch.sort(flat, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(E, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones(flat.shape, dtype=torch.int32, device=flat.device))
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return sorted_rows, offsets
+
+
+# ----------------------------------------------------------------------------------------- launchers
+
+
+def triton_moe_up(x, w1, b1, sorted_rows, offsets, *, n, top_k, activation, interleaved, transposed,
+                  alpha, limit, store_h=True, store_a=True):
+    """H [TK, w1_out] (or [0, w1_out]) and A [TK, n] (or [0, n]) in expert order."""
+    T, d = x.shape
+    E = w1.shape[0]
+    TK = sorted_rows.numel()
+    gated = GATED[activation]
+    w1_out = 2 * n if gated else n
+    h = x.new_empty(TK if store_h else 0, w1_out)
+    a = x.new_empty(TK if store_a else 0, n)
+    if TK == 0 or not (store_h or store_a):
+        return h, a
+    b1c = b1.contiguous() if b1 is not None else x
+    grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
+    _up[grid](
+        x, w1, b1c, sorted_rows, offsets, h, a,
+        TK, d, n, E, top_k,
+        x.stride(0), x.stride(1),
+        *_w1_strides(w1, transposed),
+        w1_out if b1 is not None else 0, 1,
+        float(alpha), float(limit),
+        ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
+        HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=_e_pow2(E),
+        DOT_PRECISION=_dot_precision(x.dtype),
+    )
+    return h, a
+
+
+def triton_moe_scatter_gemm(inp, w, w_strides, bias, sorted_rows, offsets, *, n_dim):
+    """out [TK, n_dim] in SLOT order: out[sorted_rows[r]] = inp[r] @ B[e] (+ bias[e]).
+
+    w_strides = (e, k, n) strides reading the expert weight as B[e] [k_dim, n_dim].
+    """
+    TK, k_dim = inp.shape
+    E = offsets.numel() - 1
+    out = inp.new_empty(TK, n_dim)
+    if TK == 0:
+        return out
+    biasc = bias.contiguous() if bias is not None else inp
+    grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"]),)
+    _scatter[grid](
+        inp, w, biasc, sorted_rows, offsets, out,
+        TK, k_dim, n_dim, E,
+        *w_strides, n_dim,
+        HAS_BIAS=bias is not None, E_POW2=_e_pow2(E), DOT_PRECISION=_dot_precision(inp.dtype),
+    )
+    return out
+
+
+def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype) -> Tensor:
+    """out [T, d] = sum_k (s[t, k]) y[t*K + k], float32 accumulation; y [T*K, d] in slot order."""
+    d = y.shape[1]
+    out = torch.empty(T, d, dtype=out_dtype, device=y.device)
+    if T == 0 or d == 0:
+        return out
+    block_d = min(triton.next_power_of_2(d), 16 if INTERPRETED else 1024)
+    block_t = 2 if INTERPRETED else 4
+    grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
+    _gather_sum_kernel[grid](
+        y, s if s is not None else y, out, T, d, top_k,
+        HAS_WEIGHTS=s is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, activation, interleaved,
+                    transposed, alpha, limit):
+    """(dH [TK, w1_out], A' = s A [TK, n], dS float32 [TK] in slot order) from dA' = gather(dO) W2."""
+    T, d = grad_out.shape
+    E = w2.shape[0]
+    TK = sorted_rows.numel()
+    gated = GATED[activation]
+    dh = torch.empty_like(h)
+    a_scaled = h.new_empty(TK, n)
+    ds = torch.empty(TK, dtype=torch.float32, device=h.device)
+    if TK == 0:
+        return dh, a_scaled, ds
+    grid = lambda META: (triton.cdiv(TK, META["BLOCK_M"]) + E,)
+    _dact[grid](
+        grad_out, w2, h, s_flat, sorted_rows, offsets, dh, a_scaled, ds,
+        TK, d, n, E, top_k,
+        grad_out.stride(0), grad_out.stride(1),
+        *_w2_strides(w2, transposed),
+        float(alpha), float(limit),
+        ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
+        E_POW2=_e_pow2(E), DOT_PRECISION=_dot_precision(h.dtype),
+    )
+    return dh, a_scaled, ds
+
+
+def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, top_k, dw, dw_strides,
+                     db=None, s_flat=None):
+    """dW[e] [P, Q] = sum over expert e's rows of Lhs[r]^T Rhs[r], written into `dw` via (e, p, q) strides.
+
+    A gathered operand is [T, .] read at each row's token; the other is [TK, .] in expert order.
+    db [E, P] (optional) gets the column sums of Lhs, weighted by s_flat when given.
+    """
+    P, Q = lhs.shape[1], rhs.shape[1]
+    E = offsets.numel() - 1
+    TK = sorted_rows.numel()
+    grid = lambda META: (E * triton.cdiv(P, META["BLOCK_P"]) * triton.cdiv(Q, META["BLOCK_Q"]),)
+    _wgrad[grid](
+        lhs, rhs, s_flat if s_flat is not None else lhs, sorted_rows, offsets, dw,
+        db if db is not None else dw,
+        TK, P, Q, E, top_k,
+        lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1),
+        *dw_strides,
+        GATHER_LHS=gather_lhs, GATHER_RHS=gather_rhs, BIAS_GRAD=db is not None,
+        BIAS_SCALED=s_flat is not None, DOT_PRECISION=_dot_precision(lhs.dtype),
+    )
+    return dw
+
+
+# -------------------------------------------------------------------------------------- entry points
+
+
+def triton_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleaved, transposed,
+                           alpha, limit, save_h):
+    T, d, n, E, w1_out = _dims(x, w1, w2, activation, transposed)
+    K = topk_ids.shape[1]
+    sorted_rows, offsets = route(topk_ids, E)
+    flags = dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
+    h, a = triton_moe_up(x, w1, b1, sorted_rows, offsets, n=n, top_k=K, store_h=save_h, **flags)
+    ws = w2.stride()
+    down_strides = (ws[0], ws[1], ws[2]) if transposed else (ws[0], ws[2], ws[1])  # B[e] = W2[e]^T [n, d]
+    y = triton_moe_scatter_gemm(a, w2, down_strides, b2, sorted_rows, offsets, n_dim=d)
+    del a
+    out = triton_moe_gather_sum(y, topk_weights.reshape(-1), T, K, x.dtype)
+    return out, h, sorted_rows, offsets
+
+
+def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, *,
+                           activation, interleaved, transposed, alpha, limit):
+    T, d, n, E, w1_out = _dims(x, w1, w2, activation, transposed)
+    K = topk_ids.shape[1]
+    TK = T * K
+    flags = dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
+    grad_out = grad_out.to(x.dtype)
+    s_flat = topk_weights.reshape(-1)
+    if h.numel() == 0 and TK > 0:  # the forward ran without save_h: recompute H (A is not needed)
+        h, _ = triton_moe_up(x, w1, b1, sorted_rows, expert_offsets, n=n, top_k=K, store_a=False, **flags)
+
+    dh, a_scaled, ds = triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, expert_offsets, n=n, top_k=K, **flags)
+
+    dw2 = torch.empty_like(w2)
+    db2 = None if b2 is None else torch.empty(b2.shape, dtype=b2.dtype, device=b2.device)
+    s2 = dw2.stride()  # dW2 as [E, P=d, Q=n]
+    triton_moe_wgrad(grad_out, a_scaled, gather_lhs=True, gather_rhs=False, sorted_rows=sorted_rows,
+                     offsets=expert_offsets, top_k=K, dw=dw2,
+                     dw_strides=(s2[0], s2[2], s2[1]) if transposed else s2, db=db2, s_flat=s_flat)
+    del a_scaled
+
+    dw1 = torch.empty_like(w1)
+    db1 = None if b1 is None else torch.empty(b1.shape, dtype=b1.dtype, device=b1.device)
+    s1 = dw1.stride()  # dW1 as [E, P=w1_out, Q=d]
+    triton_moe_wgrad(dh, x, gather_lhs=False, gather_rhs=True, sorted_rows=sorted_rows, offsets=expert_offsets,
+                     top_k=K, dw=dw1, dw_strides=(s1[0], s1[2], s1[1]) if transposed else s1, db=db1)
+
+    ws = w1.stride()
+    dx_strides = (ws[0], ws[2], ws[1]) if transposed else ws  # B[e] = W1[e] [w1_out, d]
+    dx_rows = triton_moe_scatter_gemm(dh, w1, dx_strides, None, sorted_rows, expert_offsets, n_dim=d)
+    del dh
+    dx = triton_moe_gather_sum(dx_rows, None, T, K, x.dtype)
+
+    ds = ds.view(T, K)
+    if b2 is not None:  # dS also gets <dO[t], b2[e]>: one [T, E] product, gathered at the routed experts
+        ds = ds + (grad_out.float() @ b2.float().t()).gather(1, topk_ids.long())
+    return dx, ds.to(topk_weights.dtype), dw1, dw2, db1, db2

@@ -1,0 +1,54 @@
+"""Tiny random Hugging Face MoE models built from their config classes (no downloads).
+
+Shared by the quickstart and the tests. Sizes are small enough for the CPU, and every family keeps
+its own router and expert code paths (transformers' default `grouped_mm` experts).
+"""
+from __future__ import annotations
+
+import torch
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def _configs():
+    import transformers as tf
+
+    return {
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(
+            **COMMON, head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+        ),
+        "olmoe": lambda: tf.OlmoeConfig(
+            **COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=None,
+            pad_token_id=None, bos_token_id=None,
+        ),
+        "mixtral": lambda: tf.MixtralConfig(
+            **COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        ),
+    }
+
+
+MODELS = ("qwen3_moe", "olmoe", "mixtral")
+
+
+def tiny_moe_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A random-weight causal LM of family `name`, with its config's fields overridden."""
+    import transformers as tf
+
+    config = _configs()[name]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    return model
+
+
+def count_moe_layers(model) -> int:
+    return sum(1 for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj"))
