@@ -1,0 +1,138 @@
+"""Look-alikes and unsupported variants: left untouched, reason logged, results equal eager."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import moe_compiler
+from moe_compiler.testing import tiny_moe_model
+
+from .helpers import assert_close_to_eager, compile_sonic
+
+pytest.importorskip("transformers")
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, d=16, n=32):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * n)
+        self.down = nn.Linear(n, d)
+
+    def forward(self, x):
+        g, u = self.up(x).chunk(2, -1)
+        return self.down(nn.functional.silu(g) * u)
+
+
+class SortedGroupedLookalike(nn.Module):
+    """Sorts, gathers, histc/cumsum offsets and two grouped matmuls, like an MoE, but averages the
+    K rows instead of weighting them by router scores: not an MoE the op computes."""
+
+    def __init__(self, d=16, n=8, E=4, K=2):
+        super().__init__()
+        self.E, self.K = E, K
+        self.w1 = nn.Parameter(torch.randn(E, 2 * n, d) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, d, n) * 0.1)
+        self.router = nn.Linear(d, E)
+
+    def forward(self, x):
+        T, d = x.shape
+        ids = self.router(x).topk(self.K, dim=-1).indices
+        ids_g, perm = torch.sort(ids.reshape(-1))
+        xg = x[perm // self.K]
+        offs = torch.cumsum(torch.histc(ids_g.float(), bins=self.E, min=0, max=self.E - 1), 0, dtype=torch.int32)
+        h = torch.ops.transformers.grouped_mm_fallback(xg, self.w1.transpose(-2, -1), offs=offs)
+        g, u = h.chunk(2, -1)
+        y = torch.ops.transformers.grouped_mm_fallback(nn.functional.silu(g) * u, self.w2.transpose(-2, -1), offs=offs)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel())
+        return y[inv].view(T, self.K, d).mean(1)
+
+
+def _run(model, x):
+    eager = model(x)
+    compiled = compile_sonic(model, compiler="aot_eager")
+    with moe_compiler.capture() as report:
+        got = compiled(x)
+    assert_close_to_eager(got, eager, what="output")
+    return report
+
+
+def test_dense_mlp_untouched(caplog):
+    with caplog.at_level(logging.DEBUG, logger="moe_compiler"):
+        report = _run(DenseMLP(), torch.randn(6, 16))
+    assert not report.records
+    assert "no MoE candidate" in caplog.text
+
+
+def test_grouped_mm_lookalike_rejected(caplog):
+    import transformers.integrations.moe  # noqa: F401  registers transformers::grouped_mm_fallback
+
+    with caplog.at_level(logging.DEBUG, logger="moe_compiler"):
+        report = _run(SortedGroupedLookalike(), torch.randn(6, 16))
+    assert not report.rewritten and len(report.rejected) == 1, str(report)
+    assert "not scaled by the routing weights" in report.rejected[0].reason
+    assert "untouched" in caplog.text and "routing weights" in caplog.text
+
+
+def test_unsupported_activation_rejected(caplog):
+    model = tiny_moe_model("qwen3_moe", hidden_act="tanh")
+    ids = torch.randint(0, 128, (2, 8))
+    eager = model(ids).logits
+    with caplog.at_level(logging.DEBUG, logger="moe_compiler"):
+        with moe_compiler.capture() as report:
+            got = compile_sonic(model, compiler="aot_eager")(ids).logits
+    assert not report.rewritten and len(report.rejected) == 2, str(report)
+    assert all("unsupported activation" in r.reason for r in report.rejected)
+    assert "unsupported activation" in caplog.text
+    assert_close_to_eager(got, eager, what="logits")
+
+
+def test_gelu_experts_are_geglu():
+    """Not a negative: a different activation is probed and named, not assumed to be SwiGLU."""
+    model = tiny_moe_model("qwen3_moe", hidden_act="gelu")
+    ids = torch.randint(0, 128, (2, 8))
+    eager = model(ids).logits
+    with moe_compiler.capture() as report:
+        got = compile_sonic(model, compiler="aot_eager")(ids).logits
+    assert [r.details["activation"] for r in report.rewritten] == ["geglu", "geglu"], str(report)
+    assert_close_to_eager(got, eager, what="logits")
+
+
+def test_pattern_exception_falls_back(monkeypatch, caplog):
+    """A bug inside a pattern costs the rewrite, never the user's step."""
+    from moe_compiler import passes
+
+    def broken(gm):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(passes.FINDERS, "hf_grouped_mm", broken)
+    model = tiny_moe_model("olmoe")
+    ids = torch.randint(0, 128, (2, 8))
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager"})
+    with caplog.at_level(logging.WARNING, logger="moe_compiler"), moe_compiler.capture() as report:
+        got = compiled(ids).logits
+    assert report.records[0].status == "error" and "boom" in report.records[0].reason
+    assert "graph left untouched" in caplog.text
+    assert_close_to_eager(got, model(ids).logits, what="logits")
+
+
+def test_rewrite_exception_restores_graph(monkeypatch, caplog):
+    """A rewrite that fails half-way restores the original graph before compiling it."""
+    from moe_compiler import passes
+    from patterns import common
+
+    def broken_rewrite(gm, match):
+        common.rewrite(gm, match)
+        raise RuntimeError("rewrite exploded")
+
+    monkeypatch.setattr(passes, "rewrite", broken_rewrite)
+    model = tiny_moe_model("mixtral")
+    ids = torch.randint(0, 128, (2, 8))
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager"})
+    with caplog.at_level(logging.WARNING, logger="moe_compiler"), moe_compiler.capture() as report:
+        names_ok = compiled(ids).logits
+    assert report.records[0].status == "error" and "rewrite exploded" in report.records[0].reason
+    assert_close_to_eager(names_ok, model(ids).logits, what="logits")

@@ -1,0 +1,109 @@
+"""The `sonic::moe_experts` op on the CPU: contract (opcheck), reference vs the simplest loop, errors."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from codegen import GATED, moe_experts, moe_experts_op, torch_moe_experts
+
+
+def make_inputs(T=9, d=8, n=6, E=4, K=2, dtype=torch.float64, activation="swiglu", transposed=False, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1_out = 2 * n if GATED[activation] else n
+    randn = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    x = randn(T, d)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.long)
+    w = torch.rand(T, K, generator=g, dtype=dtype)
+    w1 = (randn(E, d, w1_out) if transposed else randn(E, w1_out, d)) * 0.5
+    w2 = (randn(E, n, d) if transposed else randn(E, d, n)) * 0.5
+    b1 = randn(E, w1_out) if bias else None
+    b2 = randn(E, d) if bias else None
+    return x, ids, w, w1, w2, b1, b2
+
+
+@pytest.mark.parametrize(
+    "activation,transposed,interleaved,bias",
+    [(a, t, i, b) for a, t, i, b in itertools.product(GATED, (False, True), (False, True), (False, True)) if GATED[a] or not i],
+)
+def test_op_matches_autograd_loop(activation, transposed, interleaved, bias):
+    x, ids, w, w1, w2, b1, b2 = make_inputs(activation=activation, transposed=transposed, bias=bias)
+    leaves = [t.requires_grad_() for t in (x, w, w1, w2, b1, b2) if t is not None]
+    flags = dict(activation=activation, transposed=transposed, interleaved=interleaved, limit=1.5)
+    got = moe_experts(x, ids, w, w1, w2, b1, b2, **flags)
+    want = torch_moe_experts(x, ids, w, w1, w2, b1, b2, **flags)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("case", ["plain", "bias_transposed", "empty_experts", "T0", "K_eq_E", "fp32_weights_bf16"])
+def test_opcheck(case):
+    kw = dict(dtype=torch.float32)
+    if case == "bias_transposed":
+        kw.update(bias=True, transposed=True)
+    if case == "T0":
+        kw.update(T=0)
+    if case == "K_eq_E":
+        kw.update(K=4)
+    if case == "fp32_weights_bf16":
+        kw.update(dtype=torch.bfloat16)
+    x, ids, w, w1, w2, b1, b2 = make_inputs(**kw)
+    if case == "empty_experts":
+        ids = torch.zeros_like(ids)
+        ids[:, 1] = 1  # experts 2, 3 get no token
+    if case == "fp32_weights_bf16":
+        w = w.float()
+    for t in (x, w, w1, w2, b1, b2):
+        if t is not None:
+            t.requires_grad_()
+    transposed = case == "bias_transposed"
+    args = (x, ids, w, w1, w2, b1, b2, "swiglu", False, transposed, 1.702, 7.0, True)
+    torch.library.opcheck(moe_experts_op, args)
+
+
+def test_inference_skips_h_and_backward_recomputes():
+    x, ids, w, w1, w2, *_ = make_inputs()
+    with torch.no_grad():
+        _, h, _, _ = moe_experts_op(x, ids, w, w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, False)
+    assert h.shape[0] == 0
+    out, h_saved, rows, offs = moe_experts_op(x, ids, w, w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, True)
+    grads_saved = torch.ops.sonic.moe_experts_backward(torch.ones_like(out), x, ids, w, w1, w2, None, None, h_saved, rows, offs, "swiglu", False, False, 1.702, 7.0)
+    grads_recomputed = torch.ops.sonic.moe_experts_backward(torch.ones_like(out), x, ids, w, w1, w2, None, None, h, rows, offs, "swiglu", False, False, 1.702, 7.0)
+    for a, b in zip(grads_saved, grads_recomputed):
+        torch.testing.assert_close(a, b)
+
+
+def test_non_contiguous_inputs():
+    x, ids, w, w1, w2, *_ = make_inputs()
+    xt = x.t().contiguous().t()  # same values, column-major
+    w1t = w1.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.testing.assert_close(moe_experts(xt, ids, w, w1t, w2), torch_moe_experts(x, ids, w, w1, w2))
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda a: a.update(ids=a["ids"] + 4), r"expert ids must lie in \[0, 4\)"),
+        (lambda a: a.update(ids=a["ids"] - 1), r"expert ids must lie in \[0, 4\)"),
+        (lambda a: a.update(x=a["x"][:, :5]), "do not fit layout"),
+        (lambda a: a.update(w=a["w"][:, :1]), "must match topk_ids"),
+        (lambda a: a.update(x=a["x"].float()), "must share a dtype"),
+        (lambda a: a.update(ids=a["ids"].float()), "must be an integer tensor"),
+        (lambda a: a.update(w1=a["w1"][:, :5]), "do not fit layout"),
+    ],
+)
+def test_bad_input_is_a_clear_error(mutate, match):
+    x, ids, w, w1, w2, *_ = make_inputs()
+    a = dict(x=x, ids=ids, w=w, w1=w1, w2=w2)
+    mutate(a)
+    with pytest.raises((ValueError, IndexError), match=match):
+        moe_experts(a["x"], a["ids"], a["w"], a["w1"], a["w2"])
+
+
+def test_unknown_activation():
+    x, ids, w, w1, w2, *_ = make_inputs()
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        moe_experts(x, ids, w, w1, w2, activation="swish")
