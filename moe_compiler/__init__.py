@@ -6,7 +6,8 @@ Importing this package changes no global torch setting. The backend is registere
 from .backend import sonic_backend
 from .diagnostics import Report, capture
 from .explain import explain
+from .hf import register_hf_experts
 from .options import SonicOptions
 
-__all__ = ["sonic_backend", "explain", "capture", "Report", "SonicOptions"]
+__all__ = ["sonic_backend", "explain", "register_hf_experts", "capture", "Report", "SonicOptions"]
 __version__ = "0.1.0"

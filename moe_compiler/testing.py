@@ -32,10 +32,17 @@ def _configs():
         "mixtral": lambda: tf.MixtralConfig(
             **COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
         ),
+        # transposed [E, d, 2n] weights, interleaved gate/up, biases, clamped SwiGLU, router bias
+        "gpt_oss": lambda: tf.GptOssConfig(
+            **COMMON, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["full_attention"] * COMMON["num_hidden_layers"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
     }
 
 
-MODELS = ("qwen3_moe", "olmoe", "mixtral")
+MODELS = ("qwen3_moe", "olmoe", "mixtral")  # rewritten from the grouped_mm graph
+ALL_MODELS = MODELS + ("gpt_oss",)  # gpt-oss: through experts_implementation="sonic" so far
 
 
 def tiny_moe_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

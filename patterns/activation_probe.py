@@ -73,9 +73,24 @@ def identify_activation(h: fx.Node, a: fx.Node) -> dict | str:
     h_val, a_val = example_value(h), example_value(a)
     if not isinstance(h_val, torch.Tensor) or not isinstance(a_val, torch.Tensor):
         return "no shape information on the activation"
-    w1_out, n = int(h_val.shape[-1]), int(a_val.shape[-1])
+    ops = sorted({str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target)) for n in nodes})
+    return name_activation(
+        _as_function(h, a, nodes),
+        int(h_val.shape[-1]),
+        int(a_val.shape[-1]),
+        constants=_float_constants(nodes),
+        tol=_tolerance(nodes),
+        ops=ops,
+    )
+
+
+def name_activation(fn, w1_out: int, n: int, constants=(), tol: float = 1e-10, ops=()) -> dict | str:
+    """Probe `fn: H [rows, w1_out] -> A [rows, n]` and name it among the op's activations.
+
+    `constants` are candidate (alpha, limit) values for gpt-oss's clamped SwiGLU (its defaults are
+    always tried). Returns a rejection reason when nothing matches to within `tol`.
+    """
     try:
-        fn = _as_function(h, a, nodes)
         gen = torch.Generator().manual_seed(0)
         probe = torch.randn(_PROBE_ROWS, w1_out, generator=gen, dtype=torch.float64) * 6.0
         got = fn(probe)
@@ -84,8 +99,6 @@ def identify_activation(h: fx.Node, a: fx.Node) -> dict | str:
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != (_PROBE_ROWS, n):
         return f"activation maps [rows, {w1_out}] to {getattr(got, 'shape', type(got))}, not [rows, {n}]"
     got = got.double()
-    tol = _tolerance(nodes)
-    constants = _float_constants(nodes)
     candidates = []
     for name, gated in GATED.items():
         if (w1_out == 2 * n) != gated:
@@ -100,5 +113,5 @@ def identify_activation(h: fx.Node, a: fx.Node) -> dict | str:
         want = torch_activation(probe, name, interleaved, alpha, limit)
         if torch.allclose(got, want, rtol=tol, atol=tol):
             return {"activation": name, "interleaved": interleaved, "alpha": alpha, "limit": limit}
-    ops = sorted({str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target)) for n in nodes})
-    return f"unsupported activation (ops: {', '.join(ops)}); supported: {', '.join(GATED)}"
+    detail = f" (ops: {', '.join(ops)})" if ops else ""
+    return f"unsupported activation{detail}; supported: {', '.join(GATED)}"
