@@ -59,3 +59,27 @@ def tiny_moe_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
 
 def count_moe_layers(model) -> int:
     return sum(1 for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj"))
+
+
+# Relative-norm tolerance when the compiled model runs in the same dtype as its eager twin and both
+# are compared directly (fp32: only summation order differs). Lower precisions are judged against
+# an fp32 copy of the model instead: err(sonic) <= LOW_PRECISION_FACTOR * err(eager) + floor.
+FP32_RTOL = 2e-5
+LOW_PRECISION_FACTOR = 2.0
+LOW_PRECISION_FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def closeness(got, eager, truth=None, dtype=torch.float32) -> tuple[bool, str]:
+    """(ok, explanation): fp32 compares with eager directly; fp16/bf16 must be as close to the fp32
+    truth as eager itself is (up to LOW_PRECISION_FACTOR and a floor)."""
+    if truth is None or dtype == torch.float32:
+        err = rel_err(got, eager)
+        return err <= FP32_RTOL, f"rel err {err:.2e} vs eager (bound {FP32_RTOL:.0e})"
+    ours, theirs = rel_err(got, truth), rel_err(eager, truth)
+    bound = LOW_PRECISION_FACTOR * theirs + LOW_PRECISION_FLOOR[dtype]
+    return ours <= bound, f"err(sonic, fp32)={ours:.2e}, err(eager, fp32)={theirs:.2e} (bound {bound:.2e})"

@@ -72,8 +72,10 @@ def test_grouped_mm_lookalike_rejected(caplog):
 
     with caplog.at_level(logging.DEBUG, logger="moe_compiler"):
         report = _run(SortedGroupedLookalike(), torch.randn(6, 16))
-    assert not report.rewritten and len(report.rejected) == 1, str(report)
-    assert "not scaled by the routing weights" in report.rejected[0].reason
+    # torch 2.11 + transformers 5.17 split this frame in two (their fallback op is not traceable
+    # there); every candidate must still be rejected for the same reason.
+    assert report.rejected and not report.rewritten, str(report)
+    assert all("not scaled by the routing weights" in r.reason for r in report.rejected), str(report)
     assert "untouched" in caplog.text and "routing weights" in caplog.text
 
 
@@ -84,8 +86,9 @@ def test_unsupported_activation_rejected(caplog):
     with caplog.at_level(logging.DEBUG, logger="moe_compiler"):
         with moe_compiler.capture() as report:
             got = compile_sonic(model, compiler="aot_eager")(ids).logits
-    assert not report.rewritten and len(report.rejected) == 2, str(report)
-    assert all("unsupported activation" in r.reason for r in report.rejected)
+    assert not report.rewritten, str(report)
+    assert {r.module for r in report.rejected} == {f"model.layers.{i}.mlp.experts" for i in range(2)}, str(report)
+    assert all("unsupported activation" in r.reason for r in report.rejected), str(report)
     assert "unsupported activation" in caplog.text
     assert_close_to_eager(got, eager, what="logits")
 
