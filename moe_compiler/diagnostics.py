@@ -35,14 +35,14 @@ class Report:
         head = f"moe_compiler: {len(self.rewritten)} MoE region(s) rewritten, {len(self.rejected)} left untouched, {self.graphs} graph(s)"
         if not self.records:
             return head + "\n  (no MoE candidate found)"
-        cols = ("graph", "module", "idiom", "status", "activation", "layout", "router", "dtype", "shape / reason")
+        cols = ("graph", "module", "idiom", "status", "activation", "layout", "router", "shared", "dtype", "shape / reason")
         rows = []
         for r in self.records:
             det = r.details
             shape = " ".join(f"{k}={det[k]}" for k in ("T", "d", "n", "E", "K") if k in det)
             rows.append((
                 str(r.graph), r.module, r.idiom, r.status, det.get("activation", "-"), det.get("layout", "-"),
-                det.get("router", "-"), det.get("dtype", "-"), r.reason or shape,
+                det.get("router", "-"), det.get("shared", "-"), det.get("dtype", "-"), r.reason or shape,
             ))
         widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
         line = lambda vals: "  " + " | ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731

@@ -38,11 +38,22 @@ def _configs():
             layer_types=["full_attention"] * COMMON["num_hidden_layers"],
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         ),
+        # sigmoid-gated shared expert beside the routed experts
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+            **COMMON, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+        ),
+        # sigmoid scores + correction bias, group-limited top-k, routed scaling, shared experts
+        "deepseek_v3": lambda: tf.DeepseekV3Config(
+            **COMMON, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0, routed_scaling_factor=2.5,
+            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        ),
     }
 
 
-MODELS = ("qwen3_moe", "olmoe", "mixtral")  # rewritten from the grouped_mm graph
-ALL_MODELS = MODELS + ("gpt_oss",)  # gpt-oss: through experts_implementation="sonic" so far
+MODELS = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss", "qwen2_moe", "deepseek_v3")
+ALL_MODELS = MODELS
 
 
 def tiny_moe_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

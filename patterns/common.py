@@ -37,6 +37,7 @@ class MoEMatch:
     shape: dict = dataclasses.field(default_factory=dict)  # T, d, n, E, K (T may be symbolic)
     dtype: torch.dtype | None = None
     router: str = "unknown"  # what produced topk_ids/weights, for the report
+    shared_expert: str = "-"  # a dense expert beside the routed ones (stays in the graph), for the report
 
     def describe(self) -> dict:
         layout = ("interleaved" if self.interleaved else "concatenated") + (", transposed" if self.transposed else "")
@@ -46,6 +47,7 @@ class MoEMatch:
             "activation": self.activation,
             "layout": layout,
             "router": self.router,
+            "shared": self.shared_expert,
             "dtype": str(self.dtype).replace("torch.", ""),
             **{k: str(v) for k, v in self.shape.items()},
         }
@@ -85,6 +87,16 @@ def module_class(node: fx.Node) -> str:
         return ""
     cls = list(stack.values())[-1][1]
     return getattr(cls, "__name__", str(cls))
+
+
+def describe_shared_expert(graph: fx.Graph, experts_module: str) -> str:
+    """'-', 'plain' or 'sigmoid-gated': a shared_expert(s) sibling of the experts module in the graph."""
+    parent = experts_module.rsplit(".", 1)[0]
+    paths = {module_path(n) for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+    shared = [p for p in paths if p.startswith(parent + ".shared_expert")]
+    if not shared:
+        return "-"
+    return "sigmoid-gated" if any(p.startswith(parent + ".shared_expert_gate") for p in shared) else "plain"
 
 
 def op_name(target: Any) -> str:

@@ -44,6 +44,7 @@ from .common import (
     Rejection,
     arg,
     backward_slice,
+    describe_shared_expert,
     dtype_of,
     example_value,
     getitem_of,
@@ -136,10 +137,18 @@ class _Walk:
             node = node.args[0]
         return node
 
+    def readers(self, node: fx.Node) -> list[fx.Node]:
+        """Users of a value other than the region's own in-place nodes (bias add, sentinel masks)."""
+        return [u for u in node.users if not (is_inplace(u) and (u in self.seen or self.is_sentinel_mask(u)))]
+
+    def only_reader(self, node: fx.Node) -> fx.Node | None:
+        users = self.readers(node)
+        return users[0] if len(users) == 1 else None
+
     def forward(self, node: fx.Node) -> fx.Node:
         """Follow a value to its single consumer through value-preserving nodes."""
         while True:
-            users = [u for u in node.users if not (is_inplace(u) and self.is_sentinel_mask(u))]
+            users = self.readers(node)
             if len(users) != 1:
                 return node
             (user,) = users
@@ -161,14 +170,48 @@ def _weight_of(node, walk: _Walk) -> tuple[fx.Node, bool]:
     return node, True
 
 
+def _expert_bias(mm: fx.Node, walk: _Walk) -> fx.Node | None:
+    """The bias of `out.add_(bias[expert_ids_g])` right after a grouped_mm, if any.
+
+    Dynamo keeps later reads on the grouped_mm node itself and orders them after the in-place add,
+    so the add must come before every other reader of the output.
+    """
+    inplace = [u for u in mm.users if is_inplace(u) and not walk.is_sentinel_mask(u)]
+    if not inplace:
+        return None
+    _expect(len(inplace) == 1 and is_call(inplace[0], "add_"), f"in-place {inplace[0].name} on a grouped_mm output is not an expert bias")
+    add = inplace[0]
+    gathered = add.args[1]
+    _expect(len(add.args) == 2 and not add.kwargs, "expert bias add has an alpha")
+    bias = getitem_of(gathered, walk.sorted_ids)
+    _expect(bias is not None and len(shape_of(bias)) == 2, "grouped_mm output gets an addend that is not a per-expert bias")
+    order = {node: i for i, node in enumerate(mm.graph.nodes)}
+    _expect(all(order[add] < order[u] for u in mm.users if u is not add), "expert bias is added after the output is read")
+    walk.mark(add, gathered)
+    return bias
+
+
+_ROUTER_OPS = ("sigmoid", "softmax", "topk")
+_PROJECTIONS = ("linear", "matmul", "mm", "addmm")
+
+
 def _describe_router(topk_ids: fx.Node, topk_weights: fx.Node) -> str:
-    ops = []
-    for node in backward_slice([topk_weights, topk_ids], stop=set()):
-        for name in ("softmax", "sigmoid", "topk", "div", "truediv", "itruediv", "sum"):
-            if is_call(node, name) and name not in ops:
-                ops.append(name)
-    kind = "->".join(o for o in ("sigmoid", "softmax", "topk") if o in ops) or "unknown"
-    if "topk" in ops and any(o in ops for o in ("div", "truediv", "itruediv")):
+    """'softmax->topk->renorm', 'topk->softmax', 'sigmoid->topk'...: the ops between the router's
+    projection and the top-k outputs, in graph order. Descriptive only (the router stays as is)."""
+    seen: set[fx.Node] = set()
+    todo = [topk_ids, topk_weights]
+    while todo and len(seen) < 64:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if not is_call(node, *_PROJECTIONS):
+            todo.extend(node.all_input_nodes)
+    order = {node: i for i, node in enumerate(topk_ids.graph.nodes)}
+    ops = [name for node in sorted(seen, key=order.get) for name in _ROUTER_OPS if is_call(node, name)]
+    kind = "->".join(dict.fromkeys(ops)) or "unknown"
+    topk = [node for node in seen if is_call(node, "topk")]
+    if topk and any(is_call(n, "div", "truediv", "itruediv") and order[n] > order[topk[0]] for n in seen):
         kind += "->renorm"
     return kind
 
@@ -225,9 +268,7 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     w2, transposed2 = _weight_of(down.args[1], walk)
     _expect(transposed == transposed2, "up and down weights use different layouts")
     _expect(arg(up, 3, "bias") is None and arg(down, 3, "bias") is None, "grouped_mm with bias is not matched")
-    for mm in (up, down):
-        extra = [u for u in mm.users if is_inplace(u) and not walk.is_sentinel_mask(u)]
-        _expect(not extra, f"in-place {extra[0].target if extra else ''} on a grouped_mm output (expert bias?) is not matched yet")
+    b1, b2 = (_expert_bias(mm, walk) for mm in (up, down))
 
     # activation between the two grouped mms
     h = walk.forward(up)
@@ -238,7 +279,7 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
 
     # weighted = y * w_g[:, None];  w_g = topk_weights.reshape(-1)[perm]
     y = walk.forward(down)
-    (mul,) = y.users if len(y.users) == 1 else (None,)
+    mul = walk.only_reader(y)
     _expect(mul is not None and is_call(mul, "mul", "__mul__"), "expert outputs are not scaled by the routing weights")
     other = mul.args[1] if mul.args[0] is y else mul.args[0]
     _expect(is_call(other, "unsqueeze", "view", "reshape", "__getitem__") or getitem_of(other, (slice(None), None)) is not None, "routing weight is not broadcast per row")
@@ -252,7 +293,7 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
 
     # unsorted = weighted[inv_perm];  inv_perm[perm] = arange(TK)
     weighted = walk.forward(mul)
-    (unsort,) = weighted.users if len(weighted.users) == 1 else (None,)
+    unsort = walk.only_reader(weighted)
     _expect(unsort is not None and unsort.op == "call_function" and unsort.target is operator.getitem, "weighted rows are not un-permuted")
     inv = unsort.args[1]
     _expect(is_call(inv, "empty_like") and inv.args[0] is perm, "inverse permutation is not built from perm")
@@ -265,11 +306,11 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     walk.mark(unsort, inv, setter, rng)
 
     # out = unsorted.view(T, K, d).sum(1)
-    (view,) = unsort.users if len(unsort.users) == 1 else (None,)
+    view = walk.only_reader(unsort)
     _expect(view is not None and is_call(view, "view", "reshape"), "rows are not viewed as [T, K, d]")
     vshape = shape_of(view)
     _expect(len(vshape) == 3 and same_size(vshape[1], K) and same_size(vshape[0], T), "rows are not viewed as [T, K, d]")
-    (anchor,) = view.users if len(view.users) == 1 else (None,)
+    anchor = walk.only_reader(view)
     _expect(anchor is not None and is_call(anchor, "sum") and arg(anchor, 1, "dim") in (1, -2, (1,), [1]), "K rows are not summed per token")
     _expect(not arg(anchor, 2, "keepdim", False), "sum keeps the K dimension")
     walk.mark(view, anchor)
@@ -288,7 +329,10 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     _expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
 
     # the region must be exactly what was validated (plus integer/shape glue)
-    inputs = {x, topk_ids, topk_weights, w1, w2}
+    for bias, width, name in ((b1, w1_out, "up"), (b2, d, "down")):
+        _expect(bias is None or shape_of(bias) == (E, width), f"{name} bias {shape_of(bias)} is not [E={E}, {width}]")
+        _expect(bias is None or dtype_of(bias) == x_dtype, f"{name} bias dtype {dtype_of(bias)} differs from {x_dtype}")
+    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2) if b is not None}
     region = backward_slice([anchor], stop=inputs)
     for node in list(region):
         region |= {u for u in node.users if is_inplace(u) and walk.is_harmless_inplace(u)}
@@ -307,6 +351,8 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
         topk_weights=topk_weights,
         w1=w1,
         w2=w2,
+        b1=b1,
+        b2=b2,
         activation=act["activation"],
         interleaved=act["interleaved"],
         transposed=transposed,
@@ -315,4 +361,5 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
         shape={"T": T, "d": d, "n": n, "E": E, "K": K},
         dtype=x_dtype,
         router=_describe_router(topk_ids, topk_weights) + (f" ({module_class(up)})" if module_class(up) else ""),
+        shared_expert=describe_shared_expert(up.graph, module_path(up)),
     )
