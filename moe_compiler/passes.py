@@ -6,7 +6,7 @@ import logging
 
 import torch.fx as fx
 
-from patterns import hf_grouped_mm
+from patterns import hf_batched_mm, hf_grouped_mm
 from patterns.common import MoEMatch, Rejection, rewrite
 
 from .diagnostics import RegionRecord, publish
@@ -16,6 +16,7 @@ log = logging.getLogger("moe_compiler")
 
 FINDERS = {
     "hf_grouped_mm": hf_grouped_mm.find,
+    "hf_batched_mm": hf_batched_mm.find,
 }
 
 _graph_ids = itertools.count()

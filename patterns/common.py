@@ -62,6 +62,134 @@ class Rejection:
     reason: str
 
 
+class NoMatch(Exception):
+    """Raised inside the checker with the rejection reason."""
+
+
+def expect(cond, reason: str):
+    if not cond:
+        raise NoMatch(reason)
+
+
+class RegionWalk:
+    """Records every node a checker validated (the region must consist of these alone) and knows
+    which nodes change no value for ids in [0, E): no-op casts, expert-parallel sentinel masks."""
+
+    def __init__(self, num_experts: int | None = None):
+        self.seen: set[fx.Node] = set()
+        self.num_experts = num_experts
+        self.sorted_ids: fx.Node | None = None
+
+    def mark(self, *nodes):
+        for node in nodes:
+            if isinstance(node, fx.Node):
+                self.seen.add(node)
+
+    def is_sentinel_mask(self, node: fx.Node) -> bool:
+        """`t.masked_fill(mask, 0)` / `masked_fill_` with mask = (expert_ids_g >= E)[.unsqueeze(-1)]."""
+        if not is_call(node, "masked_fill", "masked_fill_") or self.sorted_ids is None:
+            return False
+        mask, value = arg(node, 1, "mask"), arg(node, 2, "value")
+        if value != 0:
+            return False
+        chain = [mask]
+        if is_call(mask, "unsqueeze"):
+            mask = mask.args[0]
+            chain.append(mask)
+        ok = is_call(mask, "ge", "__ge__") and mask.args[0] is self.sorted_ids and mask.args[1] == self.num_experts
+        if ok:
+            self.mark(node, *chain)
+        return ok
+
+    def is_harmless_inplace(self, node: fx.Node) -> bool:
+        """In-place nodes of the region that change no value for ids in [0, E)."""
+        if node in self.seen or self.is_sentinel_mask(node):
+            return True
+        clamp = (
+            is_call(node, "clamp_")
+            and node.args[0] is self.sorted_ids
+            and arg(node, 1, "min") is None
+            and arg(node, 2, "max") == self.num_experts - 1
+        )
+        if clamp:
+            self.mark(node)
+        return clamp
+
+    def through(self, node):
+        """Skip value-preserving nodes: no-op casts and sentinel masks (given valid ids)."""
+        while isinstance(node, fx.Node) and (is_noop_cast(node) or self.is_sentinel_mask(node)):
+            self.mark(node)
+            node = node.args[0]
+        return node
+
+    def readers(self, node: fx.Node) -> list[fx.Node]:
+        """Users of a value other than the region's own in-place nodes (bias add, sentinel masks)."""
+        return [u for u in node.users if not (is_inplace(u) and (u in self.seen or self.is_sentinel_mask(u)))]
+
+    def only_reader(self, node: fx.Node) -> fx.Node | None:
+        users = self.readers(node)
+        return users[0] if len(users) == 1 else None
+
+    def forward(self, node: fx.Node) -> fx.Node:
+        """Follow a value to its single consumer through value-preserving nodes."""
+        while True:
+            users = self.readers(node)
+            if len(users) != 1:
+                return node
+            (user,) = users
+            if is_noop_cast(user) or self.is_sentinel_mask(user):
+                self.mark(user)
+                node = user
+            else:
+                return node
+
+
+def expert_bias(mm: fx.Node, index: fx.Node, walk: RegionWalk) -> fx.Node | None:
+    """The bias of `out.add_(bias[index])` right after an expert matmul, if any.
+
+    Dynamo keeps later reads on the grouped_mm node itself and orders them after the in-place add,
+    so the add must come before every other reader of the output.
+    """
+    inplace = [u for u in mm.users if is_inplace(u) and not walk.is_sentinel_mask(u)]
+    if not inplace:
+        return None
+    expect(len(inplace) == 1 and is_call(inplace[0], "add_"), f"in-place {inplace[0].name} on a grouped_mm output is not an expert bias")
+    add = inplace[0]
+    gathered = add.args[1]
+    expect(len(add.args) == 2 and not add.kwargs, "expert bias add has an alpha")
+    bias = getitem_of(gathered, index)
+    expect(bias is not None and len(shape_of(bias)) == 2, "grouped_mm output gets an addend that is not a per-expert bias")
+    order = {node: i for i, node in enumerate(mm.graph.nodes)}
+    expect(all(order[add] < order[u] for u in mm.users if u is not add), "expert bias is added after the output is read")
+    walk.mark(add, gathered)
+    return bias
+
+
+_ROUTER_OPS = ("sigmoid", "softmax", "topk")
+_PROJECTIONS = ("linear", "matmul", "mm", "addmm")
+
+
+def describe_router(topk_ids: fx.Node, topk_weights: fx.Node) -> str:
+    """'softmax->topk->renorm', 'topk->softmax', 'sigmoid->topk'...: the ops between the router's
+    projection and the top-k outputs, in graph order. Descriptive only (the router stays as is)."""
+    seen: set[fx.Node] = set()
+    todo = [topk_ids, topk_weights]
+    while todo and len(seen) < 64:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if not is_call(node, *_PROJECTIONS):
+            todo.extend(node.all_input_nodes)
+    order = {node: i for i, node in enumerate(topk_ids.graph.nodes)}
+    ops = [name for node in sorted(seen, key=order.get) for name in _ROUTER_OPS if is_call(node, name)]
+    kind = "->".join(dict.fromkeys(ops)) or "unknown"
+    topk = [node for node in seen if is_call(node, "topk")]
+    if topk and any(is_call(n, "div", "truediv", "itruediv") and order[n] > order[topk[0]] for n in seen):
+        kind += "->renorm"
+    return kind
+
+
 def example_value(node: Any):
     """The fake tensor (or SymInt) Dynamo recorded for a node, or the literal itself."""
     if isinstance(node, fx.Node):
@@ -259,3 +387,87 @@ def erase_dead(graph: fx.Graph, region: set[fx.Node]) -> None:
             graph.erase_node(node)
             region.discard(node)
             changed = True
+
+
+def scaled_by_routing_weights(y: fx.Node, walk: RegionWalk, topk_ids: fx.Node, perm: fx.Node | None = None):
+    """(mul, topk_weights) for `y * w.reshape(-1)[perm].unsqueeze(-1)` (no `[perm]` when perm is None)."""
+    mul = walk.only_reader(y)
+    expect(mul is not None and is_call(mul, "mul", "__mul__"), "expert outputs are not scaled by the routing weights")
+    other = mul.args[1] if mul.args[0] is y else mul.args[0]
+    broadcast = is_call(other, "unsqueeze", "view", "reshape") or getitem_of(other, (slice(None), None)) is not None
+    expect(broadcast and isinstance(other.args[0], fx.Node), "routing weight is not broadcast per row")
+    flat_w = other.args[0]
+    walk.mark(mul, other)
+    if perm is not None:
+        expect(getitem_of(flat_w, perm) is not None, "routing weights are not permuted by perm")
+        walk.mark(flat_w)
+        flat_w = flat_w.args[0]
+    expect(is_call(flat_w, "reshape", "view", "flatten"), "routing weights are not the flattened top-k weights")
+    topk_weights = flat_w.args[0]
+    expect(shape_of(topk_weights) == shape_of(topk_ids), "top-k weights and ids differ in shape")
+    walk.mark(flat_w)
+    return mul, topk_weights
+
+
+def summed_per_token(rows: fx.Node, walk: RegionWalk, T, K) -> fx.Node:
+    """The `rows.view(T, K, d).sum(1)` node, [T, d]: the anchor the fused op replaces."""
+    view = walk.only_reader(rows)
+    expect(view is not None and is_call(view, "view", "reshape"), "rows are not viewed as [T, K, d]")
+    vshape = shape_of(view)
+    expect(len(vshape) == 3 and same_size(vshape[1], K) and same_size(vshape[0], T), "rows are not viewed as [T, K, d]")
+    anchor = walk.only_reader(view)
+    expect(anchor is not None and is_call(anchor, "sum") and arg(anchor, 1, "dim") in (1, -2, (1,), [1]), "K rows are not summed per token")
+    expect(not arg(anchor, 2, "keepdim", False), "sum keeps the K dimension")
+    walk.mark(view, anchor)
+    return anchor
+
+
+def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, *, E, K, T, d) -> MoEMatch:
+    """Legality shared by every idiom (dtypes, shapes, a closed region), then the typed match."""
+    from codegen.activations import GATED
+
+    x_dtype = dtype_of(x)
+    expect(x_dtype == dtype_of(w1) == dtype_of(w2), f"hidden states ({x_dtype}) and expert weights ({dtype_of(w1)}) differ in dtype")
+    expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point, "routing weights are not floating point")
+    expect(dtype_of(topk_ids) is not None and not dtype_of(topk_ids).is_floating_point, "expert ids are not integers")
+    s1, s2 = shape_of(w1), shape_of(w2)
+    expect(len(s1) == 3 and len(s2) == 3 and s1[0] == E == s2[0], f"expert weights {s1} / {s2} do not hold E={E} experts")
+    w1_in, w1_out = (s1[1], s1[2]) if transposed else (s1[2], s1[1])
+    n, w2_out = (s2[1], s2[2]) if transposed else (s2[2], s2[1])
+    expect(w1_in == d and w2_out == d, f"expert weights {s1} / {s2} do not map d={d}")
+    expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
+    for bias, width, name in ((b1, w1_out, "up"), (b2, d, "down")):
+        expect(bias is None or shape_of(bias) == (E, width), f"{name} bias {shape_of(bias)} is not [E={E}, {width}]")
+        expect(bias is None or dtype_of(bias) == x_dtype, f"{name} bias dtype {dtype_of(bias)} differs from {x_dtype}")
+
+    # the region must be exactly what was validated (plus integer/shape glue)
+    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2) if b is not None}
+    region = backward_slice([anchor], stop=inputs)
+    for node in list(region):
+        region |= {u for u in node.users if is_inplace(u) and walk.is_harmless_inplace(u)}
+    unknown = [nd for nd in region if nd not in walk.seen and isinstance(example_value(nd), torch.Tensor)]
+    expect(not unknown, f"unrecognised node(s) in the region: {', '.join(nd.name for nd in unknown[:4])}")
+    mutated = [u for node in region for u in node.users if is_inplace(u) and u not in region]
+    expect(not mutated, f"region tensor mutated outside it by {mutated[0].name if mutated else ''}")
+    return MoEMatch(
+        idiom=idiom,
+        module=module_path(site),
+        anchor=anchor,
+        region=region,
+        x=x,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
+        w1=w1,
+        w2=w2,
+        b1=b1,
+        b2=b2,
+        activation=act["activation"],
+        interleaved=act["interleaved"],
+        transposed=transposed,
+        alpha=act["alpha"],
+        limit=act["limit"],
+        shape={"T": T, "d": d, "n": n, "E": E, "K": K},
+        dtype=x_dtype,
+        router=describe_router(topk_ids, topk_weights) + (f" ({module_class(site)})" if module_class(site) else ""),
+        shared_expert=describe_shared_expert(site.graph, module_path(site)),
+    )

@@ -11,7 +11,12 @@ pytest.importorskip("transformers")
 import moe_compiler
 from moe_compiler.testing import MODELS, count_moe_layers, tiny_moe_model
 
-from .helpers import assert_close_to_eager, compile_sonic, loss_and_grads, profiled_op_names
+from .helpers import (
+    assert_close_to_eager,
+    compile_sonic,
+    loss_and_grads,
+    profiled_op_names,
+)
 
 CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -21,13 +26,17 @@ def _ids(model, T=12, batch=2, seed=1):
     return torch.randint(0, model.config.vocab_size, (batch, T), generator=g)
 
 
-def _check_model(name, dtype, device="cpu", compiler="aot_eager", **overrides):
+def _check_model(name, dtype, device="cpu", compiler="aot_eager", implementation=None, **overrides):
     model = tiny_moe_model(name, dtype, **overrides).to(device)
+    if implementation:
+        model.config._experts_implementation = implementation
     ids = _ids(model).to(device)
     truth = None
     if dtype != torch.float32:
         fp32 = tiny_moe_model(name, torch.float32, **overrides).to(device)
         fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+        if implementation:
+            fp32.config._experts_implementation = implementation
         truth = loss_and_grads(fp32, ids)
     eager = loss_and_grads(model, ids)
     compiled = compile_sonic(model, compiler=compiler)
@@ -48,6 +57,30 @@ def _check_model(name, dtype, device="cpu", compiler="aot_eager", **overrides):
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_model_matches_eager(name, dtype):
     _check_model(name, dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_hf_batched_mm_matches_eager(name, dtype):
+    """transformers' batched_mm experts (generate()'s decode path on the GPU) map to the same op."""
+    report = _check_model(name, dtype, implementation="batched_mm")
+    assert {r.idiom for r in report.rewritten} == {"hf_batched_mm"}
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_generate_greedy_tokens_identical(implementation):
+    """Prefill and decode under backend="sonic" produce eager's greedy tokens (fp32)."""
+    model = tiny_moe_model("qwen3_moe")
+    model.config._experts_implementation = implementation
+    prompt = _ids(model, T=6, batch=1)
+    want = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    model.forward = torch.compile(model.forward, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.fallback": False})
+    with moe_compiler.capture() as report:
+        got = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    assert report.rewritten and not report.rejected, str(report)
+    # prefill, first decode, then one dynamic-shape decode graph: never one compile per token
+    assert report.graphs <= 4, str(report)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe"])
@@ -111,6 +144,12 @@ def test_explain_reports_each_layer(caplog):
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_model_matches_eager_gpu_bf16(name):
     _check_model(name, torch.bfloat16, device="cuda", compiler="inductor")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_hf_batched_mm_gpu_bf16(name):
+    _check_model(name, torch.bfloat16, device="cuda", compiler="inductor", implementation="batched_mm")
 
 
 @pytest.mark.gpu
