@@ -9,7 +9,12 @@ pytest.importorskip("transformers")
 import moe_compiler
 from moe_compiler.testing import ALL_MODELS, tiny_moe_model
 
-from .helpers import assert_close_to_eager, compile_sonic, loss_and_grads, profiled_op_names
+from .helpers import (
+    assert_close_to_eager,
+    compile_sonic,
+    loss_and_grads,
+    profiled_op_names,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
