@@ -76,5 +76,7 @@ def publish(records: list[RegionRecord]) -> None:
             log.info("rewrote MoE region %s: %s", where, r.details)
         elif r.status == "error":
             log.warning("pattern failed on %s, graph left untouched: %s", where, r.reason)
+        elif r.idiom == "hf_eager_loop":
+            log.warning("%s: %s", where, r.reason)  # the user can fix this one: say it loudly
         else:
             log.debug("left MoE candidate %s untouched: %s", where, r.reason)

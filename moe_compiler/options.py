@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-PATTERNS = ("hf_grouped_mm", "hf_batched_mm")  # every idiom the pass driver knows, in the order it runs them
+PATTERNS = ("hf_grouped_mm", "hf_batched_mm", "hf_eager_loop")  # every idiom the pass driver knows, in the order it runs them
 COMPILERS = ("inductor", "aot_eager", "eager")
 PREFIX = "sonic."
 

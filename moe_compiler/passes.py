@@ -6,7 +6,7 @@ import logging
 
 import torch.fx as fx
 
-from patterns import hf_batched_mm, hf_grouped_mm
+from patterns import hf_batched_mm, hf_eager_loop, hf_grouped_mm
 from patterns.common import MoEMatch, Rejection, rewrite
 
 from .diagnostics import RegionRecord, publish
@@ -17,6 +17,7 @@ log = logging.getLogger("moe_compiler")
 FINDERS = {
     "hf_grouped_mm": hf_grouped_mm.find,
     "hf_batched_mm": hf_batched_mm.find,
+    "hf_eager_loop": hf_eager_loop.find,  # recognises only, to explain; never rewrites
 }
 
 _graph_ids = itertools.count()

@@ -139,3 +139,16 @@ def test_rewrite_exception_restores_graph(monkeypatch, caplog):
         names_ok = compiled(ids).logits
     assert report.records[0].status == "error" and "rewrite exploded" in report.records[0].reason
     assert_close_to_eager(names_ok, model(ids).logits, what="logits")
+
+
+def test_eager_experts_loop_gets_a_hint(caplog):
+    """transformers' eager loop never becomes one graph: left alone, with a warning that says what to do."""
+    model = tiny_moe_model("qwen3_moe")
+    model.config._experts_implementation = "eager"
+    ids = torch.randint(0, 128, (2, 8))
+    with caplog.at_level(logging.WARNING, logger="moe_compiler"):
+        report = _run(lambda t: model(t).logits, ids)
+    assert not report.rewritten
+    hints = [r for r in report.rejected if r.idiom == "hf_eager_loop"]
+    assert hints and "'sonic'" in hints[0].reason and "register_hf_experts" in hints[0].reason, str(report)
+    assert "register_hf_experts" in caplog.text
