@@ -1,0 +1,31 @@
+"""The examples run end to end on the CPU (tiny scale): they are what users try first."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+
+def test_hf_train_tiny(tmp_path):
+    import hf_train
+
+    results = hf_train.main([
+        "--model", "olmoe", "--scale", "tiny", "--steps", "3", "--providers", "eager,sonic",
+        "--sonic-compiler", "aot_eager", "--device", "cpu", "--out", str(tmp_path),
+    ])
+    eager, sonic = results
+    assert sonic["moe_regions_rewritten"] == 2 and eager["moe_regions_rewritten"] == 0
+    assert sonic["max_rel_loss_diff"] <= 1e-5
+    assert (tmp_path / "olmoe_tiny.json").exists()
+
+
+def test_hf_generate_tiny():
+    import hf_generate
+
+    assert hf_generate.main(["--model", "mixtral", "--new-tokens", "6", "--device", "cpu", "--sonic-compiler", "aot_eager"]) == 0
