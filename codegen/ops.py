@@ -25,6 +25,7 @@ from torch import Tensor
 from .activations import GATED, check_activation
 from .reference import torch_moe_experts_bwd, torch_moe_experts_fwd
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FORCE_REFERENCE = os.environ.get("SONIC_MOE_KERNEL", "auto") == "reference"
 
 
@@ -165,7 +166,7 @@ def validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, 
         fail(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     if topk_weights.shape != topk_ids.shape:
         fail(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
-    if not topk_weights.dtype.is_floating_point:
+    if topk_weights.dtype not in FLOAT_DTYPES:
         fail(f"topk_weights must be floating point, got {topk_weights.dtype}")
     if w1.dim() != 3 or w2.dim() != 3:
         fail(f"w1 and w2 must be 3-D [E, ., .], got {tuple(w1.shape)} and {tuple(w2.shape)}")
@@ -180,8 +181,13 @@ def validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, 
             f"expert weights {tuple(w1.shape)} / {tuple(w2.shape)} do not fit layout {layout} with d={d}, "
             f"n={n}, activation {activation!r} (w1_out must be {want_w1_out})"
         )
+    if x.dtype not in FLOAT_DTYPES:
+        fail(f"x must be a real floating-point tensor ({', '.join(map(str, FLOAT_DTYPES))}), got {x.dtype}")
     if x.dtype != w1.dtype or x.dtype != w2.dtype:
         fail(f"x, w1, w2 must share a dtype, got {x.dtype}, {w1.dtype}, {w2.dtype}")
+    for name, bias in (("b1", b1), ("b2", b2)):
+        if bias is not None and bias.dtype != x.dtype:
+            fail(f"{name} must have x's dtype {x.dtype}, got {bias.dtype}")
     if b1 is not None and tuple(b1.shape) != (E, w1_out):
         fail(f"b1 must be [E, w1_out] = {(E, w1_out)}, got {tuple(b1.shape)}")
     if b2 is not None and tuple(b2.shape) != (E, d):
@@ -212,10 +218,14 @@ def moe_experts(
     The result has x's dtype; the K-way combine accumulates in float32.
     """
     validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1, b2, activation=activation, transposed=transposed)
-    needs_grad = any(t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
-    save_h = torch.is_grad_enabled() and needs_grad
+    save_h = needs_saved_h(x, topk_weights, w1, w2, b1, b2)
     out, _, _, _ = moe_experts_op(
         x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, float(alpha),
         float(limit), save_h,
     )
     return out
+
+
+def needs_saved_h(*tensors) -> bool:
+    """Keep H for the backward only when one will run: grad mode on and an input that wants a grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

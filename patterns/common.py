@@ -336,33 +336,39 @@ def fake_mode_of(gm: fx.GraphModule):
 
 
 def rewrite(gm: fx.GraphModule, match: MoEMatch) -> fx.Node:
-    """Replace `match.anchor` with one `moe_experts` call; erase what only the region used."""
-    from codegen.ops import moe_experts
+    """Replace `match.anchor` with one `sonic::moe_experts` call; erase what only the region used.
+
+    The registered op itself goes into the graph (not a Python wrapper): AOTAutograd's cache only
+    accepts op targets. Inputs are validated here, on the fake values, so a bad match fails at
+    compile time (and the driver restores the graph) rather than in the user's step.
+    """
+    from codegen.ops import needs_saved_h, validate_moe_inputs
 
     graph = gm.graph
-    kwargs = dict(
-        activation=match.activation,
-        interleaved=match.interleaved,
-        transposed=match.transposed,
-        alpha=float(match.alpha),
-        limit=float(match.limit),
+    fakes = [example_value(a) for a in (match.x, match.topk_ids, match.topk_weights, match.w1, match.w2, match.b1, match.b2)]
+    validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed)
+    save_h = needs_saved_h(fakes[0], *fakes[2:])
+    args = (
+        match.x, match.topk_ids, match.topk_weights, match.w1, match.w2, match.b1, match.b2,
+        match.activation, match.interleaved, match.transposed, float(match.alpha), float(match.limit), save_h,
     )
-    args = (match.x, match.topk_ids, match.topk_weights, match.w1, match.w2, match.b1, match.b2)
+    op = torch.ops.sonic.moe_experts.default
+    anchor_dtype = dtype_of(match.anchor)
     with graph.inserting_before(match.anchor):
-        call = graph.call_function(moe_experts, args, kwargs)
-        result = call
-        anchor_dtype = dtype_of(match.anchor)
+        call = graph.call_function(op, args)
+        result = out = graph.call_function(operator.getitem, (call, 0))
         if anchor_dtype is not None and anchor_dtype != match.dtype:
-            result = graph.call_method("to", (call, anchor_dtype))
-    call.meta.update({k: v for k, v in match.anchor.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+            result = graph.call_method("to", (out, anchor_dtype))
+    for node in {call, out, result}:
+        node.meta.update({k: v for k, v in match.anchor.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     fake_mode = fake_mode_of(gm)
     if fake_mode is not None:
         with fake_mode:
-            fake_args = [example_value(a) for a in args]
-            val = moe_experts(*fake_args, **kwargs)
-        call.meta["example_value"] = val
-        if result is not call:
-            result.meta["example_value"] = val.to(anchor_dtype)
+            vals = op(*[example_value(a) for a in args])
+        call.meta["example_value"] = vals
+        out.meta["example_value"] = vals[0]
+        if result is not out:
+            result.meta["example_value"] = vals[0].to(anchor_dtype)
     match.anchor.replace_all_uses_with(result)
     erase_dead(graph, match.region | {match.anchor})
     return call
