@@ -202,6 +202,37 @@ def bench_one(name, master, shape, x, dy, ref, args):
     )
 
 
+def breakdown(master, shape, x, dy, steps=5):
+    """Per-kernel CUDA time of our fwd+bwd (torch.profiler) and what each autotuner picked."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from codegen import triton_moe
+
+    T, d, n, E, K = shape
+    fn, params = build_provider("ours", master, shape)
+    xg = x.detach().clone().requires_grad_()
+    fn(xg).backward(dy)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn(xg).backward(dy)
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count // steps, e.device_time_total / steps) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    flop = T * K * d * n
+    gemm_flop = {"_up_proj_kernel": 6 * flop}  # forward up-proj + backward dA' (same kernel)
+    total = sum(r[2] for r in rows)
+    print(f"  breakdown ({steps} fwd+bwd steps, us per step; total {total:.0f} us):")
+    for name, calls, us in rows[:14]:
+        extra = f"  {gemm_flop[name] / us * 1e-6:.0f} TFLOPS" if name in gemm_flop else ""
+        print(f"    {us:8.1f} us  x{calls:<2} {name[:90]}{extra}")
+    for tname in ("_up", "_scatter", "_dact", "_wgrad"):
+        tuner = getattr(triton_moe, tname)
+        timings = getattr(tuner, "configs_timings", None) or {}
+        best = sorted(((t if isinstance(t, float) else t[0]), str(c)) for c, t in timings.items())[:4]
+        print(f"    {tname}: " + "; ".join(f"{t * 1e3:.0f}us {c}" for t, c in best))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="7b-256", help=f"comma list of {sorted(SHAPES)} or {sorted(GROUPS)}")
@@ -210,6 +241,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=50, help="ms of warm-up per timing (do_bench)")
     ap.add_argument("--rep", type=int, default=300, help="ms of timed repeats per timing (do_bench)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--breakdown", action="store_true", help="also print our per-kernel times and tuned configs")
     args = ap.parse_args()
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
     shapes = [s for item in args.shapes.split(",") for s in GROUPS.get(item, [item])]
@@ -244,12 +276,18 @@ def main():
                 print(f"  skip {prov} at {sname}: out of memory ({exc})", flush=True)
                 torch.cuda.empty_cache()
                 continue
+            except Exception as exc:  # a peer failing must not lose the other providers' numbers
+                print(f"  skip {prov} at {sname}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                torch.cuda.empty_cache()
+                continue
             r.update(shape=sname, T=T, d=d, n=n, E=E, K=K, provider=prov)
             results.append(r)
             print(f"{sname:>10} {prov:>10}: fwd {r['fwd_tflops']:6.1f}  bwd {r['bwd_tflops']:6.1f}  "
                   f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOPS  act {r['act_gib']:.2f} GiB  peak {r['peak_gib']:.2f} GiB"
                   f"  err {r['max_rel_err']:.1e}  first {r['first_call_s']:.1f}s", flush=True)
             torch.cuda.empty_cache()
+        if args.breakdown:
+            breakdown(master, shape, x, dy)
         del master, x, dy, ref
         torch.cuda.empty_cache()
 

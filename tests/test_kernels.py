@@ -1,10 +1,11 @@
 """The Triton MoE kernels against the pure-torch twin and the float64 oracle.
 
 CPU: the kernels run under TRITON_INTERPRET=1 (fp32/fp16, tiny shapes; bf16 is broken in the
-interpreter). Triton decides interpretation when a kernel is decorated, i.e. at import, so the
-`tm` fixture imports a private, interpreted copy of `codegen.triton_moe` with the variable set and
-restores `sys.modules`, the `codegen` package attributes and the environment at once: nothing global
-stays changed, and the GPU tests below (and other test modules) get the compiled kernels.
+interpreter). Triton reads the flag when a function is decorated, Triton's own `tl.cdiv`/`tl.sum`
+included, i.e. when triton is first imported; in a shared pytest process another module may have
+imported it already. So the interpreted tests run in a child pytest process started with the flag
+(`test_interpreted_kernels_in_child_process`); in this process they skip, and nothing global changes.
+Run them directly, one result per test:  TRITON_INTERPRET=1 pytest -m "not gpu" tests/test_kernels.py
 
 GPU (`@pytest.mark.gpu`): bf16 at moderate shapes through `codegen.ops.moe_experts`, tolerance as
 data: err(ours, fp64) <= 2 * err(torch bf16 oracle, fp64) + eps; plus no host sync, CUDA graph
@@ -12,17 +13,18 @@ capture, and no recompilation when only T changes.
 """
 from __future__ import annotations
 
-import importlib
 import os
+import re
+import subprocess
 import sys
 
 import pytest
 import torch
 
 from codegen.activations import ACTIVATIONS, GATED
-from codegen.reference import torch_moe_experts, torch_moe_experts_bwd, torch_moe_experts_fwd, torch_route
+from codegen.reference import torch_moe_experts, torch_moe_experts_fwd, torch_route
 
-_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read once: this process is the child
 _FLAGS = dict(activation="swiglu", interleaved=False, transposed=False, alpha=1.702, limit=7.0)
 # float64-oracle relative error allowed for the interpreted kernels, per dtype. fp32: exact-order
 # arithmetic differences only (interpreted fp32 tl.dot is exact). fp16: one fp16 rounding of H, A,
@@ -30,43 +32,31 @@ _FLAGS = dict(activation="swiglu", interleaved=False, transposed=False, alpha=1.
 _TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
 
 
-def _import_interpreted():
-    """A fresh `codegen.triton_moe` whose kernels were decorated under TRITON_INTERPRET=1."""
-    import codegen
-
-    ours = [m for m in sys.modules if m == "codegen.triton_moe" or m.startswith("codegen.kernels")]
-    saved_modules = {m: sys.modules.pop(m) for m in ours}
-    saved_attrs = {a: codegen.__dict__[a] for a in ("triton_moe", "kernels") if a in codegen.__dict__}
-    saved_env = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return importlib.import_module("codegen.triton_moe")
-    finally:
-        if saved_env is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
-        for m in [m for m in sys.modules if m == "codegen.triton_moe" or m.startswith("codegen.kernels")]:
-            del sys.modules[m]
-        sys.modules.update(saved_modules)
-        for a in ("triton_moe", "kernels"):
-            codegen.__dict__.pop(a, None)
-        codegen.__dict__.update(saved_attrs)
-
-
-@pytest.fixture(scope="module")
-def interpreted_module():
-    mod = _import_interpreted()
-    assert mod.INTERPRETED, "the kernels must run in the Triton interpreter on the CPU"
-    return mod
-
-
 @pytest.fixture
-def tm(interpreted_module, monkeypatch):
-    # Triton also reads the flag while an interpreted kernel runs (it imports interpreter-only
-    # modules lazily), so it is set for the duration of each interpreted test, and only then.
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return interpreted_module
+def tm():
+    """`codegen.triton_moe` with interpreted kernels (only in a process started with the flag)."""
+    if not _INTERPRETING:
+        pytest.skip("interpreted kernels run in the child process of test_interpreted_kernels_in_child_process")
+    from codegen import triton_moe
+
+    assert triton_moe.INTERPRETED, "TRITON_INTERPRET=1 was set but the kernels were compiled"
+    return triton_moe
+
+
+@pytest.mark.skipif(_INTERPRETING, reason="this is the child process")
+def test_interpreted_kernels_in_child_process():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    assert proc.returncode == 0, (
+        f"interpreted kernel tests failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}")
+    counts = {word: int(num) for num, word in re.findall(r"(\d+) (passed|skipped|failed)", summary)}
+    assert counts.get("passed", 0) >= 20 and counts.get("skipped", 0) == 1, summary  # only the driver skips there
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -175,6 +165,18 @@ def test_biases_interleaved_transposed_fp16(tm):
     _check_against_oracle(tm, inputs, go, flags, _TOL[torch.float16])
 
 
+def test_two_dot_gate_up_path(tm):
+    # the interpreter's single config takes the fused gate/up dot; the autotuner may pick two dots
+    saved = tm._up.configs
+    tm._up.configs = [tm._cfg("up", 16, 16, 16, 1, 1, fused=False)]
+    try:
+        for interleaved in (False, True):
+            inputs, go = _make(13, 40, 24, 3, 2, torch.float32, bias=True, seed=int(interleaved))
+            _check_against_oracle(tm, inputs, go, dict(_FLAGS, interleaved=interleaved), _TOL[torch.float32])
+    finally:
+        tm._up.configs = saved
+
+
 def test_empty_experts(tm):
     inputs, go = _make(10, 32, 16, 6, 2, torch.float32, experts=[1, 4])  # experts 0, 2, 3, 5 get no rows
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
@@ -256,14 +258,28 @@ def test_pinned_config_parsing(tm):
         tm._parse_pinned("gemm:128x64x64:4:3")
 
 
-def test_interpreted_copy_leaves_global_state_alone(interpreted_module):
-    assert os.environ.get("TRITON_INTERPRET") == _INTERPRET_AT_IMPORT
-    assert sys.modules.get("codegen.triton_moe") is not interpreted_module
-    shared = importlib.import_module("codegen.triton_moe")  # what codegen.ops and other modules get
-    assert shared is not interpreted_module and shared.INTERPRETED == (_INTERPRET_AT_IMPORT == "1")
-
-
 # ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.fixture
+def first_config_only():
+    """Run the GPU correctness cases on each kernel's first (usually winning) config, unbenchmarked.
+
+    Autotuning every small test shape (~15 s per (d, n, E, K) key on a cold cache) would dominate the
+    GPU test time; the benchmark checks the error of the autotuned configs at real shapes, and
+    `test_gpu_new_t_does_not_recompile_or_retune` runs the real autotuner.
+    """
+    from codegen import triton_moe
+
+    tuners = (triton_moe._up, triton_moe._scatter, triton_moe._dact, triton_moe._wgrad)
+    saved = [(t.configs, dict(t.cache)) for t in tuners]
+    for t in tuners:
+        t.configs = t.configs[:1]
+    yield
+    for t, (configs, cache) in zip(tuners, saved):
+        t.configs = configs
+        t.cache.clear()
+        t.cache.update(cache)
 
 
 def _gpu_case(T, d, n, E, K, *, experts=None, seed=0, noncontig=False):
@@ -310,7 +326,7 @@ _GPU_CASES = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(_GPU_CASES))
-def test_gpu_bf16_matches_oracle(case):
+def test_gpu_bf16_matches_oracle(case, first_config_only):
     import codegen.ops as ops
 
     inputs, go = _gpu_case(**_GPU_CASES[case])
@@ -327,7 +343,7 @@ def test_gpu_bf16_matches_oracle(case):
 
 
 @pytest.mark.gpu
-def test_gpu_zero_tokens():
+def test_gpu_zero_tokens(first_config_only):
     from codegen.ops import moe_experts
 
     inputs, _ = _gpu_case(0, 256, 128, 4, 2)
@@ -340,20 +356,28 @@ def test_gpu_zero_tokens():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gpu_fp16_fp32(dtype):
-    inputs, go = _make(300, 256, 128, 8, 2, dtype, device="cuda", seed=11, bias=True)
+def test_gpu_fp16_fp32(dtype, first_config_only):
+    # gpt-oss flavour: clamped SwiGLU with a low limit (many clamped elements), biases, interleaved
+    flags = dict(_FLAGS, activation="swiglu_oai", interleaved=True, limit=1.0)
+    inputs, go = _make(300, 256, 128, 8, 2, dtype, activation="swiglu_oai", device="cuda", seed=11, bias=True)
     from codegen import triton_moe
 
-    (out, *_), grads = _run_ours(triton_moe, inputs, go, dict(_FLAGS, activation="swiglu_oai", limit=1.0))
-    ref_out, ref_grads = _oracle(inputs, go, dict(_FLAGS, activation="swiglu_oai", limit=1.0))
-    tol = {torch.float16: 5e-3, torch.float32: 1e-5}[dtype]
-    assert _rel(out, ref_out) <= tol
-    for name, g in zip(("x", "topk_weights", "w1", "w2", "b1", "b2"), grads):
-        assert _rel(g, ref_grads[name]) <= tol, name
+    (out, *_), grads = _run_ours(triton_moe, inputs, go, flags)
+    ref_out, ref_grads = _oracle(inputs, go, flags)
+    # baseline: the torch oracle in the same dtype (elements near the clamp flip sides when H is rounded)
+    leaves = {k: (v.detach().clone().requires_grad_() if v is not None and v.is_floating_point() else v)
+              for k, v in inputs.items()}
+    base_out = torch_moe_experts(**leaves, **flags)
+    names = ("x", "topk_weights", "w1", "w2", "b1", "b2")
+    base_grads = torch.autograd.grad(base_out, [leaves[k] for k in names], go)
+    eps = 1e-5 if dtype == torch.float32 else 1e-3
+    assert _rel(out, ref_out) <= 2 * _rel(base_out, ref_out) + eps
+    for name, g, b in zip(names, grads, base_grads):
+        assert _rel(g, ref_grads[name]) <= 2 * _rel(b, ref_grads[name]) + eps, name
 
 
 @pytest.mark.gpu
-def test_gpu_no_host_sync_and_graph_capture():
+def test_gpu_no_host_sync_and_graph_capture(first_config_only):
     from codegen.ops import moe_experts, moe_experts_op
 
     inputs, go = _gpu_case(640, 256, 128, 8, 2, seed=3)

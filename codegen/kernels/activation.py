@@ -10,6 +10,7 @@ order of `codegen.activations.ACTIVATIONS`):
     4 relu2       relu(h)^2           (non-gated: `u` is ignored)
     5 gelu        gelu_erf(h)
     6 silu        silu(h)
+    7 identity    h               (internal: lets the up-projection kernel serve as a plain gathered GEMM)
 
 Everything here is float32 math on float32 tiles; the callers upcast H and downcast the results.
 The formulas mirror `codegen.activations.torch_activation_and_grad` term by term.
@@ -81,8 +82,10 @@ def _act_fwd(g, u, alpha, limit, ACTIVATION: tl.constexpr):
         a = _unary_fwd(g, 4)
     elif ACTIVATION == 5:
         a = _unary_fwd(g, 1)
-    else:
+    elif ACTIVATION == 6:
         a = _unary_fwd(g, 0)
+    else:
+        a = g
     return a
 
 

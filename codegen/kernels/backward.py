@@ -1,7 +1,8 @@
-"""Backward grouped GEMMs (steps 5-6 of DESIGN.md); dX~ reuses the forward `_scatter_gemm_kernel`.
+"""Backward kernels (steps 5-6 of DESIGN.md). dA' = gather(dO) @ W2[e] runs on the forward
+`_up_proj_kernel` (identity activation); dX~ = dH @ W1[e] on the forward `_scatter_gemm_kernel`.
 
-    _dact_kernel:  dA' = gather(dO) @ W2[e]   (reduction over d), then in the epilogue, from H:
-                   A = act(H);  dS[r] = <dA'[r], A[r]>;  dH = act'(H) * s * dA';  A' = s * A
+    _act_grad_kernel: from dA' and H:  A = act(H);  dS[r] = <dA'[r], A[r]>;  dH = act'(H) * s * dA';
+                      A' = s * A
     _wgrad_kernel: dW[e] = Lhs_e^T Rhs_e, the reduction running over expert e's rows only:
                    dW2[e] = gather(dO)^T A'   and   dW1[e] = dH^T gather(x)
                    (+ the bias gradient as column sums of Lhs: db2 = sum s dO, db1 = sum dH)
@@ -13,64 +14,41 @@ import triton
 import triton.language as tl
 
 from .activation import _act_bwd
-from .routing import _expert_tile
 
 
 @triton.jit(do_not_specialize=["TK"])
-def _dact_kernel(
-    dout_ptr,  # [T, d] x.dtype, strides (stride_do_t, stride_do_d)
-    w2_ptr,  # expert weights x.dtype read as W2[e] [d, n] through strides (e, d, n)
+def _act_grad_kernel(
+    da_ptr,  # [TK, n] x.dtype, contiguous, expert order: dA' = gather(dO) @ W2[e]
     h_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order (pre-activation, from the forward)
     s_ptr,  # [TK] router weights (any float dtype), slot order
     sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
-    offsets_ptr,  # [E+1] int32
     dh_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order, H's gate/up layout
     a_scaled_ptr,  # [TK, n] x.dtype, contiguous, expert order: A' = s * A
     ds_ptr,  # [TK] float32, slot order: dS = <dA', A>
-    TK, d, n, E, top_k,
-    stride_do_t, stride_do_d,
-    stride_w2_e, stride_w2_d, stride_w2_n,
+    TK, n,
     alpha, limit,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-    E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Grid: (cdiv(TK, BLOCK_M) + E,). Program = one M tile of one expert, looping over ALL n columns.
+    """Grid: (cdiv(TK, BLOCK_R),). The dA' GEMM's epilogue as its own memory-bound pass.
 
-    Owning whole rows lets the program finish dS = sum over n in registers: no partial sums in memory,
-    no second reduction pass, no atomics.
+    A program owns BLOCK_R whole rows, so dS = sum over n finishes in registers (no partial sums,
+    no atomics). Why not inside the dA' GEMM: the fused epilogue (H gate/up, A, dG, dU, dS next to
+    the accumulator) spilled ~4 KB of stack per thread and ran the GEMM at 115 TFLOPS on the H100
+    at (T, d, n, E, K) = (24576, 1536, 256, 128, 8); the extra dA' round trip costs ~2 TK n bytes.
     """
-    tile = tl.program_id(0)
-    expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
-    if expert >= E:
-        return
-    w1_out = n * (1 + GATED)
-
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < TK
     rows64 = rows.to(tl.int64)
     slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
-    tokens = (slots // top_k).to(tl.int64)
     s = tl.load(s_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
-    ks = tl.arange(0, BLOCK_K)
-    w_base = w2_ptr + expert.to(tl.int64) * stride_w2_e
+    w1_out = n * (1 + GATED)
     out_dtype = dh_ptr.dtype.element_ty
-
-    ds = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for n0 in range(0, n, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_mask = cols < n
-        do_ptrs = dout_ptr + tokens[:, None] * stride_do_t + ks[None, :] * stride_do_d  # [BM, BK]
-        w_ptrs = w_base + ks[:, None] * stride_w2_d + cols[None, :] * stride_w2_n  # [BK, BN]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, d, BLOCK_K):
-            k_mask = (k0 + ks) < d
-            dog = tl.load(do_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(dog, w, acc, input_precision=DOT_PRECISION)
-            do_ptrs += BLOCK_K * stride_do_d
-            w_ptrs += BLOCK_K * stride_w2_d
-
+    ds = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, n, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_mask[:, None] & (cols < n)[None, :]
         if GATED:
             if INTERLEAVED:
                 gate_cols = 2 * cols
@@ -81,14 +59,14 @@ def _dact_kernel(
         else:
             gate_cols = cols
             up_cols = cols
-        mask = row_mask[:, None] & col_mask[None, :]
+        da = tl.load(da_ptr + rows64[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         g = tl.load(h_ptr + rows64[:, None] * w1_out + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if GATED:
             u = tl.load(h_ptr + rows64[:, None] * w1_out + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
         else:
             u = g
-        a, dg, du = _act_bwd(g, u, acc * s[:, None], alpha, limit, ACTIVATION)
-        ds += tl.sum(tl.where(mask, acc * a, 0.0), 1)
+        a, dg, du = _act_bwd(g, u, da * s[:, None], alpha, limit, ACTIVATION)
+        ds += tl.sum(tl.where(mask, da * a, 0.0), 1)
         tl.store(dh_ptr + rows64[:, None] * w1_out + gate_cols[None, :], dg.to(out_dtype), mask=mask)
         if GATED:
             tl.store(dh_ptr + rows64[:, None] * w1_out + up_cols[None, :], du.to(out_dtype), mask=mask)

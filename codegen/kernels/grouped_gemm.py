@@ -32,12 +32,15 @@ def _up_proj_kernel(
     alpha, limit,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_B1: tl.constexpr,
     STORE_H: tl.constexpr, STORE_A: tl.constexpr, E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED_GU: tl.constexpr,
 ):
     """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n, BLOCK_N),). Program = (M tile of one expert, N tile).
 
     An N tile covers columns j..j+BLOCK_N of A, i.e. the matching gate AND up columns of H, so the
-    activation runs in the epilogue on two float32 accumulators.
+    activation runs in the epilogue on float32 accumulators. FUSED_GU (gated only) loads the gate and
+    up rows of W1 as ONE [BLOCK_K, 2*BLOCK_N] tile, columns alternating gate/up, and issues one dot of
+    width 2*BLOCK_N (the x tile is read from shared memory once per step instead of twice); the
+    accumulator is split back into gate and up in the epilogue.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(n, BLOCK_N)
@@ -71,19 +74,38 @@ def _up_proj_kernel(
     wg_ptrs = w_base + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i  # [BK, BN]
     wu_ptrs = w_base + up_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
 
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, d, BLOCK_K):
-        k_mask = (k0 + ks) < d
-        xa = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PRECISION)
-        if GATED:
-            wu = tl.load(wu_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PRECISION)
-            wu_ptrs += BLOCK_K * stride_w1_i
-        x_ptrs += BLOCK_K * stride_x_d
-        wg_ptrs += BLOCK_K * stride_w1_i
+    if FUSED_GU and GATED:
+        c2 = tl.arange(0, 2 * BLOCK_N)
+        j2 = pid_n * BLOCK_N + c2 // 2  # A column of each fused column; even: gate, odd: up
+        if INTERLEAVED:
+            w_cols = 2 * j2 + (c2 % 2)
+        else:
+            w_cols = j2 + (c2 % 2) * n
+        j2_mask = j2 < n
+        w_ptrs = w_base + w_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i  # [BK, 2BN]
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            k_mask = (k0 + ks) < d
+            xa = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & j2_mask[None, :], other=0.0)
+            acc = tl.dot(xa, w, acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_x_d
+            w_ptrs += BLOCK_K * stride_w1_i
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            k_mask = (k0 + ks) < d
+            xa = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PRECISION)
+            if GATED:
+                wu = tl.load(wu_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PRECISION)
+                wu_ptrs += BLOCK_K * stride_w1_i
+            x_ptrs += BLOCK_K * stride_x_d
+            wg_ptrs += BLOCK_K * stride_w1_i
 
     if HAS_B1:
         b_base = b1_ptr + expert.to(tl.int64) * stride_b1_e
@@ -149,7 +171,8 @@ def _scatter_gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_w_k
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
 
     slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     out_ptrs = out_ptr + slots[:, None] * n_dim + cols[None, :]
