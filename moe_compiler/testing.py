@@ -45,7 +45,8 @@ def _configs():
         ),
         # sigmoid scores + correction bias, group-limited top-k, routed scaling, shared experts
         "deepseek_v3": lambda: tf.DeepseekV3Config(
-            **COMMON, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            **{**COMMON, "num_key_value_heads": 4},  # MLA: as many kv heads as heads (torch 2.11's SDPA fake rejects GQA here)
+            intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
             n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0, routed_scaling_factor=2.5,
             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
         ),

@@ -402,7 +402,7 @@ def scaled_by_routing_weights(y: fx.Node, walk: RegionWalk, topk_ids: fx.Node, p
     other = mul.args[1] if mul.args[0] is y else mul.args[0]
     broadcast = is_call(other, "unsqueeze", "view", "reshape") or getitem_of(other, (slice(None), None)) is not None
     expect(broadcast and isinstance(other.args[0], fx.Node), "routing weight is not broadcast per row")
-    flat_w = other.args[0]
+    flat_w = walk.through(other.args[0])
     walk.mark(mul, other)
     if perm is not None:
         expect(getitem_of(flat_w, perm) is not None, "routing weights are not permuted by perm")

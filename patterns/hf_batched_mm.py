@@ -13,7 +13,9 @@ Eager code it matches (transformers/integrations/moe.py, `batched_mm_experts_for
 
 It becomes the same `moe_experts` call as the grouped_mm path (its small-T regime), which reads
 each expert's weights in place instead of gathering a [TK, 2n, d] copy of them.
-The expert-parallel variant (sentinel clamp and masked weights) is not matched: left untouched.
+transformers 5.17 always clamps the ids used for the weight gather (`ids.clamp(0, E - 1)`, for
+expert-parallel sentinels); for ids in [0, E), which top-k guarantees and the op checks, that is
+the identity and is absorbed into the region.
 """
 from __future__ import annotations
 
@@ -78,34 +80,41 @@ def _bmm_operands(bmm: fx.Node):
     return None
 
 
-def _projection(bmm: fx.Node, walk: RegionWalk, flat_ids: fx.Node, transposed: bool, what: str):
+def _projection(bmm: fx.Node, walk: RegionWalk, gather_ids: fx.Node, transposed: bool, what: str):
     """For `bmm(W[ids], v.unsqueeze(-1)).squeeze(-1)` (or the transposed form): (W, v, output, bias)."""
     operands = _bmm_operands(bmm)
     expect(operands is not None, f"{what} projection is not a bmm with per-row expert weights")
     gathered, vec, is_transposed = operands
     expect(is_transposed == transposed, f"{what} projection uses a different weight layout")
     table, index = gathered.args
-    expect(index is flat_ids, f"{what} projection gathers weights with other ids")
+    expect(index is gather_ids, f"{what} projection gathers weights with other ids")
     unsq_dim, sq_dim = (1, 1) if transposed else (-1, -1)
     expect(is_call(vec, "unsqueeze") and vec.args[1] % 3 == unsq_dim % 3, f"{what} projection input is not unsqueezed")
     squeeze = walk.only_reader(bmm)
     expect(squeeze is not None and is_call(squeeze, "squeeze") and squeeze.args[1] % 3 == sq_dim % 3, f"{what} projection output is not squeezed")
     walk.mark(bmm, gathered, vec, squeeze)
-    bias = expert_bias(squeeze, flat_ids, walk)
+    bias = expert_bias(squeeze, gather_ids, walk)
     return table, vec.args[0], squeeze, bias
 
 
 def _check(up_bmm: fx.Node) -> MoEMatch:
     walk = RegionWalk()
     gathered, _, transposed = _bmm_operands(up_bmm)
-    flat_ids = gathered.args[1]
+    gather_ids = flat_ids = gathered.args[1]
+    E = shape_of(gathered.args[0])[0]
+    if is_call(flat_ids, "clamp"):  # transformers 5.17: ids.clamp(0, E - 1), the identity for valid ids
+        lo, hi = arg(flat_ids, 1, "min"), arg(flat_ids, 2, "max")
+        expect(lo in (0, None) and hi == E - 1, f"expert ids clamped to ({lo}, {hi}), not [0, E-1]")
+        walk.mark(flat_ids)
+        flat_ids = flat_ids.args[0]
     expect(is_call(flat_ids, "reshape", "view", "flatten"), "expert weights are not gathered by the flattened top-k ids")
+    walk.sorted_ids, walk.num_experts = flat_ids, E  # sentinel masks test these ids against E
     topk_ids = flat_ids.args[0]
     expect(len(shape_of(topk_ids)) == 2, "top-k ids are not [T, K]")
     T, K = shape_of(topk_ids)
     walk.mark(flat_ids)
 
-    w1, x_rep, h, b1 = _projection(up_bmm, walk, flat_ids, transposed, "up")
+    w1, x_rep, h, b1 = _projection(up_bmm, walk, gather_ids, transposed, "up")
     expect(is_call(x_rep, "repeat_interleave") and x_rep.args[1] == K and arg(x_rep, 2, "dim") == 0, "rows are not the hidden states repeated K times")
     x = x_rep.args[0]
     expect(len(shape_of(x)) == 2 and same_size(shape_of(x)[0], T), "repeated hidden states are not [T, d]")
@@ -116,10 +125,10 @@ def _check(up_bmm: fx.Node) -> MoEMatch:
     h = walk.forward(h)
     downs = [
         n for n in up_bmm.graph.nodes
-        if is_call(n, "bmm") and n is not up_bmm and (ops := _bmm_operands(n)) is not None and ops[0].args[1] is flat_ids
+        if is_call(n, "bmm") and n is not up_bmm and (ops := _bmm_operands(n)) is not None and ops[0].args[1] is gather_ids
     ]
     expect(len(downs) == 1, f"expected one down-projection bmm on the same ids, found {len(downs)}")
-    w2, a, y, b2 = _projection(downs[0], walk, flat_ids, transposed, "down")
+    w2, a, y, b2 = _projection(downs[0], walk, gather_ids, transposed, "down")
     a = walk.through(a)
     act = identify_activation(h, a)
     expect(not isinstance(act, str), str(act))
@@ -127,7 +136,6 @@ def _check(up_bmm: fx.Node) -> MoEMatch:
 
     mul, topk_weights = scaled_by_routing_weights(walk.forward(y), walk, topk_ids)
     anchor = summed_per_token(walk.forward(mul), walk, T, K)
-    E = shape_of(w1)[0]
     return finish_match(
         IDIOM, up_bmm, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, E=E, K=K, T=T, d=d
     )

@@ -106,6 +106,24 @@ def test_transformers_517_sentinel_spelling():
         assert_close_to_eager(got[1][pname], eager[1][pname], what=pname)
 
 
+def test_batched_mm_expert_parallel_spelling():
+    """transformers 5.17's batched_mm always clamps the gathered ids (`ids.clamp(0, E-1)`); 5.23 does
+    that, and masks the weights of sentinel ids, under expert parallelism. Both are absorbed."""
+    model = tiny_moe_model("gpt_oss")
+    model.config._experts_implementation = "batched_mm"
+    for module in model.modules():
+        if hasattr(module, "_is_expert_parallel"):
+            module._is_expert_parallel = True
+    ids = _ids(model)
+    eager = loss_and_grads(model, ids)
+    with moe_compiler.capture() as report:
+        got = loss_and_grads(compile_sonic(model, compiler="aot_eager"), ids)
+    assert len(report.rewritten) == 2 and {r.idiom for r in report.rewritten} == {"hf_batched_mm"}, str(report)
+    assert_close_to_eager(got[0], eager[0], what="logits")
+    for pname in eager[1]:
+        assert_close_to_eager(got[1][pname], eager[1][pname], what=pname)
+
+
 def test_fullgraph_whole_model():
     model = tiny_moe_model("olmoe")
     ids = _ids(model)

@@ -87,7 +87,9 @@ def test_unsupported_activation_rejected(caplog):
         with moe_compiler.capture() as report:
             got = compile_sonic(model, compiler="aot_eager")(ids).logits
     assert not report.rewritten, str(report)
-    assert {r.module for r in report.rejected} == {f"model.layers.{i}.mlp.experts" for i in range(2)}, str(report)
+    # both layers are rejected; torch 2.11 + transformers 5.17 also retry the frame from inner
+    # modules (their fallback op does not trace there), so paths may start below "model."
+    assert {r.module.rsplit("layers.", 1)[-1] for r in report.rejected} == {"0.mlp.experts", "1.mlp.experts"}, str(report)
     assert all("unsupported activation" in r.reason for r in report.rejected), str(report)
     assert "unsupported activation" in caplog.text
     assert_close_to_eager(got, eager, what="logits")

@@ -501,7 +501,8 @@ def test_gpu_reduce_overhead_cuda_graphs_match_eager():
     model = tiny_moe_model("qwen3_moe", torch.bfloat16).cuda()
     fp32 = tiny_moe_model("qwen3_moe", torch.float32).cuda()
     fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    compiled = torch.compile(model, backend="sonic", mode="reduce-overhead", options={"sonic.fallback": False})
+    # torch.compile takes `mode` or `options`, never both: reduce-overhead runs with default sonic options
+    compiled = torch.compile(model, backend="sonic", mode="reduce-overhead")
     counters.clear()
     for step in range(4):  # warm-up, recording, then replays
         ids = _ids(2, 16, seed=step).cuda()
