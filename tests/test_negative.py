@@ -87,10 +87,12 @@ def test_unsupported_activation_rejected(caplog):
         with moe_compiler.capture() as report:
             got = compile_sonic(model, compiler="aot_eager")(ids).logits
     assert not report.rewritten, str(report)
-    # both layers are rejected; torch 2.11 + transformers 5.17 also retry the frame from inner
-    # modules (their fallback op does not trace there), so paths may start below "model."
-    assert {r.module.rsplit("layers.", 1)[-1] for r in report.rejected} == {"0.mlp.experts", "1.mlp.experts"}, str(report)
-    assert all("unsupported activation" in r.reason for r in report.rejected), str(report)
+    # both layers are rejected for their activation; torch 2.11 + transformers 5.17 also retry the
+    # frame from inner modules (their fallback op does not trace there), adding records for partial
+    # regions whose paths start lower and whose reasons differ
+    whole = {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert whole <= {r.module for r in report.rejected}, str(report)
+    assert all("unsupported activation" in r.reason for r in report.rejected if r.module in whole), str(report)
     assert "unsupported activation" in caplog.text
     assert_close_to_eager(got, eager, what="logits")
 
