@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
@@ -263,13 +263,6 @@ def users_getitem(node: fx.Node, index: int) -> fx.Node | None:
         if user.op == "call_function" and user.target is operator.getitem and user.args[1] == index:
             return user
     return None
-
-
-def strip(node: Any, skip: Callable[[fx.Node], bool]) -> Any:
-    """Follow first arguments back through nodes that `skip` says are transparent."""
-    while isinstance(node, fx.Node) and skip(node):
-        node = node.args[0]
-    return node
 
 
 def is_noop_cast(node: fx.Node) -> bool:
