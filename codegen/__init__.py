@@ -2,6 +2,7 @@
 from .activations import ACTIVATIONS, GATED
 from .ops import moe_experts, moe_experts_backward_op, moe_experts_op
 from .reference import torch_moe_experts, torch_moe_experts_bwd, torch_moe_experts_fwd, torch_route
+from .token_rounding import token_rounding
 
 __all__ = [
     "ACTIVATIONS",
@@ -13,4 +14,5 @@ __all__ = [
     "torch_moe_experts_fwd",
     "torch_moe_experts_bwd",
     "torch_route",
+    "token_rounding",
 ]
