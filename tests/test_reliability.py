@@ -489,6 +489,21 @@ def test_gpu_bitwise_deterministic(case):
         assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max difference run to run"
 
 
+def _reduce_overhead_models():
+    """(bf16 eager model, its fp32 twin, a bf16 copy compiled with mode="reduce-overhead"), on CUDA.
+
+    The compiled model gets its own copy of the parameters (gradients of a replayed backward live
+    in the graph pool; sharing parameters with the eager runs would muddle the comparison), and
+    torch.compile takes `mode` or `options`, never both: it runs with default sonic options.
+    """
+    model = tiny_moe_model("qwen3_moe", torch.bfloat16).cuda()
+    fp32 = tiny_moe_model("qwen3_moe", torch.float32).cuda()
+    fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    twin = tiny_moe_model("qwen3_moe", torch.bfloat16).cuda()
+    twin.load_state_dict(model.state_dict())
+    return model, fp32, torch.compile(twin, backend="sonic", mode="reduce-overhead")
+
+
 @pytest.mark.gpu
 @pytest.mark.xfail(
     strict=True,
@@ -504,15 +519,7 @@ def test_gpu_reduce_overhead_cuda_graphs_match_eager():
 
     from .helpers import loss_and_grads
 
-    model = tiny_moe_model("qwen3_moe", torch.bfloat16).cuda()
-    fp32 = tiny_moe_model("qwen3_moe", torch.float32).cuda()
-    fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    # The compiled model gets its own copy of the parameters (gradients of a replayed backward live
-    # in the graph pool; sharing parameters with the eager runs would muddle the comparison).
-    twin = tiny_moe_model("qwen3_moe", torch.bfloat16).cuda()
-    twin.load_state_dict(model.state_dict())
-    # torch.compile takes `mode` or `options`, never both: reduce-overhead runs with default sonic options
-    compiled = torch.compile(twin, backend="sonic", mode="reduce-overhead")
+    model, fp32, compiled = _reduce_overhead_models()
     counters.clear()
     for step in range(4):  # warm-up, recording, then replays
         ids = _ids(2, 16, seed=step).cuda()
@@ -546,12 +553,7 @@ def test_gpu_reduce_overhead_runs_in_cuda_graphs():
 
     from .helpers import loss_and_grads
 
-    model = tiny_moe_model("qwen3_moe", torch.bfloat16).cuda()
-    fp32 = tiny_moe_model("qwen3_moe", torch.float32).cuda()
-    fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    twin = tiny_moe_model("qwen3_moe", torch.bfloat16).cuda()
-    twin.load_state_dict(model.state_dict())
-    compiled = torch.compile(twin, backend="sonic", mode="reduce-overhead")
+    model, fp32, compiled = _reduce_overhead_models()
     counters.clear()
     ids = _ids(2, 16, seed=0).cuda()
     truth, eager = loss_and_grads(fp32, ids), loss_and_grads(model, ids)
