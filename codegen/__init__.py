@@ -1,18 +1,24 @@
 """Kernels, the `sonic::` ops that launch them, and their pure-torch reference. Knows nothing of FX."""
 from .activations import ACTIVATIONS, GATED
 from .ops import moe_experts, moe_experts_backward_op, moe_experts_op
-from .reference import torch_moe_experts, torch_moe_experts_bwd, torch_moe_experts_fwd, torch_route
-from .token_rounding import token_rounding
+from .reference import (
+    torch_moe_experts,
+    torch_moe_experts_bwd,
+    torch_moe_experts_fwd,
+    torch_route,
+)
+from .token_rounding import round_routing, token_rounding
 
 __all__ = [
     "ACTIVATIONS",
     "GATED",
     "moe_experts",
-    "moe_experts_op",
     "moe_experts_backward_op",
-    "torch_moe_experts",
-    "torch_moe_experts_fwd",
-    "torch_moe_experts_bwd",
-    "torch_route",
+    "moe_experts_op",
+    "round_routing",
     "token_rounding",
+    "torch_moe_experts",
+    "torch_moe_experts_bwd",
+    "torch_moe_experts_fwd",
+    "torch_route",
 ]

@@ -1,11 +1,17 @@
 """The `sonic::` torch.library ops: the contract between the pattern passes and the kernels.
 
     sonic::moe_experts(x, topk_ids, topk_weights, w1, w2, b1?, b2?, activation, interleaved,
-                       transposed, alpha, limit, save_h)
+                       transposed, alpha, limit, save_h, slot_token?)
         -> (out [T, d], H [TK, w1_out] (or [0, w1_out] when save_h is False),
             sorted_rows int32 [TK], expert_offsets int32 [E+1])
-    sonic::moe_experts_backward(grad_out, <forward inputs>, H, sorted_rows, expert_offsets, flags)
+    sonic::moe_experts_backward(grad_out, <forward inputs>, H, sorted_rows, expert_offsets, flags,
+                                slot_token?)
         -> (dx, d_topk_weights, dw1, dw2, db1, db2)   (db1/db2 are empty when there is no bias)
+
+Routing comes as [T, K] ids and weights (every id in [0, E)), or in the slot form that token
+rounding produces: flat [S] ids and weights plus `slot_token` [S], the token of each slot
+(nondecreasing), where id -1 marks a padding slot that adds nothing (see `codegen.reference`).
+TK above is the number of slots.
 
 Autograd saves x, the routing (ids, weights, sorted_rows, offsets) and the pre-activation H; the
 backward recomputes A = act(H) and never sees the gathered x or the expert outputs Y.
@@ -59,16 +65,19 @@ def moe_experts_op(
     alpha: float,
     limit: float,
     save_h: bool,
+    slot_token: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     flags = _flags(activation, interleaved, transposed, alpha, limit)
+    args = (x, topk_ids, topk_weights, w1, w2, b1, b2)
     impl = _triton_backend(x)
-    if impl is not None and impl.supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
-        return impl.triton_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, save_h=save_h, **flags)
-    return torch_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, save_h=save_h, **flags)
+    if impl is not None and impl.supports(*args, **flags):
+        return impl.triton_moe_experts_fwd(*args, save_h=save_h, slot_token=slot_token, **flags)
+    return torch_moe_experts_fwd(*args, save_h=save_h, slot_token=slot_token, **flags)
 
 
 @moe_experts_op.register_fake
-def _(x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, alpha, limit, save_h):
+def _(x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, alpha, limit, save_h,
+      slot_token=None):
     T, d = x.shape
     TK = topk_ids.numel()
     E = w1.shape[0]
@@ -98,19 +107,21 @@ def moe_experts_backward_op(
     transposed: bool,
     alpha: float,
     limit: float,
+    slot_token: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     flags = _flags(activation, interleaved, transposed, alpha, limit)
     args = (grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets)
     impl = _triton_backend(x)
     if impl is not None and impl.supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
-        dx, dw, dw1, dw2, db1, db2 = impl.triton_moe_experts_bwd(*args, **flags)
+        dx, dw, dw1, dw2, db1, db2 = impl.triton_moe_experts_bwd(*args, slot_token=slot_token, **flags)
     else:
-        dx, dw, dw1, dw2, db1, db2 = torch_moe_experts_bwd(*args, **flags)
+        dx, dw, dw1, dw2, db1, db2 = torch_moe_experts_bwd(*args, slot_token=slot_token, **flags)
     return dx, dw, dw1, dw2, x.new_empty(0) if db1 is None else db1, x.new_empty(0) if db2 is None else db2
 
 
 @moe_experts_backward_op.register_fake
-def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, *flags):
+def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, *flags,
+      slot_token=None):
     return (
         torch.empty_like(x),
         torch.empty_like(topk_weights),
@@ -122,18 +133,18 @@ def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, exper
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, alpha, limit, _ = inputs
+    x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, alpha, limit, _, slot_token = inputs
     _, h, sorted_rows, offsets = output
-    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets, slot_token)
     ctx.flags = (activation, interleaved, transposed, alpha, limit)
 
 
 def _backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
-    x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets = ctx.saved_tensors
+    x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets, slot_token = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(x)
     dx, dw, dw1, dw2, db1, db2 = moe_experts_backward_op(
-        grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets, *ctx.flags
+        grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets, *ctx.flags, slot_token
     )
     return (
         dx,
@@ -143,14 +154,15 @@ def _backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
         dw2,
         None if b1 is None else db1,
         None if b2 is None else db2,
-        None, None, None, None, None, None,
+        None, None, None, None, None, None, None,
     )
 
 
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, activation, transposed):
+def validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, activation, transposed,
+                        slot_token=None):
     """Clear errors for shapes, dtypes and devices the op cannot take (never a wrong answer)."""
     check_activation(activation)
 
@@ -160,8 +172,13 @@ def validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, 
     if x.dim() != 2:
         fail(f"x must be [T, d], got shape {tuple(x.shape)}")
     T, d = x.shape
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+    if slot_token is None and (topk_ids.dim() != 2 or topk_ids.shape[0] != T):
         fail(f"topk_ids must be [T={T}, K], got {tuple(topk_ids.shape)}")
+    if slot_token is not None:
+        if topk_ids.dim() != 1 or slot_token.shape != topk_ids.shape:
+            fail(f"slot form: ids {tuple(topk_ids.shape)} and slot_token {tuple(slot_token.shape)} must be [S]")
+        if slot_token.dtype.is_floating_point or slot_token.dtype == torch.bool:
+            fail(f"slot_token must be an integer tensor, got {slot_token.dtype}")
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         fail(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     if topk_weights.shape != topk_ids.shape:
@@ -192,7 +209,7 @@ def validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, 
         fail(f"b1 must be [E, w1_out] = {(E, w1_out)}, got {tuple(b1.shape)}")
     if b2 is not None and tuple(b2.shape) != (E, d):
         fail(f"b2 must be [E, d] = {(E, d)}, got {tuple(b2.shape)}")
-    devices = {t.device for t in (x, topk_ids, topk_weights, w1, w2, b1, b2) if t is not None}
+    devices = {t.device for t in (x, topk_ids, topk_weights, w1, w2, b1, b2, slot_token) if t is not None}
     if len(devices) > 1:
         fail(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
@@ -211,17 +228,22 @@ def moe_experts(
     transposed: bool = False,
     alpha: float = 1.702,
     limit: float = 7.0,
+    slot_token: Tensor | None = None,
 ) -> Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), fused and differentiable.
 
     Expert e computes act(x W1[e]^T + b1[e]) W2[e]^T + b2[e] (see `codegen.reference` for layouts).
     The result has x's dtype; the K-way combine accumulates in float32.
+
+    With `slot_token`, the routing is in the slot form (what `codegen.round_routing` returns):
+    flat [S] ids (-1: padding) and weights, and the token of each slot, nondecreasing.
     """
-    validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1, b2, activation=activation, transposed=transposed)
+    validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1, b2, activation=activation, transposed=transposed,
+                        slot_token=slot_token)
     save_h = needs_saved_h(x, topk_weights, w1, w2, b1, b2)
     out, _, _, _ = moe_experts_op(
         x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, float(alpha),
-        float(limit), save_h,
+        float(limit), save_h, slot_token,
     )
     return out
 

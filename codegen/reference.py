@@ -2,7 +2,13 @@
 
 Notation (see `codegen.activations`): x [T, d]; topk_ids, topk_weights [T, K]; rows r = 0..TK-1 in
 expert order; `sorted_rows[r]` is the flat slot t*K + k of row r; `expert_offsets` [E+1] bounds each
-expert's rows. Weight layouts:
+expert's rows.
+
+Slot form (what token rounding produces; `slot_token` given): ids and weights are flat [S] slots,
+`slot_token[s]` is the token of slot s (nondecreasing), and id -1 marks a padding slot that no
+expert sees and that adds nothing. Padding rows sort after every expert's rows, so
+`expert_offsets[E]` counts the real rows. The [T, K] form is the slot form with slot_token = s // K
+and no padding. Weight layouts:
 
     transposed=False (Hugging Face):  w1 [E, 2n, d]  w2 [E, d, n]   (nn.Linear's [out, in])
     transposed=True  (gpt-oss):       w1 [E, d, 2n]  w2 [E, n, d]   ([in, out])
@@ -30,19 +36,31 @@ from .activations import (
     torch_activation_and_grad,
 )
 
+PAD = -1  # expert id of a padding slot (slot form only)
+
 
 def torch_route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing metadata, on the device: (sorted_rows int32 [TK], expert_offsets int32 [E+1]).
 
-    A stable sort keeps each expert's rows in token order, so the result is deterministic.
+    A stable sort keeps each expert's rows in token order, so the result is deterministic. Padding
+    slots (id -1, slot form) sort last and are not counted.
     """
     flat = topk_ids.reshape(-1).long()
-    sorted_rows = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat.clamp(0, num_experts - 1), torch.ones_like(flat))
+    keys = torch.where(flat == PAD, num_experts, flat)
+    sorted_rows = torch.argsort(keys, stable=True).to(torch.int32)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, keys.clamp(0, num_experts), torch.ones_like(flat))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    offsets[1:] = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
     return sorted_rows, offsets
+
+
+def tokens_of_slots(topk_ids: torch.Tensor, slot_token: torch.Tensor | None) -> torch.Tensor:
+    """The token (int64) of every flat slot: slot_token, or s // K for [T, K] ids."""
+    if slot_token is not None:
+        return slot_token.reshape(-1).long()
+    K = topk_ids.shape[1]
+    return torch.arange(topk_ids.numel(), device=topk_ids.device) // K
 
 
 def expert_matrices(w1: torch.Tensor, w2: torch.Tensor, e: int, transposed: bool):
@@ -56,13 +74,29 @@ def _bounds(expert_offsets: torch.Tensor) -> list[int]:
     return expert_offsets.tolist()  # host sync: CPU reference only
 
 
-def check_routing(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Reject ids outside [0, E): reading a wrong expert silently is the worst outcome."""
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+def check_routing(topk_ids: torch.Tensor, num_experts: int, slot_token: torch.Tensor | None = None) -> None:
+    """Reject ids outside [0, E) (-1 is padding in the slot form): a wrong expert is the worst outcome."""
+    low = PAD if slot_token is not None else 0
+    if topk_ids.numel() and (int(topk_ids.min()) < low or int(topk_ids.max()) >= num_experts):
+        allowed = f"[0, {num_experts}) or -1 (padding)" if slot_token is not None else f"[0, {num_experts})"
         raise IndexError(
-            f"expert ids must lie in [0, {num_experts}); got range "
-            f"[{int(topk_ids.min())}, {int(topk_ids.max())}]"
+            f"expert ids must lie in {allowed}; got range [{int(topk_ids.min())}, {int(topk_ids.max())}]"
         )
+
+
+def combine_slots(rows_in_slot_order: torch.Tensor, weights: torch.Tensor | None, topk_ids: torch.Tensor,
+                  slot_token: torch.Tensor | None, T: int) -> torch.Tensor:
+    """[T, d] in the accumulation dtype: sum over each token's real slots of (weight *) row."""
+    acc = torch.float64 if rows_in_slot_order.dtype == torch.float64 else torch.float32
+    y = rows_in_slot_order.to(acc)
+    if weights is not None:
+        y = y * weights.reshape(-1, 1).to(acc)
+    if slot_token is None:  # [T, K]: every slot is real; a fixed k order
+        return y.view(T, topk_ids.shape[1], y.shape[1]).sum(1)
+    real = (topk_ids.reshape(-1) != PAD).unsqueeze(-1)
+    y = torch.where(real, y, torch.zeros((), dtype=acc, device=y.device))
+    tokens = tokens_of_slots(topk_ids, slot_token).clamp(max=max(T - 1, 0))  # padding may carry T
+    return torch.zeros(T, y.shape[1], dtype=acc, device=y.device).index_add_(0, tokens, y)
 
 
 def torch_moe_experts_fwd(
@@ -80,18 +114,19 @@ def torch_moe_experts_fwd(
     alpha: float = 1.702,
     limit: float = 7.0,
     save_h: bool = True,
+    slot_token: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (out [T, d] x.dtype, H [TK, w1_out] or empty, sorted_rows [TK], expert_offsets [E+1])."""
     check_activation(activation)
     T, d = x.shape
-    K = topk_ids.shape[1]
+    S = topk_ids.numel()
     E = w1.shape[0]
-    check_routing(topk_ids, E)
+    check_routing(topk_ids, E, slot_token)
     sorted_rows, offsets = torch_route(topk_ids, E)
-    token_of_row = (sorted_rows // K).long()
+    token_of_row = tokens_of_slots(topk_ids, slot_token)[sorted_rows.long()]
     w1_out = w1.shape[2] if transposed else w1.shape[1]
-    h = x.new_empty(T * K, w1_out)
-    y = x.new_empty(T * K, d)
+    h = x.new_zeros(S, w1_out)
+    y = x.new_zeros(S, d)
     bounds = _bounds(offsets)
     for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
@@ -107,10 +142,9 @@ def torch_moe_experts_fwd(
         if b2 is not None:
             ye = ye + b2[e]
         y[lo:hi] = ye
-    y_tok = torch.empty_like(y)
-    y_tok[sorted_rows.long()] = y
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out = (y_tok.view(T, K, d).to(acc) * topk_weights.to(acc).unsqueeze(-1)).sum(1).to(x.dtype)
+    y_slot = torch.empty_like(y)
+    y_slot[sorted_rows.long()] = y
+    out = combine_slots(y_slot, topk_weights, topk_ids, slot_token, T).to(x.dtype)
     if not save_h:
         h = x.new_empty(0, w1_out)
     return out, h, sorted_rows, offsets
@@ -134,17 +168,18 @@ def torch_moe_experts_bwd(
     transposed: bool = False,
     alpha: float = 1.702,
     limit: float = 7.0,
+    slot_token: torch.Tensor | None = None,
 ):
     """Returns (dx, d_topk_weights, dw1, dw2, db1 or None, db2 or None), each in its input's dtype."""
     T, d = x.shape
-    K = topk_ids.shape[1]
+    S = topk_ids.numel()
     E = w1.shape[0]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     rows = sorted_rows.long()
-    token_of_row = rows // K
+    token_of_row = tokens_of_slots(topk_ids, slot_token)[rows]
     s_row = topk_weights.reshape(-1)[rows].to(acc)
-    dx_rows = x.new_zeros(T * K, d)
-    ds_rows = torch.zeros(T * K, dtype=acc, device=x.device)
+    dx_rows = x.new_zeros(S, d)
+    ds_rows = torch.zeros(S, dtype=acc, device=x.device)
     dw1 = torch.zeros_like(w1)
     dw2 = torch.zeros_like(w2)
     db1 = None if b1 is None else torch.zeros_like(b1)
@@ -182,34 +217,38 @@ def torch_moe_experts_bwd(
         if db2 is not None:
             db2[e] = (s * dog.to(acc)).sum(0).to(b2.dtype)
         dx_rows[lo:hi] = dh @ W1
-    dx_tok = torch.empty_like(dx_rows)
-    dx_tok[rows] = dx_rows
-    dx = dx_tok.view(T, K, d).to(acc).sum(1).to(x.dtype)
-    ds_tok = torch.empty_like(ds_rows)
-    ds_tok[rows] = ds_rows
-    return dx, ds_tok.view(T, K).to(topk_weights.dtype), dw1, dw2, db1, db2
+    dx_slot = torch.empty_like(dx_rows)
+    dx_slot[rows] = dx_rows
+    dx = combine_slots(dx_slot, None, topk_ids, slot_token, T).to(x.dtype)
+    ds_slot = torch.empty_like(ds_rows)
+    ds_slot[rows] = ds_rows  # padding rows sit past expert_offsets[E] and keep their 0
+    return dx, ds_slot.view(topk_weights.shape).to(topk_weights.dtype), dw1, dw2, db1, db2
 
 
-def torch_moe_experts(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, **flags) -> torch.Tensor:
+def torch_moe_experts(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, slot_token=None, **flags):
     """The simplest correct loop, differentiable by plain autograd: the oracle for tests.
 
     One token-slot at a time per expert, no sorting, no fusion; runs in the inputs' dtype.
+    Takes [T, K] ids and weights, or the slot form (flat ids with -1 padding, and `slot_token`).
     """
     activation = flags.get("activation", "swiglu")
     check_activation(activation)
     T, d = x.shape
     E = w1.shape[0]
-    check_routing(topk_ids, E)
+    check_routing(topk_ids, E, slot_token)
+    ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
+    tokens = tokens_of_slots(topk_ids, slot_token)
     out = torch.zeros(T, d, dtype=torch.promote_types(x.dtype, topk_weights.dtype), device=x.device)
     for e in range(E):
-        tok, slot = torch.where(topk_ids == e)
-        if tok.numel() == 0:
+        (slot,) = torch.where(ids == e)
+        if slot.numel() == 0:
             continue
+        tok = tokens[slot]
         W1, W2 = expert_matrices(w1, w2, e, flags.get("transposed", False))
         he = x[tok] @ W1.t() + (0 if b1 is None else b1[e])
         a = _differentiable_activation(he, activation, flags)
         ye = a @ W2.t() + (0 if b2 is None else b2[e])
-        out = out.index_add(0, tok, ye * topk_weights[tok, slot].unsqueeze(-1))
+        out = out.index_add(0, tok, ye * weights[slot].unsqueeze(-1))
     return out.to(x.dtype)
 
 

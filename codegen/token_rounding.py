@@ -18,14 +18,22 @@ A token can lose every expert when its only experts all round down. With `keep_e
 multiple by the number of tokens kept this way (usually 0); with False, such tokens are dropped
 (they contribute nothing to the layer output, as a capacity-limited router would do).
 
-Status: this is the routing function alone; `sonic::moe_experts` still takes [T, K] ids, so the
-compiler option `sonic.token_rounding` is not wired yet.
+`round_routing` turns the result into the slot form that `sonic::moe_experts` takes (flat ids with
+-1 padding, weights, and the token of each slot), with a static number of slots, so the rounded
+layer runs on the same kernels. It is the op `sonic::round_routing`, differentiable in the
+weights: the gradient of a kept top-k pair goes to its top-k weight, that of a pair added by
+rounding up to the router probability. The compiler option `sonic.token_rounding` inserts it in
+front of every rewritten MoE whose router scores it can see (see the README).
 """
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 MODES = ("nearest", "up", "down")
+# The M tile of the grouped GEMMs on the GPU (every autotuned config of codegen.triton_moe uses it):
+# the tile the compiler rounds to, so no tile of a rounded expert is padded.
+M_TILE = 128
 
 
 def round_token_counts(counts: torch.Tensor, tile: int, mode: str, max_count: int) -> torch.Tensor:
@@ -82,3 +90,98 @@ def token_rounding(
     weights = torch.where(in_topk, topk_w, router_probs.to(topk_weights.dtype))
     weights = torch.where(mask, weights, torch.zeros((), dtype=weights.dtype, device=device))
     return mask, weights
+
+
+def slot_capacity(T: int, E: int, K: int, tile: int, mode: str) -> int:
+    """A static bound on the number of (token, expert) pairs after rounding, from shapes alone.
+
+    Rounding down only removes pairs (a token kept by keep_every_token goes back to an expert that
+    lost at least as many), up adds fewer than `tile` per expert, nearest at most tile // 2.
+    """
+    extra = {"down": 0, "up": tile - 1, "nearest": tile // 2}[mode]
+    return min(T * K + E * extra, T * E)
+
+
+@torch.library.custom_op("sonic::round_routing_slots", mutates_args=())
+def _round_routing_slots(
+    router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor, tile: int, mode: str, keep_every_token: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(slot_ids int32 [S] (-1: padding), slot_weights [S], slot_token int32 [S]), token-major."""
+    T, E = router_probs.shape
+    K = topk_ids.shape[1]
+    S = slot_capacity(T, E, K, tile, mode)
+    mask, weights = token_rounding(router_probs, topk_ids, topk_weights, tile=tile, mode=mode,
+                                   keep_every_token=keep_every_token)
+    flat = mask.reshape(-1)
+    position = torch.cumsum(flat, 0) - 1  # row-major [T, E]: token-major, experts ascending
+    target = torch.where(flat & (position < S), position, S)
+    pair = torch.full((S + 1,), T * E, dtype=torch.int64, device=mask.device)
+    pair.scatter_(0, target, torch.arange(T * E, device=mask.device))
+    pair = pair[:S]
+    real = pair < T * E
+    slot_ids = torch.where(real, pair % E, -1).to(torch.int32)
+    slot_token = (pair // E).to(torch.int32)  # padding slots carry T: they sort after every token
+    padded = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
+    return slot_ids, padded[pair], slot_token
+
+
+@_round_routing_slots.register_fake
+def _(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
+    T, E = router_probs.shape
+    S = slot_capacity(T, E, topk_ids.shape[1], tile, mode)
+    ints = router_probs.new_empty(S, dtype=torch.int32)
+    return ints, topk_weights.new_empty(S), router_probs.new_empty(S, dtype=torch.int32)
+
+
+def _round_routing_setup(ctx, inputs, output):
+    router_probs, topk_ids, topk_weights, *_ = inputs
+    slot_ids, _, slot_token = output
+    ctx.save_for_backward(topk_ids, slot_ids, slot_token)
+    ctx.shape = router_probs.shape
+    ctx.dtypes = (router_probs.dtype, topk_weights.dtype)
+
+
+def _round_routing_backward(ctx, _g_ids, g_weights, _g_token):
+    topk_ids, slot_ids, slot_token = ctx.saved_tensors
+    T, E = ctx.shape
+    real = slot_ids >= 0
+    pair = torch.where(real, slot_token.long() * E + slot_ids.long(), T * E)
+    dense = torch.zeros(T * E + 1, dtype=torch.float32, device=g_weights.device)
+    dense.index_add_(0, pair, torch.where(real, g_weights.float(), 0.0))
+    dense = dense[: T * E].view(T, E)
+    ids = topk_ids.long()
+    g_topk = dense.gather(1, ids)
+    in_topk = torch.zeros(T, E, dtype=torch.bool, device=dense.device).scatter_(1, ids, True)
+    g_probs = torch.where(in_topk, 0.0, dense)
+    return g_probs.to(ctx.dtypes[0]), None, g_topk.to(ctx.dtypes[1]), None, None, None
+
+
+_round_routing_slots.register_autograd(_round_routing_backward, setup_context=_round_routing_setup)
+
+
+def round_routing(
+    router_probs: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    *,
+    tile: int = M_TILE,
+    mode: str = "nearest",
+    keep_every_token: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Token rounding in the slot form that `codegen.moe_experts(..., slot_token=...)` takes.
+
+    Returns (slot_ids int32 [S], slot_weights [S], slot_token int32 [S]) with the static S of
+    `slot_capacity`: the pairs of `token_rounding`'s mask in token-major order, then padding
+    (id -1, token T). Differentiable in topk_weights and router_probs (see the module docstring):
+
+        ids, w, tok = round_routing(probs, topk_ids, topk_weights, mode="nearest")
+        out = moe_experts(x, ids, w, w1, w2, slot_token=tok)
+
+    Apply it in training only: evaluation should route by plain top-k.
+    """
+    if mode not in MODES:
+        raise ValueError(f"token rounding mode must be one of {MODES}, got {mode!r}")
+    if router_probs.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != router_probs.shape[0]:
+        raise ValueError(f"router_probs [T, E] {tuple(router_probs.shape)} and topk_ids [T, K] "
+                         f"{tuple(topk_ids.shape)} do not fit")
+    return _round_routing_slots(router_probs, topk_ids, topk_weights, int(tile), mode, bool(keep_every_token))

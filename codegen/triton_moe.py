@@ -38,6 +38,7 @@ from .activations import ACTIVATIONS, GATED
 from .kernels.backward import _act_grad_kernel, _wgrad_kernel
 from .kernels.combine import _gather_sum_kernel
 from .kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel
+from .token_rounding import M_TILE
 
 # activation name -> the constexpr code of codegen/kernels/activation.py
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -69,13 +70,15 @@ _GPU_CONFIGS = {
     # dot wins at n=256, two dots at n=768/512 (within 5% of each other)
     "up": [(128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4, True),
            (128, 64, 64, 4, 4)],
-    "scatter": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4), (128, 128, 64, 8, 3),
-                (256, 128, 64, 8, 3)],
+    "scatter": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4), (128, 128, 64, 8, 3)],
     "dact": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4),
              (128, 64, 64, 4, 4)],
     "wgrad": [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
               (128, 128, 64, 4, 3)],
 }
+# Every row-tiled kernel uses M tiles of token_rounding.M_TILE rows: the tile `sonic.token_rounding`
+# rounds expert counts to, so a rounded expert fills its tiles exactly.
+assert all(c[0] == M_TILE for k in ("up", "scatter", "dact") for c in _GPU_CONFIGS[k])
 # The interpreter: one config, small tiles (tiny test shapes; ~0.25 GFLOP/s there).
 _INTERPRETER_CONFIG = (16, 16, 16, 1, 1, True)
 
@@ -165,29 +168,38 @@ def supports(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleav
     return 0 < E <= _MAX_EXPERTS and topk_ids.numel() < 2**31
 
 
-def route(topk_ids: Tensor, E: int) -> tuple[Tensor, Tensor]:
+def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tensor]:
     """(sorted_rows int32 [TK], expert_offsets int32 [E+1]) on the device, with no host sync.
 
-    Same contract as `codegen.reference.torch_route`. An id outside [0, E) fails in scatter_add_
-    (a device-side assert on CUDA, an IndexError-like RuntimeError on the CPU): never a silent
-    wrong expert.
+    Same contract as `codegen.reference.torch_route`. `padded` (the slot form): id -1 is a padding
+    slot, sorted after every expert and not counted. Any other id outside [0, E) fails in
+    scatter_add_ (a device-side assert on CUDA, an IndexError-like RuntimeError on the CPU): never a
+    silent wrong expert.
     """
     flat = topk_ids.reshape(-1)
+    if padded:
+        flat = torch.where(flat == -1, E, flat)
     # 16-bit keys: the radix sort makes 2 passes instead of 8 (59 -> ~15 us at TK = 196608 on the H100)
-    keys = flat.to(torch.int16) if E <= 2**15 else flat
+    keys = flat.to(torch.int16) if E < 2**15 else flat
     sorted_rows = torch.sort(keys, stable=True).indices.to(torch.int32)
-    counts = torch.zeros(E, dtype=torch.int32, device=flat.device)
+    counts = torch.zeros(E + padded, dtype=torch.int32, device=flat.device)
     counts.scatter_add_(0, flat.long(), torch.ones(flat.shape, dtype=torch.int32, device=flat.device))
     offsets = torch.zeros(E + 1, dtype=torch.int32, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, 0)
+    offsets[1:] = torch.cumsum(counts[:E], 0)
     return sorted_rows, offsets
+
+
+def token_offsets(slot_token: Tensor, T: int) -> Tensor:
+    """int32 [T+1]: the first slot of each token (slot_token is nondecreasing), on the device."""
+    wanted = torch.arange(T + 1, dtype=slot_token.dtype, device=slot_token.device)
+    return torch.searchsorted(slot_token, wanted, out_int32=True)
 
 
 # ----------------------------------------------------------------------------------------- launchers
 
 
 def triton_moe_up(x, w1, b1, sorted_rows, offsets, *, n, top_k, activation, interleaved, transposed,
-                  alpha, limit, store_h=True, store_a=True):
+                  alpha, limit, store_h=True, store_a=True, slot_token=None):
     """H [TK, w1_out] (or [0, w1_out]) and A [TK, n] (or [0, n]) in expert order."""
     T, d = x.shape
     E = w1.shape[0]
@@ -201,7 +213,7 @@ def triton_moe_up(x, w1, b1, sorted_rows, offsets, *, n, top_k, activation, inte
     b1c = b1.contiguous() if b1 is not None else x
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _up[grid](
-        x, w1, b1c, sorted_rows, offsets, h, a,
+        x, w1, b1c, sorted_rows, _or(slot_token, sorted_rows), offsets, h, a,
         TK, d, n, E, top_k,
         x.stride(0), x.stride(1),
         *_w1_strides(w1, transposed),
@@ -209,7 +221,7 @@ def triton_moe_up(x, w1, b1, sorted_rows, offsets, *, n, top_k, activation, inte
         float(alpha), float(limit),
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
         HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=_e_pow2(E),
-        DOT_PRECISION=_dot_precision(x.dtype),
+        DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=slot_token is not None,
     )
     return h, a
 
@@ -235,8 +247,13 @@ def triton_moe_scatter_gemm(inp, w, w_strides, bias, sorted_rows, offsets, *, n_
     return out
 
 
-def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype) -> Tensor:
-    """out [T, d] = sum_k (s[t, k]) y[t*K + k], float32 accumulation; y [T*K, d] in slot order."""
+def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype,
+                          slots: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """out [T, d] = sum_k (s[t, k]) y[t*K + k], float32 accumulation; y [T*K, d] in slot order.
+
+    slots = (ids [TK], token_offsets [T+1]) for the slot form: token t sums its real slots in
+    [token_offsets[t], token_offsets[t+1]).
+    """
     d = y.shape[1]
     out = torch.empty(T, d, dtype=out_dtype, device=y.device)
     if T == 0 or d == 0:
@@ -247,15 +264,16 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
         block_d = min(block_d, 16)
     block_t = 2 if INTERPRETED else 4
     grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
+    ids, offs = slots if slots is not None else (y, y)
     _gather_sum_kernel[grid](
-        y, s if s is not None else y, out, T, d, top_k,
-        HAS_WEIGHTS=s is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        y, _or(s, y), ids, offs, out, T, d, top_k,
+        HAS_WEIGHTS=s is not None, SLOTS=slots is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
     )
     return out
 
 
 def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, activation, interleaved,
-                    transposed, alpha, limit):
+                    transposed, alpha, limit, slot_token=None):
     """(dH [TK, w1_out], A' = s A [TK, n], dS float32 [TK] in slot order) from dA' = gather(dO) W2."""
     T, d = grad_out.shape
     E = w2.shape[0]
@@ -263,7 +281,7 @@ def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, 
     gated = GATED[activation]
     dh = torch.empty_like(h)
     a_scaled = h.new_empty(TK, n)
-    ds = torch.empty(TK, dtype=torch.float32, device=h.device)
+    ds = torch.zeros(TK, dtype=torch.float32, device=h.device)  # padding slots (slot form) stay 0
     if TK == 0:
         return dh, a_scaled, ds
     # dA' [TK, n] = gather(dO) @ W2[e]: the up-projection kernel with W2 read as (e, out=n, in=d)
@@ -271,7 +289,7 @@ def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, 
     sw = _w2_strides(w2, transposed)  # (e, d, n)
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _dact[grid](
-        grad_out, w2, grad_out, sorted_rows, offsets, da, da,
+        grad_out, w2, grad_out, sorted_rows, _or(slot_token, sorted_rows), offsets, da, da,
         TK, d, n, E, top_k,
         grad_out.stride(0), grad_out.stride(1),
         sw[0], sw[2], sw[1],
@@ -279,13 +297,13 @@ def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, 
         0.0, 0.0,
         ACTIVATION=_IDENTITY, GATED=False, INTERLEAVED=False,
         HAS_B1=False, STORE_H=False, STORE_A=True, E_POW2=_e_pow2(E),
-        DOT_PRECISION=_dot_precision(h.dtype),
+        DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=slot_token is not None,
     )
     block_c = min(256, triton.next_power_of_2(n))
     block_r = 4 if INTERPRETED else max(1, 2048 // block_c)
     _act_grad_kernel[(triton.cdiv(TK, block_r),)](
-        da, h, s_flat, sorted_rows, dh, a_scaled, ds,
-        TK, n, float(alpha), float(limit),
+        da, h, s_flat, sorted_rows, offsets, dh, a_scaled, ds,
+        TK, n, E, float(alpha), float(limit),
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
         BLOCK_R=block_r, BLOCK_C=block_c if not INTERPRETED else min(block_c, 16), num_warps=4,
     )
@@ -293,7 +311,7 @@ def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, 
 
 
 def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, top_k, dw, dw_strides,
-                     db=None, s_flat=None):
+                     db=None, s_flat=None, slot_token=None):
     """dW[e] [P, Q] = sum over expert e's rows of Lhs[r]^T Rhs[r], written into `dw` via (e, p, q) strides.
 
     A gathered operand is [T, .] read at each row's token; the other is [TK, .] in expert order.
@@ -304,13 +322,14 @@ def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, 
     TK = sorted_rows.numel()
     grid = lambda META: (E * triton.cdiv(P, META["BLOCK_P"]) * triton.cdiv(Q, META["BLOCK_Q"]),)
     _wgrad[grid](
-        lhs, rhs, s_flat if s_flat is not None else lhs, sorted_rows, offsets, dw,
+        lhs, rhs, _or(s_flat, lhs), sorted_rows, _or(slot_token, sorted_rows), offsets, dw,
         db if db is not None else dw,
         TK, P, Q, E, top_k,
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1),
         *dw_strides,
         GATHER_LHS=gather_lhs, GATHER_RHS=gather_rhs, BIAS_GRAD=db is not None,
         BIAS_SCALED=s_flat is not None, DOT_PRECISION=_dot_precision(lhs.dtype),
+        TOKEN_MAP=slot_token is not None,
     )
     return dw
 
@@ -318,55 +337,73 @@ def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, 
 # -------------------------------------------------------------------------------------- entry points
 
 
+def _or(t: Tensor | None, other: Tensor) -> Tensor:
+    """A pointer argument for an optional tensor (the kernel does not read it when absent)."""
+    return other if t is None else t
+
+
+def _slot_routing(topk_ids, slot_token, T):
+    """(K or 1, gather-sum slots argument or None) for [T, K] routing or the slot form."""
+    if slot_token is None:
+        return topk_ids.shape[1], None
+    return 1, (topk_ids, token_offsets(slot_token, T))
+
+
 def triton_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleaved, transposed,
-                           alpha, limit, save_h):
+                           alpha, limit, save_h, slot_token=None):
     T, d, n, E, w1_out = _dims(x, w1, w2, transposed)
-    K = topk_ids.shape[1]
-    sorted_rows, offsets = route(topk_ids, E)
+    K, slots = _slot_routing(topk_ids, slot_token, T)
+    sorted_rows, offsets = route(topk_ids, E, padded=slot_token is not None)
     flags = dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
-    h, a = triton_moe_up(x, w1, b1, sorted_rows, offsets, n=n, top_k=K, store_h=save_h, **flags)
+    h, a = triton_moe_up(x, w1, b1, sorted_rows, offsets, n=n, top_k=K, store_h=save_h, slot_token=slot_token,
+                         **flags)
     ws = w2.stride()
     down_strides = (ws[0], ws[1], ws[2]) if transposed else (ws[0], ws[2], ws[1])  # B[e] = W2[e]^T [n, d]
     y = triton_moe_scatter_gemm(a, w2, down_strides, b2, sorted_rows, offsets, n_dim=d)
     del a
-    out = triton_moe_gather_sum(y, topk_weights.reshape(-1), T, K, x.dtype)
+    out = triton_moe_gather_sum(y, topk_weights.reshape(-1), T, K, x.dtype, slots)
     return out, h, sorted_rows, offsets
 
 
 def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, *,
-                           activation, interleaved, transposed, alpha, limit):
+                           activation, interleaved, transposed, alpha, limit, slot_token=None):
     T, d, n, E, w1_out = _dims(x, w1, w2, transposed)
-    K = topk_ids.shape[1]
-    TK = T * K
+    K, slots = _slot_routing(topk_ids, slot_token, T)
+    TK = topk_ids.numel()
     flags = dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
+    routing = dict(sorted_rows=sorted_rows, offsets=expert_offsets, top_k=K, slot_token=slot_token)
     grad_out = grad_out.to(x.dtype)
     s_flat = topk_weights.reshape(-1)
     if h.numel() == 0 and TK > 0:  # the forward ran without save_h: recompute H (A is not needed)
-        h, _ = triton_moe_up(x, w1, b1, sorted_rows, expert_offsets, n=n, top_k=K, store_a=False, **flags)
+        h, _ = triton_moe_up(x, w1, b1, n=n, store_a=False, **routing, **flags)
 
-    dh, a_scaled, ds = triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, expert_offsets, n=n, top_k=K, **flags)
+    dh, a_scaled, ds = triton_moe_dact(grad_out, w2, h, s_flat, n=n, **routing, **flags)
 
     dw2 = torch.empty_like(w2)
     db2 = None if b2 is None else torch.empty(b2.shape, dtype=b2.dtype, device=b2.device)
     s2 = dw2.stride()  # dW2 as [E, P=d, Q=n]
-    triton_moe_wgrad(grad_out, a_scaled, gather_lhs=True, gather_rhs=False, sorted_rows=sorted_rows,
-                     offsets=expert_offsets, top_k=K, dw=dw2,
-                     dw_strides=(s2[0], s2[2], s2[1]) if transposed else s2, db=db2, s_flat=s_flat)
+    triton_moe_wgrad(grad_out, a_scaled, gather_lhs=True, gather_rhs=False, dw=dw2,
+                     dw_strides=(s2[0], s2[2], s2[1]) if transposed else s2, db=db2, s_flat=s_flat, **routing)
     del a_scaled
 
     dw1 = torch.empty_like(w1)
     db1 = None if b1 is None else torch.empty(b1.shape, dtype=b1.dtype, device=b1.device)
     s1 = dw1.stride()  # dW1 as [E, P=w1_out, Q=d]
-    triton_moe_wgrad(dh, x, gather_lhs=False, gather_rhs=True, sorted_rows=sorted_rows, offsets=expert_offsets,
-                     top_k=K, dw=dw1, dw_strides=(s1[0], s1[2], s1[1]) if transposed else s1, db=db1)
+    triton_moe_wgrad(dh, x, gather_lhs=False, gather_rhs=True, dw=dw1,
+                     dw_strides=(s1[0], s1[2], s1[1]) if transposed else s1, db=db1, **routing)
 
     ws = w1.stride()
     dx_strides = (ws[0], ws[2], ws[1]) if transposed else ws  # B[e] = W1[e] [w1_out, d]
     dx_rows = triton_moe_scatter_gemm(dh, w1, dx_strides, None, sorted_rows, expert_offsets, n_dim=d)
     del dh
-    dx = triton_moe_gather_sum(dx_rows, None, T, K, x.dtype)
+    dx = triton_moe_gather_sum(dx_rows, None, T, K, x.dtype, slots)
 
-    ds = ds.view(T, K)
-    if b2 is not None:  # dS also gets <dO[t], b2[e]>: one [T, E] product, gathered at the routed experts
-        ds = ds + (grad_out.float() @ b2.float().t()).gather(1, topk_ids.long())
-    return dx, ds.to(topk_weights.dtype), dw1, dw2, db1, db2
+    if b2 is not None:  # dS also gets <dO[t], b2[e]>: one [T, E] product, read at each slot's (token, expert)
+        dob2 = (grad_out.float() @ b2.float().t()).reshape(-1)
+        if slot_token is None:
+            tok = torch.arange(TK, device=x.device) // K
+        else:
+            tok = slot_token.reshape(-1).long().clamp(max=T - 1)
+        ids = topk_ids.reshape(-1).long()
+        ds = ds + torch.where(ids >= 0, dob2[tok * E + ids.clamp(min=0)], 0.0)
+    return dx, ds.view(topk_weights.shape).to(topk_weights.dtype), dw1, dw2, db1, db2

@@ -107,7 +107,7 @@ def _rel(a, b):
 
 
 def _run_ours(tm, inputs, go, flags, save_h=True):
-    out, h, rows, offs = tm.triton_moe_experts_fwd(**inputs, save_h=save_h, **flags)
+    out, h, rows, offs = tm.triton_moe_experts_fwd(**inputs, save_h=save_h, **flags)  # slot_token rides in inputs
     grads = tm.triton_moe_experts_bwd(go, **inputs, h=h, sorted_rows=rows, expert_offsets=offs, **flags)
     return (out, h, rows, offs), grads
 
@@ -123,7 +123,8 @@ def _check_against_oracle(tm, inputs, go, flags, tol, save_h=True):
     if save_h:
         _, ref_h, _, _ = torch_moe_experts_fwd(**inputs, save_h=True, **flags)
         assert h.shape == ref_h.shape
-        assert _rel(h, ref_h) <= tol
+        real = int(offs[-1])  # rows past the experts' are padding (slot form): never read
+        assert _rel(h[:real], ref_h[:real]) <= tol
     else:
         assert h.shape[0] == 0
     ref_out, ref_grads = _oracle(inputs, go, flags)
@@ -217,6 +218,44 @@ def test_non_contiguous_inputs(tm):
     go = go.t().contiguous().t()
     assert not any(inputs[k].is_contiguous() for k in ("x", "w1", "w2", "topk_weights", "topk_ids"))
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
+
+
+def _slot_form(inputs, *, drop=(), mode=None, tile=4, seed=0):
+    """The [T, K] routing of `inputs` as slots: rounded (`mode`), or flattened with slots `drop` padded."""
+    from codegen.token_rounding import round_routing
+
+    ids, weights = inputs["topk_ids"], inputs["topk_weights"]
+    T, K = ids.shape
+    if mode is not None:
+        E = inputs["w1"].shape[0]
+        gen = torch.Generator().manual_seed(seed)
+        probs = torch.rand(T, E, generator=gen).to(weights.dtype)
+        probs.scatter_(1, ids, 1.0 + weights)  # the top-k experts score highest, as a router's would
+        slot_ids, slot_w, slot_token = round_routing(probs, ids, weights, tile=tile, mode=mode)
+    else:
+        slot_ids, slot_w = ids.reshape(-1).clone(), weights.reshape(-1)
+        slot_ids[list(drop)] = -1
+        slot_token = torch.arange(T * K) // K
+    return dict(inputs, topk_ids=slot_ids, topk_weights=slot_w.contiguous(), slot_token=slot_token)
+
+
+@pytest.mark.parametrize("mode,dtype", [("up", torch.float32), ("down", torch.float16), ("nearest", torch.float32)])
+def test_slot_form_token_rounding(tm, mode, dtype):
+    # 29 tokens x 2 over 5 experts, rounded to tiles of 4: every expert moves, some pairs are padding
+    inputs, go = _make(29, 32, 16, 5, 2, dtype, bias=mode == "nearest", seed=11)
+    slots = _slot_form(inputs, mode=mode)
+    assert (slots["topk_ids"] == -1).any() or mode == "down"
+    _check_against_oracle(tm, slots, go, _FLAGS, _TOL[dtype])
+
+
+def test_slot_form_padding_anywhere(tm):
+    # padding inside a token's slots, and token 3 with no expert at all (its output and dx are 0)
+    inputs, go = _make(9, 32, 16, 4, 2, torch.float32, bias=True, seed=2)
+    slots = _slot_form(inputs, drop=(1, 6, 7, 12))
+    _check_against_oracle(tm, slots, go, _FLAGS, _TOL[torch.float32])
+    (out, *_), (dx, dw, *_) = _run_ours(tm, slots, go, _FLAGS)
+    assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.equal(dx[3], torch.zeros_like(dx[3]))
+    assert torch.equal(dw[[1, 6, 7, 12]], torch.zeros(4))
 
 
 def test_backward_recomputes_h_without_save_h(tm):

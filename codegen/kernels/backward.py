@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .activation import _act_bwd
+from .grouped_gemm import _slot_tokens
 
 
 @triton.jit(do_not_specialize=["TK"])
@@ -22,10 +23,11 @@ def _act_grad_kernel(
     h_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order (pre-activation, from the forward)
     s_ptr,  # [TK] router weights (any float dtype), slot order
     sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
+    offsets_ptr,  # [E+1] int32; rows from offsets[E] on are padding (slot form) and are skipped
     dh_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order, H's gate/up layout
     a_scaled_ptr,  # [TK, n] x.dtype, contiguous, expert order: A' = s * A
-    ds_ptr,  # [TK] float32, slot order: dS = <dA', A>
-    TK, n,
+    ds_ptr,  # [TK] float32, slot order: dS = <dA', A> (padding slots are not written)
+    TK, n, E,
     alpha, limit,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -39,7 +41,7 @@ def _act_grad_kernel(
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < TK
+    row_mask = rows < tl.load(offsets_ptr + E)
     rows64 = rows.to(tl.int64)
     slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
     s = tl.load(s_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
@@ -80,6 +82,7 @@ def _wgrad_kernel(
     rhs_ptr,  # rows -> dW's Q axis, x.dtype: [T, Q] read at token rows (GATHER_RHS) or [TK, Q] expert order
     s_ptr,  # [TK] router weights, slot order; read when BIAS_SCALED
     sorted_rows_ptr,  # [TK] int32
+    slot_token_ptr,  # [TK] int, token of each slot; read when TOKEN_MAP
     offsets_ptr,  # [E+1] int32
     dw_ptr,  # [E, P, Q] weight dtype through strides (e, p, q): transposed layouts swap them
     db_ptr,  # [E, P] contiguous, bias dtype; written when BIAS_GRAD
@@ -87,7 +90,7 @@ def _wgrad_kernel(
     stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c,
     stride_dw_e, stride_dw_p, stride_dw_q,
     GATHER_LHS: tl.constexpr, GATHER_RHS: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    BIAS_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BIAS_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr, TOKEN_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     """Grid: (E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q),). dW[e][p, q] = sum_{r in e} Lhs[r, p] Rhs[r, q].
@@ -116,7 +119,7 @@ def _wgrad_kernel(
         row_mask = rows < hi
         if GATHER_LHS or GATHER_RHS or BIAS_SCALED:
             slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
-            tokens = (slots // top_k).to(tl.int64)
+            tokens = _slot_tokens(slots, row_mask, slot_token_ptr, top_k, TOKEN_MAP)
         if GATHER_LHS:
             lhs_rows = tokens
         else:

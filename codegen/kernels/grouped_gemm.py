@@ -3,7 +3,8 @@
     _up_proj_kernel:      H = gather(x) @ W1[e]^T + b1[e];  A = act(H)          (gate and up together)
     _scatter_gemm_kernel: Y[slot(r)] = In[r] @ B[e] + bias[e]                   (down-proj; also dX~)
 
-Rows r are in expert order (`sorted_rows[r]` = flat slot t*K + k, token t = slot // K). Weights are
+Rows r are in expert order (`sorted_rows[r]` = flat slot t*K + k, token t = slot // K; in the slot
+form, TOKEN_MAP, the token is read from `slot_token[slot]`). Weights are
 addressed through (expert, out, in) strides, so the transposed (gpt-oss) layouts and non-contiguous
 weights need no copy. Gated H is stored in the layout W1 produces it: concatenated (gate = cols
 [0, n), up = [n, 2n)) or interleaved (gate = even cols, up = odd cols).
@@ -16,12 +17,21 @@ from .activation import _act_fwd
 from .routing import _expert_tile
 
 
+@triton.jit
+def _slot_tokens(slots, mask, slot_token_ptr, top_k, TOKEN_MAP: tl.constexpr):
+    """int64 token of each slot: slot // K for [T, K] routing, slot_token[slot] in the slot form."""
+    if TOKEN_MAP:
+        return tl.load(slot_token_ptr + slots, mask=mask, other=0).to(tl.int64)
+    return (slots // top_k).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["TK"])
 def _up_proj_kernel(
     x_ptr,  # [T, d] x.dtype, strides (stride_x_t, stride_x_d)
     w1_ptr,  # [E, w1_out, d] (or [E, d, w1_out] transposed) x.dtype, strides (e, out, in)
     b1_ptr,  # [E, w1_out] x.dtype, read when HAS_B1
     sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
+    slot_token_ptr,  # [TK] int, token of each slot; read when TOKEN_MAP (else token = slot // top_k)
     offsets_ptr,  # [E+1] int32, expert row offsets
     h_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order; written when STORE_H
     a_ptr,  # [TK, n] x.dtype, contiguous, expert order; written when STORE_A
@@ -32,6 +42,7 @@ def _up_proj_kernel(
     alpha, limit,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_B1: tl.constexpr,
     STORE_H: tl.constexpr, STORE_A: tl.constexpr, E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TOKEN_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED_GU: tl.constexpr,
 ):
     """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n, BLOCK_N),). Program = (M tile of one expert, N tile).
@@ -54,7 +65,7 @@ def _up_proj_kernel(
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
     slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
-    tokens = (slots // top_k).to(tl.int64)
+    tokens = _slot_tokens(slots, row_mask, slot_token_ptr, top_k, TOKEN_MAP)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n
     if GATED:
