@@ -44,6 +44,9 @@ class Report:
                 str(r.graph), r.module, r.idiom, r.status, det.get("activation", "-"), det.get("layout", "-"),
                 det.get("router", "-"), det.get("shared", "-"), det.get("dtype", "-"), r.reason or shape,
             ))
+        if any(r.details.get("token_rounding", "off") != "off" for r in self.records):  # the option is on
+            cols = (*cols[:-1], "token rounding", cols[-1])
+            rows = [(*row[:-1], r.details.get("token_rounding", "-"), row[-1]) for r, row in zip(self.records, rows)]
         widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
         line = lambda vals: "  " + " | ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
         sep = "  " + "-+-".join("-" * w for w in widths)

@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 PATTERNS = ("hf_grouped_mm", "hf_batched_mm", "hf_eager_loop")  # every idiom the pass driver knows, in the order it runs them
 COMPILERS = ("inductor", "aot_eager", "eager")
+ROUNDING_MODES = ("nearest", "up", "down")  # codegen.token_rounding.MODES (kept import-free here)
 PREFIX = "sonic."
 
 
@@ -23,6 +24,9 @@ class SonicOptions:
     # An exception inside a pattern leaves that graph untouched with a logged warning instead of
     # failing the user's step. Tests turn it off so a pattern bug fails loudly.
     fallback: bool = True
+    # Tile-aware token rounding in training graphs: None (plain top-k), "nearest", "up" or "down".
+    # See codegen.token_rounding and the README; evaluation graphs always route plain top-k.
+    token_rounding: str | None = None
 
     def __post_init__(self):
         patterns = self.patterns
@@ -34,6 +38,8 @@ class SonicOptions:
             raise ValueError(f"unknown sonic.patterns {unknown}; known: {', '.join(PATTERNS)}")
         if self.compiler not in COMPILERS:
             raise ValueError(f"sonic.compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        if self.token_rounding not in (None, *ROUNDING_MODES):
+            raise ValueError(f"sonic.token_rounding must be None or one of {ROUNDING_MODES}, got {self.token_rounding!r}")
         for name in ("enabled", "debug", "fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"sonic.{name} must be a bool, got {getattr(self, name)!r}")

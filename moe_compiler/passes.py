@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 
+import torch
 import torch.fx as fx
 
 from patterns import hf_batched_mm, hf_eager_loop, hf_grouped_mm
@@ -49,6 +51,49 @@ def _find(name: str, gm: fx.GraphModule, graph_id: int, options: SonicOptions):
     return matches, records
 
 
+def token_rounding_for(match: MoEMatch, options: SonicOptions) -> tuple[str | None, str]:
+    """(mode or None, what the report says): rounding applies to training graphs only.
+
+    A graph is a training graph when it is traced with grad enabled and the experts module is in
+    train mode. Dynamo re-traces when either changes for Hugging Face models (it guards on grad
+    mode always, and on `module.training` because their attention reads it).
+    """
+    mode = options.token_rounding
+    if mode is None:
+        return None, "off"
+    if not torch.is_grad_enabled():
+        return None, "off (traced without grad: inference)"
+    training = _module_training(match.module_source)
+    if training is False:
+        return None, "off (module in eval mode)"
+    if match.router_probs is None:
+        log.warning("sonic.token_rounding: %s keeps plain top-k: its router does not rank by softmax/sigmoid "
+                    "probabilities that the graph shows (%s)", match.module, match.router)
+        return None, "off (router scores not visible)"
+    return mode, mode
+
+
+_SOURCE_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']*)'\]")
+
+
+def _module_training(source: str) -> bool | None:
+    """`module.training` of the module Dynamo names `source` (e.g. "L['self'].model.layers[0].mlp"),
+    read from the frame being compiled; None when that frame or module cannot be resolved."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        root = re.match(r"L\['([^']+)'\]", source)
+        if tx is None or root is None:
+            return None
+        obj = tx.f_locals[root.group(1)]
+        for attr, index, key in _SOURCE_STEP.findall(source[root.end():]):
+            obj = getattr(obj, attr) if attr else obj[int(index)] if index else obj[key]
+        return bool(obj.training)
+    except Exception:  # a private Dynamo detail moved, or the source is not a module path
+        return None
+
+
 def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
     """Rewrite `gm` in place; return (and publish) one record per candidate region.
 
@@ -67,7 +112,8 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
             records += rejected
             for match in matches:
                 details = match.describe()
-                rewrite(gm, match)
+                rounding, details["token_rounding"] = token_rounding_for(match, options)
+                rewrite(gm, match, token_rounding=rounding)
                 records.append(RegionRecord(graph_id, match.idiom, match.module, "rewritten", details=details))
             if options.debug:
                 gm.graph.lint()

@@ -38,6 +38,10 @@ class MoEMatch:
     dtype: torch.dtype | None = None
     router: str = "unknown"  # what produced topk_ids/weights, for the report
     shared_expert: str = "-"  # a dense expert beside the routed ones (stays in the graph), for the report
+    # [T, E] router probabilities the top-k ranked (a softmax/sigmoid output), when the graph shows
+    # them: what token rounding ranks tokens by. None: rounding is not offered for this region.
+    router_probs: fx.Node | None = None
+    module_source: str = ""  # the experts module as Dynamo's source, e.g. "L['self'].model.layers[0].mlp.experts"
 
     def describe(self) -> dict:
         layout = ("interleaved" if self.interleaved else "concatenated") + (", transposed" if self.transposed else "")
@@ -190,6 +194,25 @@ def describe_router(topk_ids: fx.Node, topk_weights: fx.Node) -> str:
     return kind
 
 
+def router_probs(topk_ids: fx.Node, T, E) -> fx.Node | None:
+    """The [T, E] softmax/sigmoid output that a top-k over the last dim turned into `topk_ids`.
+
+    Only that exact shape of router qualifies (softmax -> topk, sigmoid -> topk): a top-k over
+    logits, biased or group-masked scores ranks by something else, and rounding by the wrong
+    score would route differently from what the model's router means.
+    """
+    topk = topk_ids.args[0] if is_call(topk_ids, "getitem") and topk_ids.args[1] == 1 else None
+    if not is_call(topk, "topk"):
+        return None
+    scores = arg(topk, 0, "input")
+    dim = arg(topk, 2, "dim", -1)
+    largest = arg(topk, 3, "largest", True)
+    if not is_call(scores, "softmax", "sigmoid") or dim not in (-1, 1) or largest is not True:
+        return None
+    shape = shape_of(scores)
+    return scores if len(shape) == 2 and same_size(shape[0], T) and same_size(shape[1], E) else None
+
+
 def example_value(node: Any):
     """The fake tensor (or SymInt) Dynamo recorded for a node, or the literal itself."""
     if isinstance(node, fx.Node):
@@ -207,6 +230,12 @@ def module_path(node: fx.Node) -> str:
         if path.startswith(prefix):
             path = path[len(prefix):]
     return path or "<root>"
+
+
+def module_source(node: fx.Node) -> str:
+    """The innermost module of `node` as Dynamo names it: "L['self'].model.layers[0].mlp.experts"."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
 
 
 def module_class(node: fx.Node) -> str:
@@ -328,40 +357,60 @@ def fake_mode_of(gm: fx.GraphModule):
     return None
 
 
-def rewrite(gm: fx.GraphModule, match: MoEMatch) -> fx.Node:
+def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = None) -> fx.Node:
     """Replace `match.anchor` with one `sonic::moe_experts` call; erase what only the region used.
 
     The registered op itself goes into the graph (not a Python wrapper): AOTAutograd's cache only
     accepts op targets. Inputs are validated here, on the fake values, so a bad match fails at
     compile time (and the driver restores the graph) rather than in the user's step.
+
+    `token_rounding` (a mode; needs `match.router_probs`) routes through `sonic::round_routing_slots`
+    first and calls the op in the slot form.
     """
     from codegen.ops import needs_saved_h, validate_moe_inputs
+    from codegen.token_rounding import M_TILE
 
     graph = gm.graph
-    fakes = [example_value(a) for a in (match.x, match.topk_ids, match.topk_weights, match.w1, match.w2, match.b1, match.b2)]
-    validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed)
+    fake_mode = fake_mode_of(gm)
+    inserted: list[fx.Node] = []
+
+    def insert(target, args):
+        with graph.inserting_before(match.anchor):
+            node = graph.call_function(target, args)
+        inserted.append(node)
+        if fake_mode is not None and "example_value" not in node.meta:
+            with fake_mode:
+                node.meta["example_value"] = target(*[example_value(a) for a in args])
+        return node
+
+    ids, weights, slot_token = match.topk_ids, match.topk_weights, None
+    if token_rounding is not None:
+        if match.router_probs is None:
+            raise ValueError("token rounding needs the router probabilities, which this region does not show")
+        rounded = insert(torch.ops.sonic.round_routing_slots.default,
+                         (match.router_probs, ids, weights, M_TILE, token_rounding, True))
+        ids, weights, slot_token = (insert(operator.getitem, (rounded, i)) for i in range(3))
+
+    fakes = [example_value(a) for a in (match.x, ids, weights, match.w1, match.w2, match.b1, match.b2)]
+    validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed,
+                        slot_token=example_value(slot_token))
     save_h = needs_saved_h(fakes[0], *fakes[2:])
     args = (
-        match.x, match.topk_ids, match.topk_weights, match.w1, match.w2, match.b1, match.b2,
+        match.x, ids, weights, match.w1, match.w2, match.b1, match.b2,
         match.activation, match.interleaved, match.transposed, float(match.alpha), float(match.limit), save_h,
+        slot_token,
     )
-    op = torch.ops.sonic.moe_experts.default
+    call = insert(torch.ops.sonic.moe_experts.default, args)
+    result = out = insert(operator.getitem, (call, 0))
     anchor_dtype = dtype_of(match.anchor)
-    with graph.inserting_before(match.anchor):
-        call = graph.call_function(op, args)
-        result = out = graph.call_function(operator.getitem, (call, 0))
-        if anchor_dtype is not None and anchor_dtype != match.dtype:
+    if anchor_dtype is not None and anchor_dtype != match.dtype:
+        with graph.inserting_before(match.anchor):
             result = graph.call_method("to", (out, anchor_dtype))
-    for node in {call, out, result}:
+        inserted.append(result)
+        if fake_mode is not None:
+            result.meta["example_value"] = example_value(out).to(anchor_dtype)
+    for node in inserted:
         node.meta.update({k: v for k, v in match.anchor.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
-    fake_mode = fake_mode_of(gm)
-    if fake_mode is not None:
-        with fake_mode:
-            vals = op(*[example_value(a) for a in args])
-        call.meta["example_value"] = vals
-        out.meta["example_value"] = vals[0]
-        if result is not out:
-            result.meta["example_value"] = vals[0].to(anchor_dtype)
     match.anchor.replace_all_uses_with(result)
     erase_dead(graph, match.region | {match.anchor})
     return call
@@ -469,4 +518,6 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
         dtype=x_dtype,
         router=describe_router(topk_ids, topk_weights) + (f" ({module_class(site)})" if module_class(site) else ""),
         shared_expert=describe_shared_expert(site.graph, module_path(site)),
+        router_probs=router_probs(topk_ids, T, E),
+        module_source=module_source(site),
     )

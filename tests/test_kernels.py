@@ -229,13 +229,13 @@ def _slot_form(inputs, *, drop=(), mode=None, tile=4, seed=0):
     if mode is not None:
         E = inputs["w1"].shape[0]
         gen = torch.Generator().manual_seed(seed)
-        probs = torch.rand(T, E, generator=gen).to(weights.dtype)
+        probs = torch.rand(T, E, generator=gen).to(device=ids.device, dtype=weights.dtype)
         probs.scatter_(1, ids, 1.0 + weights)  # the top-k experts score highest, as a router's would
         slot_ids, slot_w, slot_token = round_routing(probs, ids, weights, tile=tile, mode=mode)
     else:
         slot_ids, slot_w = ids.reshape(-1).clone(), weights.reshape(-1)
         slot_ids[list(drop)] = -1
-        slot_token = torch.arange(T * K) // K
+        slot_token = torch.arange(T * K, device=ids.device) // K
     return dict(inputs, topk_ids=slot_ids, topk_weights=slot_w.contiguous(), slot_token=slot_token)
 
 
@@ -321,8 +321,12 @@ def first_config_only():
         t.cache.update(cache)
 
 
-def _gpu_case(T, d, n, E, K, *, experts=None, seed=0, noncontig=False):
+def _gpu_case(T, d, n, E, K, *, experts=None, seed=0, noncontig=False, rounding=None):
     inputs, go = _make(T, d, n, E, K, torch.bfloat16, experts=experts, seed=seed, device="cuda")
+    if rounding is not None:
+        from codegen.token_rounding import M_TILE
+
+        inputs = _slot_form(inputs, mode=rounding, tile=M_TILE, seed=seed)
     if noncontig:
         wide = torch.randn(T, d + 64, device="cuda", dtype=torch.bfloat16)
         wide[:, 32:32 + d] = inputs["x"]
@@ -356,6 +360,8 @@ def _oracle_bf16(inputs, go, flags):
 
 _GPU_CASES = {
     "moderate": dict(T=1000, d=512, n=256, E=8, K=2),
+    "rounded_nearest": dict(T=1000, d=512, n=256, E=8, K=2, rounding="nearest"),  # slot form, 128-row tiles
+    "rounded_up": dict(T=700, d=256, n=128, E=8, K=2, rounding="up"),
     "empty_experts": dict(T=300, d=256, n=128, E=8, K=2, experts=[0, 5, 6]),
     "one_expert_k1": dict(T=777, d=256, n=128, E=4, K=1, experts=[3]),
     "k_equals_e": dict(T=200, d=256, n=128, E=4, K=4),
@@ -445,6 +451,41 @@ def test_gpu_no_host_sync_and_graph_capture(first_config_only):
     torch.cuda.synchronize()
     expected = moe_experts(**inputs, **_FLAGS)
     assert torch.equal(captured[0], expected)
+
+
+@pytest.mark.gpu
+def test_gpu_token_rounding_is_sync_free_and_capturable(first_config_only):
+    """round_routing + the slot-form op: no host sync, and a CUDA graph replay follows new routing."""
+    from codegen.ops import moe_experts
+    from codegen.token_rounding import round_routing
+
+    inputs, go = _gpu_case(640, 256, 128, 8, 2, seed=3)
+    probs = torch.rand(640, 8, device="cuda").softmax(-1)
+
+    def step():
+        slot_ids, slot_w, slot_token = round_routing(probs, inputs["topk_ids"], inputs["topk_weights"])
+        return moe_experts(inputs["x"], slot_ids, slot_w, inputs["w1"], inputs["w2"], slot_token=slot_token)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step()
+    torch.cuda.synchronize()
+    probs.copy_(torch.rand(640, 8, device="cuda").softmax(-1))
+    new_inputs, _ = _gpu_case(640, 256, 128, 8, 2, seed=4)
+    inputs["topk_ids"].copy_(new_inputs["topk_ids"])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, step())
 
 
 @pytest.mark.gpu

@@ -131,8 +131,8 @@ def test_rewrite_exception_restores_graph(monkeypatch, caplog):
     from moe_compiler import passes
     from patterns import common
 
-    def broken_rewrite(gm, match):
-        common.rewrite(gm, match)
+    def broken_rewrite(gm, match, **kwargs):
+        common.rewrite(gm, match, **kwargs)
         raise RuntimeError("rewrite exploded")
 
     monkeypatch.setattr(passes, "rewrite", broken_rewrite)
