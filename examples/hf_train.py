@@ -108,12 +108,16 @@ def train(provider: str, args, batches, progress) -> dict:
     return result
 
 
-def _train_steps(run, opt, batches, args, provider, progress, losses, times):
+def _train_steps(run, opt, batches, args, provider, progress, losses, times, before_step=None):
+    """One timed optimizer step per batch; `before_step(step)` (e.g. clip gradients, set the learning
+    rate) runs between the backward and opt.step(), inside the timed step."""
     for step, ids in enumerate(batches):
         sync(args.device)
         start = time.perf_counter()
         loss = run(ids, labels=ids).loss
         loss.backward()
+        if before_step is not None:
+            before_step(step)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(args.device)
