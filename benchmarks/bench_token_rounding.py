@@ -1,0 +1,257 @@
+"""Tile-aware token rounding in one MoE layer: forward+backward time of plain top-k vs rounded routing.
+
+Question (issue 5): how much faster is a training step of the layer when every expert's token count
+is a multiple of the GEMM M tile (`codegen.round_routing`, M_TILE rows: no padded tile) than plain
+top-k, and how many (token, expert) pairs does each rounding mode route instead of T*K?
+
+    python benchmarks/bench_token_rounding.py --out $OUT                    # GPU, both shapes, < 3 min on an H100
+    python benchmarks/bench_token_rounding.py --shapes tiny --device cpu    # smoke test (pure-torch reference), seconds
+
+Layer, as a softmax-routed model trains it: logits = x Wr (Wr [d, E]), probs = softmax(logits in
+fp32), top-k, weights renormalized over the k and cast to x's dtype; SwiGLU experts through
+`codegen.moe_experts`. Providers, on the same x, dy and weights:
+
+    topk            moe_experts(x, ids [T, K], weights [T, K], W1, W2)
+    round-<mode>    round_routing(probs, ids, weights, tile=M_TILE, mode) -> moe_experts(..., slot_token=)
+                    for mode in up, down, nearest
+
+The timed step is router + (rounding) + experts, forward and backward (dx, dWr, dW1, dW2, through
+the router and the rounding): the router work is identical in every provider. Per provider: median
+step ms over --iters steps after --warmup steps (a CUDA event pair per step, one sync after the
+last; perf_counter around each step on the CPU), speedup vs topk, routed pairs (real slots) vs T*K,
+slots (the static capacity `slot_capacity` the kernels are launched over), the padded-tile rows
+sum_e (ceil(c_e / M) * M - c_e) as a fraction of the rows the GEMMs compute, host syncs seen in one
+step (torch.cuda sync debug mode), and the first call's time (compile + autotune in this process:
+topk runs first and pays the autotuning, keyed without T, so the rounding providers reuse it).
+TFLOPS are nominal, 18 T K d n / time with top-k's T*K for every provider, so they compare times.
+Output: a table, token_rounding.json and (when matplotlib imports) tflops.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench_layer import plot  # noqa: E402  (its fwd+bwd TFLOPS bar chart)
+
+from codegen.ops import moe_experts  # noqa: E402
+from codegen.token_rounding import M_TILE, round_routing, slot_capacity  # noqa: E402
+
+# name -> (T, d, n, E, K)
+SHAPES = {
+    "d4096-e256": (16384, 4096, 1024, 256, 4),
+    "d1536-e128": (16384, 1536, 1024, 128, 2),
+    "tiny": (1024, 64, 32, 8, 2),  # CPU smoke test: T*K/E = 256 rows per expert, so M_TILE=128 rounding moves counts
+}
+DEFAULT_SHAPES = "d4096-e256,d1536-e128"
+PROVIDERS = {"topk": None, "round-up": "up", "round-down": "down", "round-nearest": "nearest"}
+
+
+def softmax_route(x, wr, K):
+    """(probs fp32 [T, E], ids [T, K], weights [T, K] in x's dtype): softmax, top-k, renormalize."""
+    probs = torch.softmax((x @ wr).float(), dim=-1)
+    top, ids = torch.topk(probs, K, dim=-1)
+    return probs, ids, (top / top.sum(-1, keepdim=True)).to(x.dtype)
+
+
+def layer(params, x, K, mode, keep_every_token=True):
+    """(out [T, d], expert id of every routed slot): the MoE layer with plain or rounded routing."""
+    probs, ids, weights = softmax_route(x, params["wr"], K)
+    if mode is None:
+        return moe_experts(x, ids, weights, params["w1"], params["w2"]), ids.reshape(-1)
+    slot_ids, slot_weights, slot_token = round_routing(probs, ids, weights, tile=M_TILE, mode=mode,
+                                                       keep_every_token=keep_every_token)
+    return moe_experts(x, slot_ids, slot_weights, params["w1"], params["w2"], slot_token=slot_token), slot_ids
+
+
+def expert_counts(slot_ids, E):
+    real = slot_ids[slot_ids >= 0].long()
+    return torch.bincount(real, minlength=E)
+
+
+def padded_rows(counts, tile=M_TILE):
+    """Rows of the last, partial M tile of every expert: sum_e ceil(c_e / tile) * tile - c_e."""
+    return int(((-counts) % tile).sum())
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step, zero, iters, warmup, device):
+    """Per-step times in ms: CUDA events per step and one sync at the end (GPU), perf_counter (CPU)."""
+    for _ in range(warmup):
+        zero()
+        step()
+    sync(device)
+    times = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            zero()  # dropping .grad references is host work, outside the event pair
+            start.record()
+            step()
+            end.record()
+        events[-1][1].synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        for _ in range(iters):
+            zero()
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def count_host_syncs(step, device):
+    """Synchronizing CUDA calls made by one step (torch.cuda.set_sync_debug_mode), or None on the CPU."""
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def bench_provider(name, params, x, dy, shape, args):
+    T, d, n, E, K = shape
+    mode = PROVIDERS[name]
+    xg = x.detach().clone().requires_grad_()
+    leaves = [xg, *params.values()]
+
+    def zero():
+        for t in leaves:
+            t.grad = None
+
+    keep = not args.drop_orphans
+
+    def step():
+        out, _ = layer(params, xg, K, mode, keep)
+        out.backward(dy)
+
+    sync(args.device)
+    t0 = time.perf_counter()
+    step()
+    sync(args.device)
+    first_call_s = time.perf_counter() - t0
+    zero()
+    with torch.no_grad():
+        _, slot_ids = layer(params, xg, K, mode, keep)
+    counts = expert_counts(slot_ids, E)
+    pairs = int(counts.sum())
+    pad = padded_rows(counts)
+    host_syncs = count_host_syncs(step, args.device)
+    times = time_steps(step, zero, args.iters, args.warmup, args.device)
+    zero()
+    ms = statistics.median(times)
+    return dict(
+        provider=name, mode=mode, fwdbwd_ms=ms, min_ms=min(times), iters=len(times),
+        fwdbwd_tflops=18 * T * K * d * n / ms * 1e-9,
+        pairs=pairs, topk_pairs=T * K, slots=slot_ids.numel(),
+        capacity=T * K if mode is None else slot_capacity(T, E, K, M_TILE, mode),
+        pad_rows=pad, pad_fraction=pad / max(pairs + pad, 1),
+        counts_off_tile=int((counts % M_TILE != 0).sum()), counts=counts.tolist(),
+        host_syncs=host_syncs, first_call_s=first_call_s,
+    )
+
+
+def make_inputs(shape, device, dtype, seed):
+    """The same weights, x and dy for every provider (std: unit-scale activations and logits)."""
+    T, d, n, E, _ = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*size, std):
+        return (torch.randn(*size, device=device, dtype=dtype, generator=gen) * std).requires_grad_()
+
+    params = {"wr": rnd(d, E, std=d**-0.5), "w1": rnd(E, 2 * n, d, std=d**-0.5), "w2": rnd(E, d, n, std=n**-0.5)}
+    x = rnd(T, d, std=1.0).detach()
+    dy = rnd(T, d, std=1.0).detach()
+    return params, x, dy
+
+
+def print_table(results):
+    print("\n| shape | provider | fwd+bwd ms | x topk | pairs / T*K | slots | padded rows | off-tile experts "
+          "| host syncs | first call s |")
+    print("|" + "---|" * 10)
+    for r in results:
+        print(f"| {r['shape']} | {r['provider']} | {r['fwdbwd_ms']:.3f} | {r['speedup_vs_topk']:.3f} "
+              f"| {r['pairs']} / {r['topk_pairs']} ({r['pairs'] / r['topk_pairs'] - 1:+.2%}) | {r['slots']} "
+              f"| {r['pad_rows']} ({r['pad_fraction']:.2%}) | {r['counts_off_tile']}/{r['E']} "
+              f"| {'-' if r['host_syncs'] is None else r['host_syncs']} | {r['first_call_s']:.1f} |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma list of {list(PROVIDERS)}")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--iters", type=int, default=30, help="timed steps per provider")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps per provider after the first call")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drop-orphans", action="store_true",
+                    help="round_routing(keep_every_token=False): a token whose experts all round it away is dropped "
+                         "instead of kept by its best expert (whose count then leaves the tile multiple)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    args = ap.parse_args(argv)
+    command = [sys.executable, sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    print("command:", " ".join(shlex.quote(a) for a in command), flush=True)
+    args.device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)
+    shapes = [s for s in args.shapes.split(",") if s]
+    providers = list(dict.fromkeys(p for p in args.providers.split(",") if p))
+    for s in shapes:
+        if s not in SHAPES:
+            ap.error(f"unknown shape {s}; choose from {sorted(SHAPES)}")
+    for p in providers:
+        if p not in PROVIDERS:
+            ap.error(f"unknown provider {p}; choose from {list(PROVIDERS)}")
+    device_name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
+    print(f"device: {device_name}; torch {torch.__version__}; {dtype}; M_TILE {M_TILE}", flush=True)
+
+    results = []
+    for sname in shapes:
+        T, d, n, E, K = shape = SHAPES[sname]
+        params, x, dy = make_inputs(shape, args.device, dtype, args.seed)
+        for prov in providers:
+            r = bench_provider(prov, params, x, dy, shape, args)
+            r.update(shape=sname, T=T, d=d, n=n, E=E, K=K, dtype=str(dtype))
+            results.append(r)
+            print(f"{sname:>11} {prov:>13}: {r['fwdbwd_ms']:8.3f} ms  pairs {r['pairs']} / {T * K}  "
+                  f"padded rows {r['pad_rows']} ({r['pad_fraction']:.2%})  first {r['first_call_s']:.1f}s", flush=True)
+        del params, x, dy
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
+    for r in results:
+        base = next((b for b in results if b["shape"] == r["shape"] and b["provider"] == "topk"), None)
+        r["speedup_vs_topk"] = base["fwdbwd_ms"] / r["fwdbwd_ms"] if base else float("nan")
+
+    print_table(results)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "token_rounding.json")
+    with open(path, "w") as f:
+        json.dump(dict(device=device_name, torch=torch.__version__, command=command, tile=M_TILE,
+                       keep_every_token=not args.drop_orphans, results=results), f, indent=1)
+    plot(results, args.out)
+    print(f"\nwrote {path} (+ tflops.png if matplotlib is installed)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
