@@ -22,7 +22,8 @@ last; perf_counter around each step on the CPU), speedup vs topk, routed pairs (
 slots (the static capacity `slot_capacity` the kernels are launched over), the padded-tile rows
 sum_e (ceil(c_e / M) * M - c_e) as a fraction of the rows the GEMMs compute, host syncs seen in one
 step (torch.cuda sync debug mode), and the first call's time (compile + autotune in this process:
-topk runs first and pays the autotuning, keyed without T, so the rounding providers reuse it).
+the autotuners are keyed without T but with top_k, which is 1 in the slot form, so topk pays the
+[T, K] kernels' tuning and the first rounding provider that of the slot-form kernels).
 TFLOPS are nominal, 18 T K d n / time with top-k's T*K for every provider, so they compare times.
 Output: a table, token_rounding.json and (when matplotlib imports) tflops.png under --out.
 """
