@@ -56,7 +56,8 @@ SHAPES = {
     "tiny": (1024, 64, 32, 8, 2),  # CPU smoke test: T*K/E = 256 rows per expert, so M_TILE=128 rounding moves counts
 }
 DEFAULT_SHAPES = "d4096-e256,d1536-e128"
-PROVIDERS = {"topk": None, "round-up": "up", "round-down": "down", "round-nearest": "nearest"}
+# "topk-slots": plain top-k handed to the op in the slot form (no rounding): the slot path's own cost
+PROVIDERS = {"topk": None, "topk-slots": "slots", "round-up": "up", "round-down": "down", "round-nearest": "nearest"}
 
 
 def softmax_route(x, wr, K):
@@ -71,6 +72,10 @@ def layer(params, x, K, mode, keep_every_token=True):
     probs, ids, weights = softmax_route(x, params["wr"], K)
     if mode is None:
         return moe_experts(x, ids, weights, params["w1"], params["w2"]), ids.reshape(-1)
+    if mode == "slots":
+        slot_token = torch.arange(ids.numel(), device=ids.device) // K
+        out = moe_experts(x, ids.reshape(-1), weights.reshape(-1), params["w1"], params["w2"], slot_token=slot_token)
+        return out, ids.reshape(-1)
     slot_ids, slot_weights, slot_token = round_routing(probs, ids, weights, tile=M_TILE, mode=mode,
                                                        keep_every_token=keep_every_token)
     return moe_experts(x, slot_ids, slot_weights, params["w1"], params["w2"], slot_token=slot_token), slot_ids
@@ -158,6 +163,13 @@ def bench_provider(name, params, x, dy, shape, args):
     pairs = int(counts.sum())
     pad = padded_rows(counts)
     host_syncs = count_host_syncs(step, args.device)
+    if args.profile and args.device.type == "cuda":
+        zero()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            sync(args.device)
+        print(f"\n{name}: the GPU kernels of one step\n"
+              + prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     times = time_steps(step, zero, args.iters, args.warmup, args.device)
     zero()
     ms = statistics.median(times)
@@ -165,7 +177,7 @@ def bench_provider(name, params, x, dy, shape, args):
         provider=name, mode=mode, fwdbwd_ms=ms, min_ms=min(times), iters=len(times),
         fwdbwd_tflops=18 * T * K * d * n / ms * 1e-9,
         pairs=pairs, topk_pairs=T * K, slots=slot_ids.numel(),
-        capacity=T * K if mode is None else slot_capacity(T, E, K, M_TILE, mode),
+        capacity=T * K if mode in (None, "slots") else slot_capacity(T, E, K, M_TILE, mode),
         pad_rows=pad, pad_fraction=pad / max(pairs + pad, 1),
         counts_off_tile=int((counts % M_TILE != 0).sum()), counts=counts.tolist(),
         host_syncs=host_syncs, first_call_s=first_call_s,
@@ -210,6 +222,7 @@ def main(argv=None):
                     help="round_routing(keep_every_token=False): a token whose experts all round it away is dropped "
                          "instead of kept by its best expert (whose count then leaves the tile multiple)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    ap.add_argument("--profile", action="store_true", help="print each provider's GPU kernel times for one step")
     args = ap.parse_args(argv)
     command = [sys.executable, sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     print("command:", " ".join(shlex.quote(a) for a in command), flush=True)

@@ -199,7 +199,7 @@ def token_offsets(slot_token: Tensor, T: int) -> Tensor:
 
 
 def triton_moe_up(x, w1, b1, sorted_rows, offsets, *, n, top_k, activation, interleaved, transposed,
-                  alpha, limit, store_h=True, store_a=True, slot_token=None):
+                  alpha, limit, store_h=True, store_a=True, row_token=None):
     """H [TK, w1_out] (or [0, w1_out]) and A [TK, n] (or [0, n]) in expert order."""
     T, d = x.shape
     E = w1.shape[0]
@@ -213,7 +213,7 @@ def triton_moe_up(x, w1, b1, sorted_rows, offsets, *, n, top_k, activation, inte
     b1c = b1.contiguous() if b1 is not None else x
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _up[grid](
-        x, w1, b1c, sorted_rows, _or(slot_token, sorted_rows), offsets, h, a,
+        x, w1, b1c, sorted_rows, _or(row_token, sorted_rows), offsets, h, a,
         TK, d, n, E, top_k,
         x.stride(0), x.stride(1),
         *_w1_strides(w1, transposed),
@@ -221,7 +221,7 @@ def triton_moe_up(x, w1, b1, sorted_rows, offsets, *, n, top_k, activation, inte
         float(alpha), float(limit),
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
         HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=_e_pow2(E),
-        DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=slot_token is not None,
+        DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=row_token is not None,
     )
     return h, a
 
@@ -273,7 +273,7 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
 
 
 def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, activation, interleaved,
-                    transposed, alpha, limit, slot_token=None):
+                    transposed, alpha, limit, row_token=None):
     """(dH [TK, w1_out], A' = s A [TK, n], dS float32 [TK] in slot order) from dA' = gather(dO) W2."""
     T, d = grad_out.shape
     E = w2.shape[0]
@@ -289,7 +289,7 @@ def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, 
     sw = _w2_strides(w2, transposed)  # (e, d, n)
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _dact[grid](
-        grad_out, w2, grad_out, sorted_rows, _or(slot_token, sorted_rows), offsets, da, da,
+        grad_out, w2, grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da,
         TK, d, n, E, top_k,
         grad_out.stride(0), grad_out.stride(1),
         sw[0], sw[2], sw[1],
@@ -297,7 +297,7 @@ def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, 
         0.0, 0.0,
         ACTIVATION=_IDENTITY, GATED=False, INTERLEAVED=False,
         HAS_B1=False, STORE_H=False, STORE_A=True, E_POW2=_e_pow2(E),
-        DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=slot_token is not None,
+        DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=row_token is not None,
     )
     block_c = min(256, triton.next_power_of_2(n))
     block_r = 4 if INTERPRETED else max(1, 2048 // block_c)
@@ -311,7 +311,7 @@ def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, 
 
 
 def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, top_k, dw, dw_strides,
-                     db=None, s_flat=None, slot_token=None):
+                     db=None, s_flat=None, row_token=None):
     """dW[e] [P, Q] = sum over expert e's rows of Lhs[r]^T Rhs[r], written into `dw` via (e, p, q) strides.
 
     A gathered operand is [T, .] read at each row's token; the other is [TK, .] in expert order.
@@ -322,14 +322,14 @@ def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, 
     TK = sorted_rows.numel()
     grid = lambda META: (E * triton.cdiv(P, META["BLOCK_P"]) * triton.cdiv(Q, META["BLOCK_Q"]),)
     _wgrad[grid](
-        lhs, rhs, _or(s_flat, lhs), sorted_rows, _or(slot_token, sorted_rows), offsets, dw,
+        lhs, rhs, _or(s_flat, lhs), sorted_rows, _or(row_token, sorted_rows), offsets, dw,
         db if db is not None else dw,
         TK, P, Q, E, top_k,
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1),
         *dw_strides,
         GATHER_LHS=gather_lhs, GATHER_RHS=gather_rhs, BIAS_GRAD=db is not None,
         BIAS_SCALED=s_flat is not None, DOT_PRECISION=_dot_precision(lhs.dtype),
-        TOKEN_MAP=slot_token is not None,
+        TOKEN_MAP=row_token is not None,
     )
     return dw
 
@@ -349,14 +349,19 @@ def _slot_routing(topk_ids, slot_token, T):
     return 1, (topk_ids, token_offsets(slot_token, T))
 
 
+def _row_token(slot_token, sorted_rows):
+    """int32 [TK]: the token of each expert-ordered row (slot form), or None for [T, K] routing."""
+    return None if slot_token is None else slot_token.reshape(-1)[sorted_rows.long()].to(torch.int32)
+
+
 def triton_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleaved, transposed,
                            alpha, limit, save_h, slot_token=None):
     T, d, n, E, w1_out = _dims(x, w1, w2, transposed)
     K, slots = _slot_routing(topk_ids, slot_token, T)
     sorted_rows, offsets = route(topk_ids, E, padded=slot_token is not None)
     flags = dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
-    h, a = triton_moe_up(x, w1, b1, sorted_rows, offsets, n=n, top_k=K, store_h=save_h, slot_token=slot_token,
-                         **flags)
+    h, a = triton_moe_up(x, w1, b1, sorted_rows, offsets, n=n, top_k=K, store_h=save_h,
+                         row_token=_row_token(slot_token, sorted_rows), **flags)
     ws = w2.stride()
     down_strides = (ws[0], ws[1], ws[2]) if transposed else (ws[0], ws[2], ws[1])  # B[e] = W2[e]^T [n, d]
     y = triton_moe_scatter_gemm(a, w2, down_strides, b2, sorted_rows, offsets, n_dim=d)
@@ -371,7 +376,8 @@ def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, 
     K, slots = _slot_routing(topk_ids, slot_token, T)
     TK = topk_ids.numel()
     flags = dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
-    routing = dict(sorted_rows=sorted_rows, offsets=expert_offsets, top_k=K, slot_token=slot_token)
+    row_token = _row_token(slot_token, sorted_rows)
+    routing = dict(sorted_rows=sorted_rows, offsets=expert_offsets, top_k=K, row_token=row_token)
     grad_out = grad_out.to(x.dtype)
     s_flat = topk_weights.reshape(-1)
     if h.numel() == 0 and TK > 0:  # the forward ran without save_h: recompute H (A is not needed)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .activation import _act_bwd
-from .grouped_gemm import _slot_tokens
+from .grouped_gemm import _row_tokens
 
 
 @triton.jit(do_not_specialize=["TK"])
@@ -82,7 +82,7 @@ def _wgrad_kernel(
     rhs_ptr,  # rows -> dW's Q axis, x.dtype: [T, Q] read at token rows (GATHER_RHS) or [TK, Q] expert order
     s_ptr,  # [TK] router weights, slot order; read when BIAS_SCALED
     sorted_rows_ptr,  # [TK] int32
-    slot_token_ptr,  # [TK] int, token of each slot; read when TOKEN_MAP
+    row_token_ptr,  # [TK] int32, token of each expert-ordered row; read when TOKEN_MAP
     offsets_ptr,  # [E+1] int32
     dw_ptr,  # [E, P, Q] weight dtype through strides (e, p, q): transposed layouts swap them
     db_ptr,  # [E, P] contiguous, bias dtype; written when BIAS_GRAD
@@ -117,9 +117,8 @@ def _wgrad_kernel(
     for r0 in range(lo, hi, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_mask = rows < hi
-        if GATHER_LHS or GATHER_RHS or BIAS_SCALED:
-            slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
-            tokens = _slot_tokens(slots, row_mask, slot_token_ptr, top_k, TOKEN_MAP)
+        if GATHER_LHS or GATHER_RHS:
+            tokens = _row_tokens(rows, row_mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP)
         if GATHER_LHS:
             lhs_rows = tokens
         else:
@@ -140,6 +139,7 @@ def _wgrad_kernel(
         if BIAS_GRAD:
             if pid_q == 0:
                 if BIAS_SCALED:
+                    slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
                     s = tl.load(s_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
                     db += tl.sum(lhs_t.to(tl.float32) * s[None, :], 1)
                 else:

@@ -4,7 +4,7 @@
     _scatter_gemm_kernel: Y[slot(r)] = In[r] @ B[e] + bias[e]                   (down-proj; also dX~)
 
 Rows r are in expert order (`sorted_rows[r]` = flat slot t*K + k, token t = slot // K; in the slot
-form, TOKEN_MAP, the token is read from `slot_token[slot]`). Weights are
+form, TOKEN_MAP, the token of row r is read from `row_token[r]`). Weights are
 addressed through (expert, out, in) strides, so the transposed (gpt-oss) layouts and non-contiguous
 weights need no copy. Gated H is stored in the layout W1 produces it: concatenated (gate = cols
 [0, n), up = [n, 2n)) or interleaved (gate = even cols, up = odd cols).
@@ -18,11 +18,12 @@ from .routing import _expert_tile
 
 
 @triton.jit
-def _slot_tokens(slots, mask, slot_token_ptr, top_k, TOKEN_MAP: tl.constexpr):
-    """int64 token of each slot: slot // K for [T, K] routing, slot_token[slot] in the slot form."""
+def _row_tokens(rows, mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP: tl.constexpr):
+    """int64 token of each expert-ordered row: slot // K for [T, K] routing; in the slot form the
+    launcher's precomputed row_token (one load either way, no dependent gather in the loop)."""
     if TOKEN_MAP:
-        return tl.load(slot_token_ptr + slots, mask=mask, other=0).to(tl.int64)
-    return (slots // top_k).to(tl.int64)
+        return tl.load(row_token_ptr + rows, mask=mask, other=0).to(tl.int64)
+    return (tl.load(sorted_rows_ptr + rows, mask=mask, other=0) // top_k).to(tl.int64)
 
 
 @triton.jit(do_not_specialize=["TK"])
@@ -31,7 +32,7 @@ def _up_proj_kernel(
     w1_ptr,  # [E, w1_out, d] (or [E, d, w1_out] transposed) x.dtype, strides (e, out, in)
     b1_ptr,  # [E, w1_out] x.dtype, read when HAS_B1
     sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
-    slot_token_ptr,  # [TK] int, token of each slot; read when TOKEN_MAP (else token = slot // top_k)
+    row_token_ptr,  # [TK] int32, token of each expert-ordered row; read when TOKEN_MAP (else slot // top_k)
     offsets_ptr,  # [E+1] int32, expert row offsets
     h_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order; written when STORE_H
     a_ptr,  # [TK, n] x.dtype, contiguous, expert order; written when STORE_A
@@ -64,8 +65,7 @@ def _up_proj_kernel(
 
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
-    slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
-    tokens = _slot_tokens(slots, row_mask, slot_token_ptr, top_k, TOKEN_MAP)
+    tokens = _row_tokens(rows, row_mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n
     if GATED:
