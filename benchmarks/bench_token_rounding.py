@@ -67,18 +67,26 @@ def softmax_route(x, wr, K):
     return probs, ids, (top / top.sum(-1, keepdim=True)).to(x.dtype)
 
 
-def layer(params, x, K, mode, keep_every_token=True):
-    """(out [T, d], expert id of every routed slot): the MoE layer with plain or rounded routing."""
-    probs, ids, weights = softmax_route(x, params["wr"], K)
+def routing(x, wr, K, mode, keep_every_token=True):
+    """(ids, weights, slot_token or None): the router, then plain, slot-form or rounded routing."""
+    probs, ids, weights = softmax_route(x, wr, K)
     if mode is None:
-        return moe_experts(x, ids, weights, params["w1"], params["w2"]), ids.reshape(-1)
+        return ids, weights, None
     if mode == "slots":
-        slot_token = torch.arange(ids.numel(), device=ids.device) // K
-        out = moe_experts(x, ids.reshape(-1), weights.reshape(-1), params["w1"], params["w2"], slot_token=slot_token)
-        return out, ids.reshape(-1)
-    slot_ids, slot_weights, slot_token = round_routing(probs, ids, weights, tile=M_TILE, mode=mode,
-                                                       keep_every_token=keep_every_token)
-    return moe_experts(x, slot_ids, slot_weights, params["w1"], params["w2"], slot_token=slot_token), slot_ids
+        return ids.reshape(-1), weights.reshape(-1), torch.arange(ids.numel(), device=ids.device) // K
+    return round_routing(probs, ids, weights, tile=M_TILE, mode=mode, keep_every_token=keep_every_token)
+
+
+# --compiled-routing (the default on the GPU): the router and rounding compiled by Inductor, as
+# backend="sonic" compiles them in a model; the experts op is the same extern call either way.
+_compiled_routing = torch.compile(routing, dynamic=False)
+
+
+def layer(params, x, K, mode, keep_every_token=True, compiled=False):
+    """(out [T, d], expert id of every routed slot): the MoE layer with plain or rounded routing."""
+    ids, weights, slot_token = (_compiled_routing if compiled else routing)(x, params["wr"], K, mode, keep_every_token)
+    out = moe_experts(x, ids, weights, params["w1"], params["w2"], slot_token=slot_token)
+    return out, ids.reshape(-1)
 
 
 def expert_counts(slot_ids, E):
@@ -148,7 +156,7 @@ def bench_provider(name, params, x, dy, shape, args):
     keep = not args.drop_orphans
 
     def step():
-        out, _ = layer(params, xg, K, mode, keep)
+        out, _ = layer(params, xg, K, mode, keep, args.compiled_routing)
         out.backward(dy)
 
     sync(args.device)
@@ -158,7 +166,7 @@ def bench_provider(name, params, x, dy, shape, args):
     first_call_s = time.perf_counter() - t0
     zero()
     with torch.no_grad():
-        _, slot_ids = layer(params, xg, K, mode, keep)
+        _, slot_ids = layer(params, xg, K, mode, keep, args.compiled_routing)
     counts = expert_counts(slot_ids, E)
     pairs = int(counts.sum())
     pad = padded_rows(counts)
@@ -223,10 +231,14 @@ def main(argv=None):
                          "instead of kept by its best expert (whose count then leaves the tile multiple)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--profile", action="store_true", help="print each provider's GPU kernel times for one step")
+    ap.add_argument("--compiled-routing", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile router + rounding with Inductor (default: on for cuda, off for cpu)")
     args = ap.parse_args(argv)
     command = [sys.executable, sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     print("command:", " ".join(shlex.quote(a) for a in command), flush=True)
     args.device = torch.device(args.device)
+    if args.compiled_routing is None:
+        args.compiled_routing = args.device.type == "cuda"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)
     shapes = [s for s in args.shapes.split(",") if s]
     providers = list(dict.fromkeys(p for p in args.providers.split(",") if p))
@@ -261,6 +273,7 @@ def main(argv=None):
     path = os.path.join(args.out, "token_rounding.json")
     with open(path, "w") as f:
         json.dump(dict(device=device_name, torch=torch.__version__, command=command, tile=M_TILE,
+                       compiled_routing=args.compiled_routing,
                        keep_every_token=not args.drop_orphans, results=results), f, indent=1)
     plot(results, args.out)
     print(f"\nwrote {path} (+ tflops.png if matplotlib is installed)")

@@ -20,9 +20,10 @@ multiple by the number of tokens kept this way (usually 0); with False, such tok
 
 `round_routing` turns the result into the slot form that `sonic::moe_experts` takes (flat ids with
 -1 padding, weights, and the token of each slot), with a static number of slots, so the rounded
-layer runs on the same kernels. It is the op `sonic::round_routing`, differentiable in the
-weights: the gradient of a kept top-k pair goes to its top-k weight, that of a pair added by
-rounding up to the router probability. The compiler option `sonic.token_rounding` inserts it in
+layer runs on the same kernels. It is the composite op `sonic::round_routing_slots` (torch ops
+underneath, which Inductor fuses under torch.compile), differentiable in the weights: the gradient
+of a kept top-k pair goes to its top-k weight, that of a pair added by rounding up to the router
+probability. The compiler option `sonic.token_rounding` inserts it in
 front of every rewritten MoE whose router scores it can see (see the README).
 """
 from __future__ import annotations
@@ -79,7 +80,7 @@ def token_rounding(
     # tile - 1 per expert instead of sorting all T tokens (~10x cheaper at T = 16384, E = 256).
     probs = router_probs.float().t()  # [E, T]
     members = in_topk.t()
-    width = min(tile - 1, T)
+    width = torch.sym_min(tile - 1, T)
     moves = torch.arange(width, device=device)
     weakest = torch.topk(probs.masked_fill(~members, float("inf")), width, dim=1, largest=False).indices
     strongest = torch.topk(probs.masked_fill(members, float("-inf")), width, dim=1).indices
@@ -99,71 +100,43 @@ def token_rounding(
     return mask, weights
 
 
-def slot_capacity(T: int, E: int, K: int, tile: int, mode: str) -> int:
+def slot_capacity(T, E, K, tile: int, mode: str):
     """A static bound on the number of (token, expert) pairs after rounding, from shapes alone.
 
     Rounding down only removes pairs (a token kept by keep_every_token goes back to an expert that
     lost at least as many), up adds fewer than `tile` per expert, nearest at most tile // 2.
+    T and E may be symbolic sizes (a dynamic batch).
     """
     extra = {"down": 0, "up": tile - 1, "nearest": tile // 2}[mode]
-    return min(T * K + E * extra, T * E)
+    return torch.sym_min(T * K + E * extra, T * E)
 
 
-@torch.library.custom_op("sonic::round_routing_slots", mutates_args=())
-def _round_routing_slots(
-    router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor, tile: int, mode: str, keep_every_token: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+# A composite op: one node in the graph (AOTAutograd's cache wants op targets), and under
+# torch.compile it decomposes into the torch ops below, which Inductor fuses; autograd follows them.
+_LIB = torch.library.Library("sonic", "FRAGMENT")
+_LIB.define(
+    "round_routing_slots(Tensor router_probs, Tensor topk_ids, Tensor topk_weights, int tile, str mode, "
+    "bool keep_every_token) -> (Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.impl(_LIB, "round_routing_slots", "CompositeImplicitAutograd")
+def _round_routing_slots(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
     """(slot_ids int32 [S] (-1: padding), slot_weights [S], slot_token int32 [S]), token-major."""
     T, E = router_probs.shape
-    K = topk_ids.shape[1]
-    S = slot_capacity(T, E, K, tile, mode)
+    S = slot_capacity(T, E, topk_ids.shape[1], tile, mode)
     mask, weights = token_rounding(router_probs, topk_ids, topk_weights, tile=tile, mode=mode,
                                    keep_every_token=keep_every_token)
     flat = mask.reshape(-1)
     position = torch.cumsum(flat, 0) - 1  # row-major [T, E]: token-major, experts ascending
     target = torch.where(flat & (position < S), position, S)
     pair = torch.full((S + 1,), T * E, dtype=torch.int64, device=mask.device)
-    pair.scatter_(0, target, torch.arange(T * E, device=mask.device))
-    pair = pair[:S]
+    pair = pair.scatter(0, target, torch.arange(T * E, device=mask.device))[:S]
     real = pair < T * E
     slot_ids = torch.where(real, pair % E, -1).to(torch.int32)
     slot_token = (pair // E).to(torch.int32)  # padding slots carry T: they sort after every token
     padded = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
     return slot_ids, padded[pair], slot_token
-
-
-@_round_routing_slots.register_fake
-def _(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
-    T, E = router_probs.shape
-    S = slot_capacity(T, E, topk_ids.shape[1], tile, mode)
-    ints = router_probs.new_empty(S, dtype=torch.int32)
-    return ints, topk_weights.new_empty(S), router_probs.new_empty(S, dtype=torch.int32)
-
-
-def _round_routing_setup(ctx, inputs, output):
-    router_probs, topk_ids, topk_weights, *_ = inputs
-    slot_ids, _, slot_token = output
-    ctx.save_for_backward(topk_ids, slot_ids, slot_token)
-    ctx.shape = router_probs.shape
-    ctx.dtypes = (router_probs.dtype, topk_weights.dtype)
-
-
-def _round_routing_backward(ctx, _g_ids, g_weights, _g_token):
-    topk_ids, slot_ids, slot_token = ctx.saved_tensors
-    T, E = ctx.shape
-    real = slot_ids >= 0
-    pair = torch.where(real, slot_token.long() * E + slot_ids.long(), T * E)
-    dense = torch.zeros(T * E + 1, dtype=torch.float32, device=g_weights.device)
-    dense.index_add_(0, pair, torch.where(real, g_weights.float(), 0.0))
-    dense = dense[: T * E].view(T, E)
-    ids = topk_ids.long()
-    g_topk = dense.gather(1, ids)
-    in_topk = torch.zeros(T, E, dtype=torch.bool, device=dense.device).scatter_(1, ids, True)
-    g_probs = torch.where(in_topk, 0.0, dense)
-    return g_probs.to(ctx.dtypes[0]), None, g_topk.to(ctx.dtypes[1]), None, None, None
-
-
-_round_routing_slots.register_autograd(_round_routing_backward, setup_context=_round_routing_setup)
 
 
 def round_routing(
@@ -191,4 +164,5 @@ def round_routing(
     if router_probs.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != router_probs.shape[0]:
         raise ValueError(f"router_probs [T, E] {tuple(router_probs.shape)} and topk_ids [T, K] "
                          f"{tuple(topk_ids.shape)} do not fit")
-    return _round_routing_slots(router_probs, topk_ids, topk_weights, int(tile), mode, bool(keep_every_token))
+    return torch.ops.sonic.round_routing_slots(router_probs, topk_ids, topk_weights, int(tile), mode,
+                                               bool(keep_every_token))

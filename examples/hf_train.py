@@ -60,6 +60,7 @@ def build_model(name: str, scale: str, layers: int, dtype: torch.dtype, device: 
             overrides["layer_types"] = ["full_attention"] * layers
     with torch.device(device):
         model = tiny_moe_model(name, dtype, seed=seed, **overrides)
+    model.config.use_cache = False  # training: no KV cache to build every step
     return model
 
 
