@@ -84,6 +84,20 @@ def check_routing(topk_ids: torch.Tensor, num_experts: int, slot_token: torch.Te
         )
 
 
+def slot_tokens_ok(topk_ids: torch.Tensor, slot_token: torch.Tensor, T: int) -> torch.Tensor:
+    """A 0-d bool tensor, on the device: slot_token is nondecreasing and every real slot's token
+    lies in [0, T) (padding may carry T). The kernels rely on both; checked without a host sync."""
+    tok = slot_token.reshape(-1)
+    real = topk_ids.reshape(-1) != PAD
+    in_range = ((tok >= 0) & ((tok < T) | ~real)).all()
+    return in_range & (tok[1:] >= tok[:-1]).all()
+
+
+def check_slot_tokens(topk_ids: torch.Tensor, slot_token: torch.Tensor | None, T: int) -> None:
+    if slot_token is not None and not bool(slot_tokens_ok(topk_ids, slot_token, T)):
+        raise IndexError(f"slot_token must be nondecreasing with real slots' tokens in [0, T={T})")
+
+
 def combine_slots(rows_in_slot_order: torch.Tensor, weights: torch.Tensor | None, topk_ids: torch.Tensor,
                   slot_token: torch.Tensor | None, T: int) -> torch.Tensor:
     """[T, d] in the accumulation dtype: sum over each token's real slots of (weight *) row."""
@@ -122,6 +136,7 @@ def torch_moe_experts_fwd(
     S = topk_ids.numel()
     E = w1.shape[0]
     check_routing(topk_ids, E, slot_token)
+    check_slot_tokens(topk_ids, slot_token, T)
     sorted_rows, offsets = torch_route(topk_ids, E)
     token_of_row = tokens_of_slots(topk_ids, slot_token)[sorted_rows.long()]
     w1_out = w1.shape[2] if transposed else w1.shape[1]
@@ -236,6 +251,7 @@ def torch_moe_experts(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, sl
     T, d = x.shape
     E = w1.shape[0]
     check_routing(topk_ids, E, slot_token)
+    check_slot_tokens(topk_ids, slot_token, T)
     ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
     tokens = tokens_of_slots(topk_ids, slot_token)
     out = torch.zeros(T, d, dtype=torch.promote_types(x.dtype, topk_weights.dtype), device=x.device)

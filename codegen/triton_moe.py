@@ -38,6 +38,7 @@ from .activations import ACTIVATIONS, GATED
 from .kernels.backward import _act_grad_kernel, _wgrad_kernel
 from .kernels.combine import _gather_sum_kernel
 from .kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel
+from .reference import slot_tokens_ok
 from .token_rounding import M_TILE
 
 # activation name -> the constexpr code of codegen/kernels/activation.py
@@ -346,6 +347,9 @@ def _slot_routing(topk_ids, slot_token, T):
     """(K or 1, gather-sum slots argument or None) for [T, K] routing or the slot form."""
     if slot_token is None:
         return topk_ids.shape[1], None
+    # a device-side assert (no host sync): unsorted or out-of-range tokens fail loudly, never silently
+    torch._assert_async(slot_tokens_ok(topk_ids, slot_token, T), "sonic.moe_experts: slot_token must be "
+                        "nondecreasing with real slots' tokens in [0, T)")
     return 1, (topk_ids, token_offsets(slot_token, T))
 
 

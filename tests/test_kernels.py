@@ -258,6 +258,20 @@ def test_slot_form_padding_anywhere(tm):
     assert torch.equal(dw[[1, 6, 7, 12]], torch.zeros(4))
 
 
+@pytest.mark.parametrize("bad", ["unsorted", "out_of_range"])
+def test_slot_form_bad_tokens_raise(tm, bad):
+    """The kernels rely on sorted, in-range slot tokens: a device-side assert, never a wrong answer."""
+    inputs, _ = _make(6, 32, 16, 4, 2, torch.float32)
+    slots = _slot_form(inputs, drop=())
+    tok = slots["slot_token"].clone()
+    if bad == "unsorted":
+        tok[[2, 9]] = tok[[9, 2]]
+    else:
+        tok[-1] = 6  # a real slot pointing past the last token
+    with pytest.raises(RuntimeError, match="slot_token must be nondecreasing"):
+        tm.triton_moe_experts_fwd(**dict(slots, slot_token=tok), save_h=True, **_FLAGS)
+
+
 def test_backward_recomputes_h_without_save_h(tm):
     inputs, go = _make(9, 32, 16, 4, 2, torch.float32, bias=True, seed=5)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32], save_h=False)

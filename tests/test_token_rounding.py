@@ -168,6 +168,16 @@ def test_round_routing_gradients_through_the_op(mode):
     assert torch.autograd.gradcheck(layer, (x, logits, w1, w2))
 
 
+def test_slot_form_rejects_unsorted_or_out_of_range_tokens():
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = torch.randn(3, 4, generator=g), torch.randn(2, 6, 4, generator=g), torch.randn(2, 4, 3, generator=g)
+    ids, weights = torch.tensor([0, 1, 1, -1]), torch.ones(4)
+    for tok in ([0, 2, 1, 3], [0, 1, 3, 3]):  # unsorted; a real slot on token 3 of 3
+        with pytest.raises(IndexError, match="slot_token must be nondecreasing"):
+            moe_experts(x, ids, weights, w1, w2, slot_token=torch.tensor(tok))
+    assert moe_experts(x, ids, weights, w1, w2, slot_token=torch.tensor([0, 1, 2, 3])).shape == (3, 4)
+
+
 # --------------------------------------------------------------------- the compiler option, end to end
 
 
