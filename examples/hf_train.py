@@ -81,7 +81,8 @@ def train(provider: str, args, batches, progress) -> dict:
     if provider == "inductor":
         run = torch.compile(model)
     elif provider == "sonic":
-        run = torch.compile(model, backend="sonic", options={"sonic.compiler": args.sonic_compiler})
+        options = {"sonic.compiler": args.sonic_compiler, "sonic.token_rounding": args.token_rounding}
+        run = torch.compile(model, backend="sonic", options=options)
     else:
         run = model
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -93,6 +94,8 @@ def train(provider: str, args, batches, progress) -> dict:
 
     with moe_compiler.capture() as report:
         _train_steps(run, opt, batches, args, provider, progress, losses, times)
+    if args.profile:
+        profile_step(run, opt, batches[-1], provider)
     tokens = batches[0].numel()
     steady = times[1:] or times
     result = {
@@ -107,6 +110,18 @@ def train(provider: str, args, batches, progress) -> dict:
     }
     del run, model, opt
     return result
+
+
+def profile_step(run, opt, ids, provider: str, rows: int = 15) -> None:
+    """One more step under the profiler: where the time goes, by kernel (GPU) or op (CPU)."""
+    with torch.profiler.profile() as prof:
+        run(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(str(ids.device.type))
+    key = "cuda_time_total" if ids.is_cuda else "cpu_time_total"
+    print(f"\n{provider}: one step by {key}\n"
+          + prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70))
 
 
 def _train_steps(run, opt, batches, args, provider, progress, losses, times, before_step=None):
@@ -161,6 +176,9 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sonic-compiler", default="inductor", help="sonic.compiler (aot_eager for quick CPU runs)")
+    parser.add_argument("--token-rounding", default=None, choices=("nearest", "up", "down"),
+                        help="sonic.token_rounding for the sonic provider (default: plain top-k)")
+    parser.add_argument("--profile", action="store_true", help="print each provider's top kernels for one more step")
     parser.add_argument("--out", default="out/hf_train")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*lru_cache.*")
