@@ -66,6 +66,9 @@ def token_rounding_for(match: MoEMatch, options: SonicOptions) -> tuple[str | No
     training = _module_training(match.module_source)
     if training is False:
         return None, "off (module in eval mode)"
+    if training is None:
+        log.info("sonic.token_rounding: cannot read %s.training from the frame; grad is enabled, so rounding",
+                 match.module)
     if match.router_probs is None:
         log.warning("sonic.token_rounding: %s keeps plain top-k: its router does not rank by softmax/sigmoid "
                     "probabilities that the graph shows (%s)", match.module, match.router)
