@@ -14,9 +14,11 @@ host sync, so it can be captured in a CUDA graph. The result is a dense assignme
 was in the top-k, the router probability where rounding up added it, 0 elsewhere).
 
 A token can lose every expert when its only experts all round down. With `keep_every_token=True`
-(the default) such a token keeps its best top-k expert, so that expert's count can exceed its
-multiple by the number of tokens kept this way (usually 0); with False, such tokens are dropped
-(they contribute nothing to the layer output, as a capacity-limited router would do).
+(the default) such a token goes back to its best top-k expert, and that expert drops as many more of
+its weakest members among the tokens that keep another expert, so its count stays a multiple of the
+tile (only if it has too few such members, or two experts drop the same token that way, does an
+expert end a token or two over); with False, such tokens are dropped (they contribute nothing to the
+layer output, as a capacity-limited router would do).
 
 `round_routing` turns the result into the slot form that `sonic::moe_experts` takes (flat ids with
 -1 padding, weights, and the token of each slot), with a static number of slots, so the rounded
@@ -91,10 +93,20 @@ def token_rounding(
     mask = ((members & ~dropped) | added).t()  # [T, E]
 
     if keep_every_token:
-        orphan = ~mask.any(1) & in_topk.any(1)
         best = topk_ids.gather(1, topk_weights.float().argmax(1, keepdim=True)).long()  # [T, 1]
-        restore = torch.zeros_like(mask).scatter_(1, best, True) & orphan[:, None]
-        mask = mask | restore
+        best_pair = torch.zeros_like(mask).scatter_(1, best, True)
+        orphans = ~mask.any(1) & in_topk.any(1)
+        restore = best_pair & orphans[:, None]  # each orphan goes back to its best top-k expert...
+        # ...which then drops as many of its weakest members that keep another expert, so its count
+        # stays a multiple of the tile (fewer such members than orphans: it ends that many over)
+        spare = (mask & (mask.sum(1, keepdim=True) >= 2)).t()
+        n_swap = restore.sum(0)[:, None]  # < tile: only tokens the expert dropped come back
+        weakest_spare = torch.topk(probs.masked_fill(~spare, float("inf")), width, dim=1, largest=False).indices
+        swapped = torch.zeros_like(members).scatter_(1, weakest_spare, (moves < n_swap)) & spare
+        mask = (mask & ~swapped.t()) | restore
+        # two experts may swap out the same token: it goes back to its best expert (rare; that
+        # expert ends one over its multiple)
+        mask = mask | (best_pair & (~mask.any(1) & in_topk.any(1))[:, None])
     weights = torch.where(in_topk, topk_w, router_probs.to(topk_weights.dtype))
     weights = torch.where(mask, weights, torch.zeros((), dtype=weights.dtype, device=device))
     return mask, weights

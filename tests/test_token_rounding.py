@@ -47,14 +47,18 @@ def _counts(ids, E):
     return torch.zeros(ids.shape[0], E, dtype=torch.bool).scatter_(1, ids, True).sum(0)
 
 
-@given(routings(), st.sampled_from(MODES))
-def test_counts_are_tile_multiples_and_move_less_than_a_tile(routing, mode):
+@given(routings(), st.sampled_from(MODES), st.booleans())
+def test_counts_are_tile_multiples_and_move_less_than_a_tile(routing, mode, keep):
     probs, ids, weights, tile = routing
     T, E = probs.shape
-    mask, _ = token_rounding(probs, ids, weights, tile=tile, mode=mode, keep_every_token=False)
+    mask, _ = token_rounding(probs, ids, weights, tile=tile, mode=mode, keep_every_token=keep)
     before, after = _counts(ids, E), mask.sum(0)
     capped = after == T
-    assert torch.all((after % tile == 0) | capped), (before, after, tile)
+    # kept orphans: their expert swaps out as many spare members; it can end over its multiple by
+    # at most the number it took back (too few spare members, or a token swapped out twice)
+    bare, _ = token_rounding(probs, ids, weights, tile=tile, mode=mode, keep_every_token=False)
+    taken_back = (mask & ~bare).sum(0)
+    assert torch.all((after % tile == 0) | capped | (after % tile <= taken_back)), (before, after, tile)
     assert torch.all((after - before).abs() < tile), (before, after, tile)
     if mode == "down":
         assert torch.all(after <= before)
