@@ -45,7 +45,6 @@ import os
 import pathlib
 import statistics
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -53,12 +52,11 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_train import (
-    PROVIDERS,
-    REAL,
     _train_steps,
+    add_training_args,
     build_model,
-    make_batches,
     progress_printer,
+    resolve_training_args,
 )
 
 SONIC_OPS = ("sonic::moe_experts", "sonic::moe_experts_backward")
@@ -198,37 +196,17 @@ def report(results: list[dict], args, world: int) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(REAL), default="qwen3_moe")
-    parser.add_argument("--scale", choices=("tiny", "real"), default="tiny")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=None, help="global rows, split across ranks (default: 8 real, 4 tiny)")
-    parser.add_argument("--seq", type=int, default=None, help="default: 2048 real, 32 tiny")
-    parser.add_argument("--providers", "--provider", default=",".join(PROVIDERS), help="comma-separated")
+    add_training_args(parser, out="out/fsdp_train", device_choices=("cuda", "cpu"),
+                      batch_help="global rows, split across ranks (default: 8 real, 4 tiny)")
     parser.add_argument("--compile-scope", choices=("layers", "model"), default="layers",
                         help="compile each decoder layer (the recipe) or the whole sharded model")
     parser.add_argument("--no-reference", action="store_true", help="skip the single-process replay on rank 0")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sonic-compiler", default="inductor", help="sonic.compiler (aot_eager for quick CPU runs)")
-    parser.add_argument("--out", default="out/fsdp_train")
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*lru_cache.*")
-    real = args.scale == "real"
-    args.batch = args.batch or (8 if real else 4)
-    args.seq = args.seq or (2048 if real else 32)
-    args.dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
-    providers = [p for p in args.providers.split(",") if p]
-    if set(providers) - set(PROVIDERS):
-        parser.error(f"unknown providers {sorted(set(providers) - set(PROVIDERS))}; choose from {PROVIDERS}")
+    providers, batches = resolve_training_args(parser, args, tiny_batch=4)
 
     rank, world = init_distributed(args.device)
     if args.batch % world:
         parser.error(f"--batch {args.batch} does not split evenly across {world} ranks")
-    vocab = REAL[args.model]["vocab_size"] if real else 128
-    batches = make_batches(vocab, args.steps, args.batch, args.seq, args.device, args.seed)
     if rank == 0:
         print(f"{args.model} ({args.scale}, {args.layers} layers), {args.dtype}, {args.device} x{world} "
               f"({dist.get_backend()}), global batch {args.batch} x seq {args.seq}, {args.steps} steps, "

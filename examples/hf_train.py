@@ -162,37 +162,46 @@ def progress_printer(total: int):
     return update
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_training_args(parser, *, out: str, batch_help: str, device_choices=None) -> None:
+    """The model, data and run arguments every training example shares (hf_train, fsdp_train)."""
     parser.add_argument("--model", choices=sorted(REAL), default="qwen3_moe")
     parser.add_argument("--scale", choices=("tiny", "real"), default="tiny")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=None, help="default: 8 real, 2 tiny")
+    parser.add_argument("--batch", type=int, default=None, help=batch_help)
     parser.add_argument("--seq", type=int, default=None, help="default: 2048 real, 32 tiny")
-    parser.add_argument("--providers", default=",".join(PROVIDERS))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--providers", "--provider", default=",".join(PROVIDERS), help="comma-separated")
+    parser.add_argument("--device", choices=device_choices, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sonic-compiler", default="inductor", help="sonic.compiler (aot_eager for quick CPU runs)")
-    parser.add_argument("--token-rounding", default=None, choices=("nearest", "up", "down"),
-                        help="sonic.token_rounding for the sonic provider (default: plain top-k)")
-    parser.add_argument("--profile", action="store_true", help="print each provider's top kernels for one more step")
-    parser.add_argument("--out", default="out/hf_train")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default=out)
+
+
+def resolve_training_args(parser, args, *, tiny_batch: int) -> tuple[list[str], list[torch.Tensor]]:
+    """Fill the scale-dependent defaults into `args`; return (providers, the batches of every step)."""
     warnings.filterwarnings("ignore", message=".*lru_cache.*")
     real = args.scale == "real"
-    args.batch = args.batch or (8 if real else 2)
+    args.batch = args.batch or (8 if real else tiny_batch)
     args.seq = args.seq or (2048 if real else 32)
     args.dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
     providers = [p for p in args.providers.split(",") if p]
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         parser.error(f"unknown providers {sorted(unknown)}; choose from {PROVIDERS}")
-
     vocab = REAL[args.model]["vocab_size"] if real else 128
-    batches = make_batches(vocab, args.steps, args.batch, args.seq, args.device, args.seed)
+    return providers, make_batches(vocab, args.steps, args.batch, args.seq, args.device, args.seed)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_training_args(parser, out="out/hf_train", batch_help="default: 8 real, 2 tiny")
+    parser.add_argument("--token-rounding", default=None, choices=("nearest", "up", "down"),
+                        help="sonic.token_rounding for the sonic provider (default: plain top-k)")
+    parser.add_argument("--profile", action="store_true", help="print each provider's top kernels for one more step")
+    args = parser.parse_args(argv)
+    providers, batches = resolve_training_args(parser, args, tiny_batch=2)
     print(f"{args.model} ({args.scale}, {args.layers} layers), {args.dtype}, {args.device}, "
           f"batch {args.batch} x seq {args.seq}, {args.steps} steps")
     update = progress_printer(args.steps)
