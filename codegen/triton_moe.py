@@ -38,7 +38,7 @@ from .activations import ACTIVATIONS, GATED
 from .kernels.backward import _act_grad_kernel, _wgrad_kernel
 from .kernels.combine import _gather_sum_kernel
 from .kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel
-from .reference import slot_tokens_ok
+from .reference import slot_tokens_ok, tokens_of_slots
 from .token_rounding import M_TILE
 
 # activation name -> the constexpr code of codegen/kernels/activation.py
@@ -410,10 +410,7 @@ def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, 
 
     if b2 is not None:  # dS also gets <dO[t], b2[e]>: one [T, E] product, read at each slot's (token, expert)
         dob2 = (grad_out.float() @ b2.float().t()).reshape(-1)
-        if slot_token is None:
-            tok = torch.arange(TK, device=x.device) // K
-        else:
-            tok = slot_token.reshape(-1).long().clamp(max=T - 1)
+        tok = tokens_of_slots(topk_ids, slot_token).clamp(max=T - 1)  # padding slots may carry T
         ids = topk_ids.reshape(-1).long()
         ds = ds + torch.where(ids >= 0, dob2[tok * E + ids.clamp(min=0)], 0.0)
     return dx, ds.view(topk_weights.shape).to(topk_weights.dtype), dw1, dw2, db1, db2
