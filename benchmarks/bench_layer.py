@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from codegen.ops import moe_experts  # noqa: E402
+from codegen.ops import moe_experts, moe_experts_list  # noqa: E402
 from codegen.reference import torch_moe_experts  # noqa: E402
 
 # name -> (T, d, n, E, K): the SonicMoE paper's twelve H100 shapes, then two real models
@@ -42,7 +42,7 @@ SHAPES = {
     "tiny": (2048, 512, 256, 16, 4),  # smoke test
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
-PROVIDERS = ("ours", "sonic", "liger", "grouped_mm", "compile", "loop")
+PROVIDERS = ("ours", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
 
@@ -59,6 +59,14 @@ def route(x, wr, K):
 def layer_ours(p, x, K):
     ids, w = route(x, p["wr"], K)
     return moe_experts(x, ids, w, p["w1"], p["w2"])
+
+
+def layer_ours_list(p, x, K):
+    """Our op over per-expert tensors (an nn.ModuleList of gate/up/down Linears), read in place."""
+    ids, w = route(x, p["wr"], K)
+    E = len([k for k in p if k.startswith("down.")])
+    pick = lambda part: [p[f"{part}.{e}"] for e in range(E)]  # noqa: E731
+    return moe_experts_list(x, ids, w, pick("gate"), pick("up"), pick("down"))
 
 
 def layer_liger(p, x, K):
@@ -113,6 +121,14 @@ def build_provider(name, master, shape):
     params = {k: v.detach().clone().requires_grad_() for k, v in master.items()}
     if name == "ours":
         return (lambda x: layer_ours(params, x, K)), params
+    if name == "ours-list":  # each expert's weights in its own tensor, as nn.Linear holds them
+        w1, w2 = master["w1"].detach(), master["w2"].detach()
+        params = {"wr": master["wr"].detach().clone().requires_grad_()}
+        for e in range(E):
+            params[f"gate.{e}"] = w1[e, :n].clone().requires_grad_()
+            params[f"up.{e}"] = w1[e, n:].clone().requires_grad_()
+            params[f"down.{e}"] = w2[e].clone().requires_grad_()
+        return (lambda x: layer_ours_list(params, x, K)), params
     if name == "liger":
         import liger_kernel.ops.fused_moe  # noqa: F401  (ImportError -> provider skipped)
 

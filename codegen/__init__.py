@@ -1,6 +1,12 @@
 """Kernels, the `sonic::` ops that launch them, and their pure-torch reference. Knows nothing of FX."""
 from .activations import ACTIVATIONS, GATED
-from .ops import moe_experts, moe_experts_backward_op, moe_experts_op
+from .ops import (
+    moe_experts,
+    moe_experts_backward_op,
+    moe_experts_list,
+    moe_experts_list_op,
+    moe_experts_op,
+)
 from .reference import (
     torch_moe_experts,
     torch_moe_experts_bwd,
@@ -14,6 +20,8 @@ __all__ = [
     "GATED",
     "moe_experts",
     "moe_experts_backward_op",
+    "moe_experts_list",
+    "moe_experts_list_op",
     "moe_experts_op",
     "round_routing",
     "token_rounding",

@@ -16,6 +16,16 @@ TK above is the number of slots.
 Autograd saves x, the routing (ids, weights, sorted_rows, offsets) and the pre-activation H; the
 backward recomputes A = act(H) and never sees the gathered x or the expert outputs Y.
 
+    sonic::moe_experts_list(x, topk_ids, topk_weights, w_gate[], w_up[], w_down[], activation,
+                            interleaved, alpha, limit, save_h, slot_token?) -> as moe_experts
+    sonic::moe_experts_list_backward(...) -> (dx, d_topk_weights, dW1 [E, w1_out, d], dW2 [E, d, n])
+
+The list form takes each expert's nn.Linear weights as they are (an `nn.ModuleList` of experts):
+w_gate[e] [n, d] with w_up[e] [n, d] (gated, separate), or w_gate[e] [w1_out, d] alone (non-gated,
+or gate and up in one tensor, laid out per `interleaved`); w_down[e] [d, n]; no biases. The
+kernels read those tensors where they are, through a cached table of their addresses: nothing is
+stacked per step. The weight gradients come back stacked and each expert gets a view of its slice.
+
 Implementations: on CUDA the Triton kernels (`codegen.triton_moe`) when they support the call;
 everywhere else the pure-torch reference (`codegen.reference`). `SONIC_MOE_KERNEL=reference` forces
 the reference on CUDA too (debugging, A/B checks); it is read once at import.
@@ -161,6 +171,114 @@ def _backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("sonic::moe_experts_list", mutates_args=())
+def moe_experts_list_op(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w_gate: list[Tensor],
+    w_up: list[Tensor],
+    w_down: list[Tensor],
+    activation: str,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    save_h: bool,
+    slot_token: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    impl = _triton_backend(x)
+    if impl is not None and impl.supports_list(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags):
+        return impl.triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, save_h=save_h,
+                                                slot_token=slot_token, **flags)
+    w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
+    return torch_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, save_h=save_h, slot_token=slot_token,
+                                 transposed=False, **flags)
+
+
+@moe_experts_list_op.register_fake
+def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation, interleaved, alpha, limit, save_h,
+      slot_token=None):
+    w1_out = w_gate[0].shape[0] + (w_up[0].shape[0] if w_up else 0)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(topk_ids.numel() if save_h else 0, w1_out),
+        x.new_empty(topk_ids.numel(), dtype=torch.int32),
+        x.new_empty(len(w_gate) + 1, dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op("sonic::moe_experts_list_backward", mutates_args=())
+def moe_experts_list_backward_op(
+    grad_out: Tensor,
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w_gate: list[Tensor],
+    w_up: list[Tensor],
+    w_down: list[Tensor],
+    h: Tensor,
+    sorted_rows: Tensor,
+    expert_offsets: Tensor,
+    activation: str,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    slot_token: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    impl = _triton_backend(x)
+    if impl is not None and impl.supports_list(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags):
+        return impl.triton_moe_experts_list_bwd(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h,
+                                                sorted_rows, expert_offsets, slot_token=slot_token, **flags)
+    w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
+    dx, dw, dw1, dw2, _, _ = torch_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, None, None, h,
+                                                   sorted_rows, expert_offsets, slot_token=slot_token,
+                                                   transposed=False, **flags)
+    return dx, dw, dw1, dw2
+
+
+@moe_experts_list_backward_op.register_fake
+def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h, sorted_rows, expert_offsets, *flags,
+      slot_token=None):
+    E, (d, n) = len(w_gate), w_down[0].shape
+    w1_out = w_gate[0].shape[0] + (w_up[0].shape[0] if w_up else 0)
+    return torch.empty_like(x), torch.empty_like(topk_weights), x.new_empty(E, w1_out, d), x.new_empty(E, d, n)
+
+
+def stack_expert_lists(w_gate: list[Tensor], w_up: list[Tensor], w_down: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """(w1 [E, w1_out, d], w2 [E, d, n]) copies of per-expert weights: the reference (CPU) path only."""
+    gate_up = [torch.cat((g, u)) for g, u in zip(w_gate, w_up)] if w_up else w_gate
+    return torch.stack(gate_up), torch.stack(w_down)
+
+
+def _setup_list_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, w_gate, w_up, w_down, activation, interleaved, alpha, limit, _, slot_token = inputs
+    _, h, sorted_rows, offsets = output
+    E = len(w_gate)
+    ctx.save_for_backward(x, topk_ids, topk_weights, h, sorted_rows, offsets, slot_token, *w_gate, *w_up, *w_down)
+    ctx.sizes = (E, len(w_up), w_gate[0].shape[0])
+    ctx.flags = (activation, interleaved, alpha, limit)
+
+
+def _list_backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
+    x, topk_ids, topk_weights, h, sorted_rows, offsets, slot_token, *weights = ctx.saved_tensors
+    E, n_up, gate_rows = ctx.sizes
+    w_gate, w_up, w_down = weights[:E], weights[E:E + n_up], weights[E + n_up:]
+    if grad_out is None:
+        grad_out = torch.zeros_like(x)
+    dx, dw, dw1, dw2 = moe_experts_list_backward_op(
+        grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h, sorted_rows, offsets, *ctx.flags, slot_token
+    )
+    # views of the stacked gradients, one per expert tensor (no copy)
+    d_gate = list(dw1[:, :gate_rows].unbind(0))
+    d_up = list(dw1[:, gate_rows:].unbind(0)) if n_up else []
+    return dx, None, dw, d_gate, d_up, list(dw2.unbind(0)), None, None, None, None, None
+
+
+moe_experts_list_op.register_autograd(_list_backward, setup_context=_setup_list_context)
+
+
 def validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, activation, transposed,
                         slot_token=None):
     """Clear errors for shapes, dtypes and devices the op cannot take (never a wrong answer)."""
@@ -245,6 +363,62 @@ def moe_experts(
         x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, float(alpha),
         float(limit), save_h, slot_token,
     )
+    return out
+
+
+def validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, interleaved=False,
+                             slot_token=None):
+    """`validate_moe_inputs` for the list form: E experts, each list of one shape, dtype and device."""
+    def fail(msg):
+        raise ValueError(f"sonic.moe_experts_list: {msg}")
+
+    E = len(w_gate)
+    if E == 0 or len(w_down) != E or (w_up and len(w_up) != E):
+        fail(f"need E > 0 tensors in w_gate and w_down (and w_up, if any), got {E}, {len(w_down)}, {len(w_up)}")
+    for name, group in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        shapes = {tuple(w.shape) for w in group}
+        if len(shapes) > 1 or any(w.dim() != 2 for w in group):
+            fail(f"{name} must hold 2-D tensors of one shape, got {sorted(shapes)}")
+    if w_up and not GATED.get(activation, True):
+        fail(f"w_up is only for gated activations, not {activation!r}")
+    if w_up and w_up[0].shape != w_gate[0].shape:
+        fail(f"w_gate {tuple(w_gate[0].shape)} and w_up {tuple(w_up[0].shape)} differ in shape")
+    tensors = [*w_gate, *w_up, *w_down]
+    if len({w.dtype for w in tensors}) > 1 or len({w.device for w in tensors}) > 1:
+        fail("expert weights must share one dtype and one device")
+    # the stacked check covers the rest (shapes against d and n, dtypes, devices, routing)
+    w1_out = w_gate[0].shape[0] + (w_up[0].shape[0] if w_up else 0)
+    w1 = w_gate[0].new_empty(1, 1, 1).expand(E, w1_out, w_gate[0].shape[1])
+    w2 = w_down[0].new_empty(1, 1, 1).expand(E, *w_down[0].shape)
+    validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, activation=activation, transposed=False,
+                        slot_token=slot_token)
+
+
+def moe_experts_list(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w_gate: list[Tensor],
+    w_up: list[Tensor],
+    w_down: list[Tensor],
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    slot_token: Tensor | None = None,
+) -> Tensor:
+    """`moe_experts` over per-expert nn.Linear weights, read in place (see the module docstring).
+
+    Expert e computes act(cat(x w_gate[e]^T, x w_up[e]^T)) w_down[e]^T, or act(x w_gate[e]^T)
+    w_down[e]^T when `w_up` is empty. Gradients reach every tensor of the three lists.
+    """
+    w_gate, w_up, w_down = list(w_gate), list(w_up), list(w_down)
+    validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation=activation,
+                             slot_token=slot_token)
+    save_h = needs_saved_h(x, topk_weights, *w_gate, *w_up, *w_down)
+    out, _, _, _ = moe_experts_list_op(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation, interleaved,
+                                       float(alpha), float(limit), save_h, slot_token)
     return out
 
 

@@ -1,6 +1,7 @@
 """Launchers for the Triton MoE kernels, and the two entry points `codegen.ops` calls on CUDA.
 
     supports(...)               -> bool: the one predicate for what the kernels handle
+    supports_list, triton_moe_experts_list_fwd / _bwd: the same for per-expert weight tensors
     triton_moe_experts_fwd(...) -> (out [T, d], H [TK, w1_out] or [0, w1_out], sorted_rows [TK], offsets [E+1])
     triton_moe_experts_bwd(...) -> (dx, d_topk_weights, dw1, dw2, db1 | None, db2 | None)
 
@@ -29,6 +30,7 @@ every kernel runs one small config (autotuning with several configs needs a GPU)
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -131,24 +133,76 @@ def _e_pow2(E: int) -> int:
     return max(2, triton.next_power_of_2(E))
 
 
-def _dims(x, w1, w2, transposed):
-    T, d = x.shape
-    E = w1.shape[0]
-    w1_out = w1.shape[2] if transposed else w1.shape[1]
-    n = w2.shape[1] if transposed else w2.shape[2]
-    return T, d, n, E, w1_out
+class Bank(NamedTuple):
+    """One projection's expert weights as the GEMM kernels address them.
+
+    Stacked weights: `ptr` is the [E, ., .] tensor and expert e starts e * strides[0] elements in.
+    Per-expert tensors (`codegen.ops.moe_experts_list`): `ptr` is expert 0's tensor and `table`
+    (int64 [2E]) holds each expert's start, then the start of its up rows, as element offsets from
+    it; strides[0] is unused. `strides` are (e, out, in) in nn.Linear's orientation: W1 [w1_out, d],
+    W2 [d, n]. `split` > 0: the W1 rows from `split` on live in the up tensors (separate gate/up).
+    """
+
+    ptr: Tensor
+    strides: tuple[int, int, int]
+    table: Tensor | None = None
+    split: int = 0
+
+    def kernel_args(self):
+        """(pointer, table pointer, W_TABLE) for a kernel launch; the table argument is not read
+        when there is none."""
+        return self.ptr, self.ptr if self.table is None else self.table, self.table is not None
 
 
-def _w1_strides(w1: Tensor, transposed: bool):
-    """(e, out, in) strides of W1: [E, w1_out, d], or [E, d, w1_out] when transposed."""
-    s = w1.stride()
-    return (s[0], s[2], s[1]) if transposed else (s[0], s[1], s[2])
+def _stacked_banks(w1: Tensor, w2: Tensor, transposed: bool) -> tuple[Bank, Bank]:
+    s1, s2 = w1.stride(), w2.stride()
+    if transposed:  # W1 [E, d, w1_out], W2 [E, n, d]
+        return Bank(w1, (s1[0], s1[2], s1[1])), Bank(w2, (s2[0], s2[2], s2[1]))
+    return Bank(w1, tuple(s1)), Bank(w2, tuple(s2))
 
 
-def _w2_strides(w2: Tensor, transposed: bool):
-    """(e, d, n) strides of W2: [E, d, n], or [E, n, d] when transposed."""
-    s = w2.stride()
-    return (s[0], s[2], s[1]) if transposed else (s[0], s[1], s[2])
+# (device, shift, pointers) -> (pinned host table, device table). Weights keep their addresses from
+# step to step (optimizers update them in place), so after the first step every call is a hit.
+_TABLES: dict[tuple, tuple[Tensor, Tensor]] = {}
+_MAX_TABLES = 1024
+
+
+def _offset_table(first: list[Tensor], second: list[Tensor] | None, second_shift: int) -> Tensor:
+    """int64 [2E] on the weights' device: element offsets of each `first[e]` from first[0], then of
+    each second[e] (or first[e] + second_shift elements when there is no second list)."""
+    base = first[0]
+    ptrs = tuple(t.data_ptr() for t in first) + (tuple(t.data_ptr() for t in second) if second else ())
+    key = (base.device, base.element_size(), second_shift, ptrs)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit[1]
+    size, origin = base.element_size(), base.data_ptr()
+    if any((p - origin) % size for p in ptrs):
+        raise ValueError("sonic.moe_experts_list: expert weights are not aligned to their element size")
+    offs = [(p - origin) // size for p in ptrs]
+    if not second:
+        offs += [o + second_shift for o in offs]
+    host = torch.tensor(offs, dtype=torch.int64)
+    if base.is_cuda:
+        host = host.pin_memory()  # an async copy from pinned memory: no host sync on a miss either
+    table = host.to(base.device, non_blocking=True)
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.clear()
+    _TABLES[key] = (host, table)
+    return table
+
+
+def _list_banks(w_gate: list[Tensor], w_up: list[Tensor], w_down: list[Tensor], interleaved: bool,
+                gated: bool) -> tuple[Bank, Bank]:
+    """Banks over per-expert nn.Linear weights, read in place (nothing is stacked or copied)."""
+    g = w_gate[0]
+    if w_up:  # separate gate [n, d] and up [n, d] tensors: W1 rows n.. come from the up table
+        w1 = Bank(g, (0, *g.stride()), _offset_table(w_gate, w_up, 0), split=g.shape[0])
+    else:  # one [w1_out, d] tensor per expert; a concatenated gated one has its up rows n further on
+        shift = 0 if interleaved or not gated else (g.shape[0] // 2) * g.stride(0)
+        w1 = Bank(g, (0, *g.stride()), _offset_table(w_gate, None, shift))
+    w2 = Bank(w_down[0], (0, *w_down[0].stride()), _offset_table(w_down, None, 0))
+    return w1, w2
 
 
 def supports(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleaved, transposed, alpha, limit) -> bool:
@@ -167,6 +221,23 @@ def supports(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleav
         return False
     E = w1.shape[0]
     return 0 < E <= _MAX_EXPERTS and topk_ids.numel() < 2**31
+
+
+def supports_list(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, **_) -> bool:
+    """`supports` for per-expert tensors; each list must also share one shape and stride layout
+    (the kernels address every expert with expert 0's strides)."""
+    if not w_gate or not w_down:
+        return False
+    E = len(w_gate)
+    stand_in = (w_gate[0].expand(E, -1, -1), w_down[0].expand(E, -1, -1))  # [E, ., .] views, no copy
+    if not supports(x, topk_ids, topk_weights, *stand_in, None, None, activation=activation, interleaved=False,
+                    transposed=False, alpha=0.0, limit=0.0):
+        return False
+    for group in (w_gate, w_up, w_down):
+        if group and any(w.dtype != x.dtype or w.shape != group[0].shape or w.stride() != group[0].stride()
+                         or w.device != x.device for w in group):
+            return False
+    return not w_up or w_up[0].stride() == w_gate[0].stride()
 
 
 def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tensor]:
@@ -199,11 +270,11 @@ def token_offsets(slot_token: Tensor, T: int) -> Tensor:
 # ----------------------------------------------------------------------------------------- launchers
 
 
-def triton_moe_up(x, w1, b1, sorted_rows, offsets, *, n, top_k, activation, interleaved, transposed,
-                  alpha, limit, store_h=True, store_a=True, row_token=None):
+def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation, interleaved, alpha, limit,
+                  store_h=True, store_a=True, row_token=None, **_):
     """H [TK, w1_out] (or [0, w1_out]) and A [TK, n] (or [0, n]) in expert order."""
     T, d = x.shape
-    E = w1.shape[0]
+    E = offsets.numel() - 1
     TK = sorted_rows.numel()
     gated = GATED[activation]
     w1_out = 2 * n if gated else n
@@ -212,25 +283,27 @@ def triton_moe_up(x, w1, b1, sorted_rows, offsets, *, n, top_k, activation, inte
     if TK == 0 or not (store_h or store_a):
         return h, a
     b1c = b1.contiguous() if b1 is not None else x
+    w_ptr, w_table, has_table = w1.kernel_args()
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _up[grid](
-        x, w1, b1c, sorted_rows, _or(row_token, sorted_rows), offsets, h, a,
+        x, w_ptr, b1c, sorted_rows, _or(row_token, sorted_rows), offsets, h, a, w_table,
         TK, d, n, E, top_k,
         x.stride(0), x.stride(1),
-        *_w1_strides(w1, transposed),
+        *w1.strides,
         w1_out if b1 is not None else 0, 1,
         float(alpha), float(limit),
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
         HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=_e_pow2(E),
-        DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=row_token is not None,
+        DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table,
     )
     return h, a
 
 
-def triton_moe_scatter_gemm(inp, w, w_strides, bias, sorted_rows, offsets, *, n_dim):
+def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets, *, n_dim, split=0):
     """out [TK, n_dim] in SLOT order: out[sorted_rows[r]] = inp[r] @ B[e] (+ bias[e]).
 
-    w_strides = (e, k, n) strides reading the expert weight as B[e] [k_dim, n_dim].
+    w_strides = (e, k, n) strides reading the expert weight as B[e] [k_dim, n_dim]; `split` > 0:
+    rows k >= split of B[e] come from the bank's up table (W1 as separate gate/up tensors).
     """
     TK, k_dim = inp.shape
     E = offsets.numel() - 1
@@ -238,12 +311,14 @@ def triton_moe_scatter_gemm(inp, w, w_strides, bias, sorted_rows, offsets, *, n_
     if TK == 0:
         return out
     biasc = bias.contiguous() if bias is not None else inp
+    w_ptr, w_table, has_table = w.kernel_args()
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"]),)
     _scatter[grid](
-        inp, w, biasc, sorted_rows, offsets, out,
-        TK, k_dim, n_dim, E,
+        inp, w_ptr, biasc, sorted_rows, offsets, out, w_table,
+        TK, k_dim, n_dim, E, split,
         *w_strides, n_dim,
         HAS_BIAS=bias is not None, E_POW2=_e_pow2(E), DOT_PRECISION=_dot_precision(inp.dtype),
+        W_TABLE=has_table, SPLIT_K=split > 0,
     )
     return out
 
@@ -273,11 +348,11 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
     return out
 
 
-def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, activation, interleaved,
-                    transposed, alpha, limit, row_token=None):
+def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, top_k, activation, interleaved,
+                    alpha, limit, row_token=None, **_):
     """(dH [TK, w1_out], A' = s A [TK, n], dS float32 [TK] in slot order) from dA' = gather(dO) W2."""
     T, d = grad_out.shape
-    E = w2.shape[0]
+    E = offsets.numel() - 1
     TK = sorted_rows.numel()
     gated = GATED[activation]
     dh = torch.empty_like(h)
@@ -287,10 +362,11 @@ def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, 
         return dh, a_scaled, ds
     # dA' [TK, n] = gather(dO) @ W2[e]: the up-projection kernel with W2 read as (e, out=n, in=d)
     da = h.new_empty(TK, n)
-    sw = _w2_strides(w2, transposed)  # (e, d, n)
+    sw = w2.strides  # (e, d, n)
+    w_ptr, w_table, has_table = w2.kernel_args()
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _dact[grid](
-        grad_out, w2, grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da,
+        grad_out, w_ptr, grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da, w_table,
         TK, d, n, E, top_k,
         grad_out.stride(0), grad_out.stride(1),
         sw[0], sw[2], sw[1],
@@ -298,7 +374,7 @@ def triton_moe_dact(grad_out, w2, h, s_flat, sorted_rows, offsets, *, n, top_k, 
         0.0, 0.0,
         ACTIVATION=_IDENTITY, GATED=False, INTERLEAVED=False,
         HAS_B1=False, STORE_H=False, STORE_A=True, E_POW2=_e_pow2(E),
-        DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=row_token is not None,
+        DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table,
     )
     block_c = min(256, triton.next_power_of_2(n))
     block_r = 4 if INTERPRETED else max(1, 2048 // block_c)
@@ -360,51 +436,95 @@ def _row_token(slot_token, sorted_rows):
 
 def triton_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleaved, transposed,
                            alpha, limit, save_h, slot_token=None):
-    T, d, n, E, w1_out = _dims(x, w1, w2, transposed)
+    W1, W2 = _stacked_banks(w1, w2, transposed)
+    n = w2.shape[1] if transposed else w2.shape[2]
+    return _forward(x, topk_ids, topk_weights, W1, W2, b1, b2, n=n, activation=activation, interleaved=interleaved,
+                    alpha=alpha, limit=limit, save_h=save_h, slot_token=slot_token)
+
+
+def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, *,
+                           activation, interleaved, transposed, alpha, limit, slot_token=None):
+    W1, W2 = _stacked_banks(w1, w2, transposed)
+    n = w2.shape[1] if transposed else w2.shape[2]
+    # dW in the weights' own layout; the kernels write it through (e, out, in) strides
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    s1, s2 = dw1.stride(), dw2.stride()
+    dw1_strides = (s1[0], s1[2], s1[1]) if transposed else s1
+    dw2_strides = (s2[0], s2[2], s2[1]) if transposed else s2
+    dx, ds, db1, db2 = _backward(grad_out, x, topk_ids, topk_weights, W1, W2, b1, b2, h, sorted_rows, expert_offsets,
+                                 dw1=(dw1, dw1_strides), dw2=(dw2, dw2_strides), n=n, activation=activation,
+                                 interleaved=interleaved, alpha=alpha, limit=limit, slot_token=slot_token)
+    return dx, ds, dw1, dw2, db1, db2
+
+
+def triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, interleaved, alpha,
+                                limit, save_h, slot_token=None):
+    """`sonic::moe_experts_list` on CUDA: the same kernels, reading each expert's tensors in place."""
+    gated = GATED[activation]
+    W1, W2 = _list_banks(w_gate, w_up, w_down, interleaved, gated)
+    return _forward(x, topk_ids, topk_weights, W1, W2, None, None, n=w_down[0].shape[1], activation=activation,
+                    interleaved=interleaved, alpha=alpha, limit=limit, save_h=save_h, slot_token=slot_token)
+
+
+def triton_moe_experts_list_bwd(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h, sorted_rows,
+                                expert_offsets, *, activation, interleaved, alpha, limit, slot_token=None):
+    """-> (dx, d_topk_weights, dW1 [E, w1_out, d], dW2 [E, d, n]): weight gradients stacked (fresh
+    tensors; `codegen.ops` hands each expert a view of its slice)."""
+    gated = GATED[activation]
+    W1, W2 = _list_banks(w_gate, w_up, w_down, interleaved, gated)
+    E, n, d = len(w_gate), w_down[0].shape[1], x.shape[1]
+    dw1 = x.new_empty(E, 2 * n if gated else n, d)
+    dw2 = x.new_empty(E, d, n)
+    dx, ds, _, _ = _backward(grad_out, x, topk_ids, topk_weights, W1, W2, None, None, h, sorted_rows, expert_offsets,
+                             dw1=(dw1, dw1.stride()), dw2=(dw2, dw2.stride()), n=n, activation=activation,
+                             interleaved=interleaved, alpha=alpha, limit=limit, slot_token=slot_token)
+    return dx, ds, dw1, dw2
+
+
+def _forward(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, activation, interleaved, alpha, limit,
+             save_h, slot_token):
+    T, d = x.shape
+    E = W1.table.numel() // 2 if W1.table is not None else W1.ptr.shape[0]
     K, slots = _slot_routing(topk_ids, slot_token, T)
     sorted_rows, offsets = route(topk_ids, E, padded=slot_token is not None)
-    flags = dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
-    h, a = triton_moe_up(x, w1, b1, sorted_rows, offsets, n=n, top_k=K, store_h=save_h,
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    h, a = triton_moe_up(x, W1, b1, sorted_rows, offsets, n=n, top_k=K, store_h=save_h,
                          row_token=_row_token(slot_token, sorted_rows), **flags)
-    ws = w2.stride()
-    down_strides = (ws[0], ws[1], ws[2]) if transposed else (ws[0], ws[2], ws[1])  # B[e] = W2[e]^T [n, d]
-    y = triton_moe_scatter_gemm(a, w2, down_strides, b2, sorted_rows, offsets, n_dim=d)
+    sw = W2.strides  # (e, d, n); the down-projection reads B[e] = W2[e]^T [n, d]
+    y = triton_moe_scatter_gemm(a, W2, (sw[0], sw[2], sw[1]), b2, sorted_rows, offsets, n_dim=d)
     del a
     out = triton_moe_gather_sum(y, topk_weights.reshape(-1), T, K, x.dtype, slots)
     return out, h, sorted_rows, offsets
 
 
-def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, *,
-                           activation, interleaved, transposed, alpha, limit, slot_token=None):
-    T, d, n, E, w1_out = _dims(x, w1, w2, transposed)
+def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h, sorted_rows, expert_offsets, *,
+              dw1, dw2, n, activation, interleaved, alpha, limit, slot_token):
+    """(dx, d_topk_weights, db1, db2); the weight gradients go into dw1 / dw2 = (tensor, (e, out, in) strides)."""
+    T, d = x.shape
+    E = expert_offsets.numel() - 1
     K, slots = _slot_routing(topk_ids, slot_token, T)
     TK = topk_ids.numel()
-    flags = dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     row_token = _row_token(slot_token, sorted_rows)
     routing = dict(sorted_rows=sorted_rows, offsets=expert_offsets, top_k=K, row_token=row_token)
     grad_out = grad_out.to(x.dtype)
     s_flat = topk_weights.reshape(-1)
     if h.numel() == 0 and TK > 0:  # the forward ran without save_h: recompute H (A is not needed)
-        h, _ = triton_moe_up(x, w1, b1, n=n, store_a=False, **routing, **flags)
+        h, _ = triton_moe_up(x, W1, b1, n=n, store_a=False, **routing, **flags)
 
-    dh, a_scaled, ds = triton_moe_dact(grad_out, w2, h, s_flat, n=n, **routing, **flags)
+    dh, a_scaled, ds = triton_moe_dact(grad_out, W2, h, s_flat, n=n, **routing, **flags)
 
-    dw2 = torch.empty_like(w2)
     db2 = None if b2 is None else torch.empty(b2.shape, dtype=b2.dtype, device=b2.device)
-    s2 = dw2.stride()  # dW2 as [E, P=d, Q=n]
-    triton_moe_wgrad(grad_out, a_scaled, gather_lhs=True, gather_rhs=False, dw=dw2,
-                     dw_strides=(s2[0], s2[2], s2[1]) if transposed else s2, db=db2, s_flat=s_flat, **routing)
+    triton_moe_wgrad(grad_out, a_scaled, gather_lhs=True, gather_rhs=False, dw=dw2[0], dw_strides=dw2[1],
+                     db=db2, s_flat=s_flat, **routing)  # dW2 as [E, P=d, Q=n]
     del a_scaled
 
-    dw1 = torch.empty_like(w1)
     db1 = None if b1 is None else torch.empty(b1.shape, dtype=b1.dtype, device=b1.device)
-    s1 = dw1.stride()  # dW1 as [E, P=w1_out, Q=d]
-    triton_moe_wgrad(dh, x, gather_lhs=False, gather_rhs=True, dw=dw1,
-                     dw_strides=(s1[0], s1[2], s1[1]) if transposed else s1, db=db1, **routing)
+    triton_moe_wgrad(dh, x, gather_lhs=False, gather_rhs=True, dw=dw1[0], dw_strides=dw1[1],
+                     db=db1, **routing)  # dW1 as [E, P=w1_out, Q=d]
 
-    ws = w1.stride()
-    dx_strides = (ws[0], ws[2], ws[1]) if transposed else ws  # B[e] = W1[e] [w1_out, d]
-    dx_rows = triton_moe_scatter_gemm(dh, w1, dx_strides, None, sorted_rows, expert_offsets, n_dim=d)
+    # dX~ = dH @ B[e] with B[e] = W1[e] [w1_out, d]
+    dx_rows = triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, expert_offsets, n_dim=d, split=W1.split)
     del dh
     dx = triton_moe_gather_sum(dx_rows, None, T, K, x.dtype, slots)
 
@@ -413,4 +533,4 @@ def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, 
         tok = tokens_of_slots(topk_ids, slot_token).clamp(max=T - 1)  # padding slots may carry T
         ids = topk_ids.reshape(-1).long()
         ds = ds + torch.where(ids >= 0, dob2[tok * E + ids.clamp(min=0)], 0.0)
-    return dx, ds.view(topk_weights.shape).to(topk_weights.dtype), dw1, dw2, db1, db2
+    return dx, ds.view(topk_weights.shape).to(topk_weights.dtype), db1, db2

@@ -311,6 +311,61 @@ def test_pinned_config_parsing(tm):
         tm._parse_pinned("gemm:128x64x64:4:3")
 
 
+def _as_lists(inputs, layout, seed=0):
+    """Per-expert tensors (separate allocations, in shuffled order so some offsets are negative) holding
+    the stacked weights of `inputs`; layout: separate (gate/up tensors), fused, interleaved, plain."""
+    w1, w2 = inputs["w1"], inputs["w2"]
+    E, n = w1.shape[0], w2.shape[2]
+    order = torch.randperm(E, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def split(parts):
+        made = {e: parts(e).clone() for e in order}
+        return [made[e] for e in range(E)]
+
+    if layout == "separate":
+        gate, up = split(lambda e: w1[e, :n]), split(lambda e: w1[e, n:])
+    else:
+        gate, up = split(lambda e: w1[e]), []
+    return gate, up, split(lambda e: w2[e])
+
+
+_LIST_LAYOUTS = {  # layout -> (activation, interleaved)
+    "separate": ("swiglu", False),
+    "fused": ("geglu", False),
+    "interleaved": ("swiglu", True),
+    "plain": ("relu2", False),
+}
+
+
+@pytest.mark.parametrize("layout", list(_LIST_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_list_form_equals_stacked(tm, layout, dtype):
+    """Per-expert tensors read through the offset table give exactly the stacked kernels' results."""
+    activation, interleaved = _LIST_LAYOUTS[layout]
+    flags = dict(_FLAGS, activation=activation, interleaved=interleaved)
+    inputs, go = _make(13, 40, 24, 4, 2, dtype, activation=activation, seed=5)
+    gate, up, down = _as_lists(inputs, layout)
+    routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
+    list_flags = {k: v for k, v in flags.items() if k != "transposed"}
+    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, save_h=True, **list_flags)
+    dx, dw, dw1, dw2 = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, h, rows, offs, **list_flags)
+    (want_out, want_h, _, _), (want_dx, want_dw, want_dw1, want_dw2, _, _) = _run_ours(tm, inputs, go, flags)
+    for got, want in ((out, want_out), (h, want_h), (dx, want_dx), (dw, want_dw), (dw1, want_dw1), (dw2, want_dw2)):
+        assert torch.equal(got, want)
+    _check_against_oracle(tm, inputs, go, flags, _TOL[dtype])  # and the stacked run is right
+
+
+def test_list_form_supports_predicate(tm):
+    inputs, _ = _make(5, 32, 16, 3, 2, torch.float32)
+    gate, up, down = _as_lists(inputs, "separate")
+    routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
+    assert tm.supports_list(*routing, gate, up, down, activation="swiglu")
+    # one expert laid out differently: expert 0's strides would read it wrongly, so not supported
+    odd = gate[:1] + [gate[1].t().contiguous().t()] + gate[2:]
+    assert not tm.supports_list(*routing, odd, up, down, activation="swiglu")
+    assert not tm.supports_list(*routing, gate, up, [w.half() for w in down], activation="swiglu")
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
@@ -520,3 +575,36 @@ def test_gpu_new_t_does_not_recompile_or_retune():
         _ops_fwd_bwd(*_gpu_case(T, 256, 128, 8, 2, seed=T), _FLAGS)
     assert compiled() == before
     assert [len(k.cache) for k in kernels] == tuned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["separate", "fused"])
+def test_gpu_list_form_equals_stacked_without_sync(layout, first_config_only):
+    """bf16 through `codegen.ops`: per-expert tensors give the stacked op's exact outputs and gradients,
+    and after the first call (address table built) fwd+bwd makes no host sync."""
+    from codegen.ops import moe_experts_list
+
+    inputs, go = _gpu_case(700, 256, 128, 8, 2, seed=7)
+    gate, up, down = _as_lists(inputs, layout, seed=7)
+    want_out, want = _ops_fwd_bwd(inputs, go, _FLAGS)
+    leaves = [t.detach().requires_grad_() for t in (inputs["x"], inputs["topk_weights"], *gate, *up, *down)]
+    x, w, rest = leaves[0], leaves[1], leaves[2:]
+    gate_l, up_l, down_l = rest[:8], rest[8:8 + len(up)], rest[8 + len(up):]
+
+    def step():
+        out = moe_experts_list(x, inputs["topk_ids"], w, gate_l, up_l, down_l)
+        return out, torch.autograd.grad(out, leaves, go)
+
+    out, grads = step()
+    assert torch.equal(out, want_out)
+    assert torch.equal(grads[0], want["x"]) and torch.equal(grads[1], want["topk_weights"])
+    n = 128
+    dw1 = torch.stack([torch.cat((g, u)) for g, u in zip(grads[2:10], grads[10:18])]) if up else torch.stack(grads[2:10])
+    assert torch.equal(dw1, want["w1"]) and torch.equal(torch.stack(grads[-8:]), want["w2"])
+    assert dw1.shape[1] == 2 * n
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

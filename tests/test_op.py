@@ -107,3 +107,62 @@ def test_unknown_activation():
     x, ids, w, w1, w2, *_ = make_inputs()
     with pytest.raises(ValueError, match="unknown activation 'swish'"):
         moe_experts(x, ids, w, w1, w2, activation="swish")
+
+
+# ------------------------------------------------------------------ the list form: per-expert tensors
+
+
+def _lists(w1, w2, layout):
+    n = w2.shape[2]
+    if layout == "separate":
+        return [w[:n].clone() for w in w1], [w[n:].clone() for w in w1], [w.clone() for w in w2]
+    return [w.clone() for w in w1], [], [w.clone() for w in w2]
+
+
+@pytest.mark.parametrize("layout,activation,interleaved", [
+    ("separate", "swiglu", False), ("fused", "swiglu_oai", True), ("fused", "geglu", False), ("plain", "gelu", False),
+])
+def test_list_op_matches_autograd_loop(layout, activation, interleaved):
+    from codegen import moe_experts_list
+
+    x, ids, w, w1, w2, _, _ = make_inputs(activation=activation)
+    gate, up, down = _lists(w1, w2, layout)
+    leaves = [t.requires_grad_() for t in (x, w, *gate, *up, *down)]
+    flags = dict(activation=activation, interleaved=interleaved, limit=1.5)
+    got = moe_experts_list(x, ids, w, gate, up, down, **flags)
+    stacked = [x, w, torch.stack([torch.cat((g, u)) for g, u in zip(gate, up)]) if up else torch.stack(gate),
+               torch.stack(down)]
+    want = torch_moe_experts(stacked[0], ids, stacked[1], stacked[2], stacked[3], **flags)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("layout", ["separate", "fused"])
+def test_list_opcheck(layout):
+    from codegen import moe_experts_list_op
+
+    x, ids, w, w1, w2, _, _ = make_inputs(dtype=torch.float32)
+    gate, up, down = _lists(w1, w2, layout)
+    for t in (x, w, *gate, *up, *down):
+        t.requires_grad_()
+    torch.library.opcheck(moe_experts_list_op, (x, ids, w, gate, up, down, "swiglu", False, 1.702, 7.0, True))
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: a["gate"].pop(), "need E > 0 tensors"),
+    (lambda a: a.update(gate=a["gate"][:1] + [a["gate"][1][:, :5]] + a["gate"][2:]), "of one shape"),
+    (lambda a: a.update(down=[t.float() for t in a["down"]]), "one dtype"),
+    (lambda a: a.update(up=[t[:3] for t in a["up"]]), "differ in shape"),
+    (lambda a: a.update(x=a["x"][:, :5]), "do not fit layout"),
+])
+def test_list_bad_input_is_a_clear_error(mutate, match):
+    from codegen import moe_experts_list
+
+    x, ids, w, w1, w2, _, _ = make_inputs()
+    gate, up, down = _lists(w1, w2, "separate")
+    a = dict(x=x, gate=gate, up=up, down=down)
+    mutate(a)
+    with pytest.raises(ValueError, match=match):
+        moe_experts_list(a["x"], ids, w, a["gate"], a["up"], a["down"])

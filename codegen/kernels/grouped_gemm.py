@@ -6,7 +6,10 @@
 Rows r are in expert order (`sorted_rows[r]` = flat slot t*K + k, token t = slot // K; in the slot
 form, TOKEN_MAP, the token of row r is read from `row_token[r]`). Weights are
 addressed through (expert, out, in) strides, so the transposed (gpt-oss) layouts and non-contiguous
-weights need no copy. Gated H is stored in the layout W1 produces it: concatenated (gate = cols
+weights need no copy. With W_TABLE the experts are separate tensors (an `nn.ModuleList` of Linears):
+expert e's matrix starts `w_table[e]` elements from the weight pointer, and a gated W1's up rows
+start `w_table[E + e]` elements from it (another tensor, or the same one further on); nothing is
+stacked. Gated H is stored in the layout W1 produces it: concatenated (gate = cols
 [0, n), up = [n, 2n)) or interleaved (gate = even cols, up = odd cols).
 Row offsets are widened to int64 before they meet a stride: TK * d passes 2^31 at the large shapes.
 """
@@ -36,6 +39,7 @@ def _up_proj_kernel(
     offsets_ptr,  # [E+1] int32, expert row offsets
     h_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order; written when STORE_H
     a_ptr,  # [TK, n] x.dtype, contiguous, expert order; written when STORE_A
+    w_table_ptr,  # [2E] int64 element offsets from w1_ptr (gate rows, then up rows), read when W_TABLE
     TK, d, n, E, top_k,
     stride_x_t, stride_x_d,
     stride_w1_e, stride_w1_o, stride_w1_i,
@@ -43,7 +47,7 @@ def _up_proj_kernel(
     alpha, limit,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_B1: tl.constexpr,
     STORE_H: tl.constexpr, STORE_A: tl.constexpr, E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TOKEN_MAP: tl.constexpr,
+    TOKEN_MAP: tl.constexpr, W_TABLE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED_GU: tl.constexpr,
 ):
     """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n, BLOCK_N),). Program = (M tile of one expert, N tile).
@@ -68,32 +72,45 @@ def _up_proj_kernel(
     tokens = _row_tokens(rows, row_mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n
-    if GATED:
-        if INTERLEAVED:
-            gate_cols = 2 * cols
-            up_cols = 2 * cols + 1
-        else:
-            gate_cols = cols
-            up_cols = cols + n
+    # H columns (its layout) and W1 rows of the gate and up halves; the up rows are counted from
+    # up_off, the gate rows from gate_off (element offsets from w1_ptr)
+    if GATED and INTERLEAVED:
+        gate_cols = 2 * cols
+        up_cols = 2 * cols + 1
+        w_up_rows = up_cols
+    elif GATED:
+        gate_cols = cols
+        up_cols = cols + n
+        w_up_rows = cols
     else:
         gate_cols = cols
         up_cols = cols
+        w_up_rows = cols
+    if W_TABLE:
+        gate_off = tl.load(w_table_ptr + expert)
+        up_off = tl.load(w_table_ptr + E + expert)
+    else:
+        gate_off = expert.to(tl.int64) * stride_w1_e
+        up_off = gate_off
+        if GATED and not INTERLEAVED:
+            up_off += n * stride_w1_o  # (gate_off is int64)
     ks = tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + tokens[:, None] * stride_x_t + ks[None, :] * stride_x_d  # [BM, BK]
-    w_base = w1_ptr + expert.to(tl.int64) * stride_w1_e
-    wg_ptrs = w_base + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i  # [BK, BN]
-    wu_ptrs = w_base + up_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
+    wg_ptrs = w1_ptr + gate_off + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i  # [BK, BN]
+    wu_ptrs = w1_ptr + up_off + w_up_rows[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
 
     if FUSED_GU and GATED:
         c2 = tl.arange(0, 2 * BLOCK_N)
         j2 = pid_n * BLOCK_N + c2 // 2  # A column of each fused column; even: gate, odd: up
+        is_up = (c2 % 2).to(tl.int64)
         if INTERLEAVED:
-            w_cols = 2 * j2 + (c2 % 2)
+            w_rows = 2 * j2 + (c2 % 2)
         else:
-            w_cols = j2 + (c2 % 2) * n
+            w_rows = j2
         j2_mask = j2 < n
-        w_ptrs = w_base + w_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i  # [BK, 2BN]
+        w_offs = gate_off + is_up * (up_off - gate_off) + w_rows.to(tl.int64) * stride_w1_o  # [2BN]
+        w_ptrs = w1_ptr + w_offs[None, :] + ks[:, None] * stride_w1_i  # [BK, 2BN]
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k0 in range(0, d, BLOCK_K):
             k_mask = (k0 + ks) < d
@@ -147,15 +164,19 @@ def _scatter_gemm_kernel(
     sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
     offsets_ptr,  # [E+1] int32
     out_ptr,  # [TK, n_dim] x.dtype, contiguous, SLOT order (row t*K+k): Y for the combine, dX~
-    TK, k_dim, n_dim, E,
+    w_table_ptr,  # [2E] int64 element offsets from w_ptr, read when W_TABLE (see SPLIT_K)
+    TK, k_dim, n_dim, E, k_split,
     stride_w_e, stride_w_k, stride_w_n,
     stride_bias_e,
     HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_TABLE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n_dim, BLOCK_N),). out[slot(r)] = in[r] @ B[e] (+ bias[e]).
 
-    Storing in slot order lets the gather-sum read each token's K rows contiguously.
+    Storing in slot order lets the gather-sum read each token's K rows contiguously. SPLIT_K (dX~
+    with a gated W1 kept as separate gate and up tensors): rows k >= k_split of B[e] are the up
+    tensor's rows k - k_split, counted from w_table[E + e].
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_dim, BLOCK_N)
@@ -171,13 +192,23 @@ def _scatter_gemm_kernel(
     col_mask = cols < n_dim
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = in_ptr + rows.to(tl.int64)[:, None] * k_dim + ks[None, :]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_e + ks[:, None] * stride_w_k + cols[None, :] * stride_w_n
+    if W_TABLE:
+        w_base = w_ptr + tl.load(w_table_ptr + expert)
+    else:
+        w_base = w_ptr + expert.to(tl.int64) * stride_w_e
+    w_ptrs = w_base + ks[:, None] * stride_w_k + cols[None, :] * stride_w_n
+    if SPLIT_K:  # extra offset of the rows past k_split: the up tensor's start minus the gate's
+        up_shift = tl.load(w_table_ptr + E + expert) - tl.load(w_table_ptr + expert) - k_split * stride_w_k
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         k_mask = (k0 + ks) < k_dim
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if SPLIT_K:
+            shift = tl.where((k0 + ks) >= k_split, up_shift, 0)
+            w = tl.load(w_ptrs + shift[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_w_k
