@@ -188,9 +188,10 @@ def moe_experts_list_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     impl = _triton_backend(x)
-    if impl is not None and impl.supports_list(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags):
-        return impl.triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, save_h=save_h,
-                                                slot_token=slot_token, **flags)
+    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags)
+    if banks:
+        return impl.triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, banks=banks,
+                                                save_h=save_h, slot_token=slot_token, **flags)
     w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
     return torch_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, save_h=save_h, slot_token=slot_token,
                                  transposed=False, **flags)
@@ -228,9 +229,11 @@ def moe_experts_list_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     impl = _triton_backend(x)
-    if impl is not None and impl.supports_list(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags):
+    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags)
+    if banks:
         return impl.triton_moe_experts_list_bwd(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h,
-                                                sorted_rows, expert_offsets, slot_token=slot_token, **flags)
+                                                sorted_rows, expert_offsets, banks=banks, slot_token=slot_token,
+                                                **flags)
     w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
     dx, dw, dw1, dw2, _, _ = torch_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, None, None, h,
                                                    sorted_rows, expert_offsets, slot_token=slot_token,

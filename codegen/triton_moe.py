@@ -1,7 +1,8 @@
 """Launchers for the Triton MoE kernels, and the two entry points `codegen.ops` calls on CUDA.
 
     supports(...)               -> bool: the one predicate for what the kernels handle
-    supports_list, triton_moe_experts_list_fwd / _bwd: the same for per-expert weight tensors
+    list_banks(...)             -> the per-expert weights' Banks, or None: the predicate of the list form
+    triton_moe_experts_list_fwd / _bwd: the list form's entry points
     triton_moe_experts_fwd(...) -> (out [T, d], H [TK, w1_out] or [0, w1_out], sorted_rows [TK], offsets [E+1])
     triton_moe_experts_bwd(...) -> (dx, d_topk_weights, dw1, dw2, db1 | None, db2 | None)
 
@@ -161,50 +162,6 @@ def _stacked_banks(w1: Tensor, w2: Tensor, transposed: bool) -> tuple[Bank, Bank
     return Bank(w1, tuple(s1)), Bank(w2, tuple(s2))
 
 
-# (device, shift, pointers) -> (pinned host table, device table). Weights keep their addresses from
-# step to step (optimizers update them in place), so after the first step every call is a hit.
-_TABLES: dict[tuple, tuple[Tensor, Tensor]] = {}
-_MAX_TABLES = 1024
-
-
-def _offset_table(first: list[Tensor], second: list[Tensor] | None, second_shift: int) -> Tensor:
-    """int64 [2E] on the weights' device: element offsets of each `first[e]` from first[0], then of
-    each second[e] (or first[e] + second_shift elements when there is no second list)."""
-    base = first[0]
-    ptrs = tuple(t.data_ptr() for t in first) + (tuple(t.data_ptr() for t in second) if second else ())
-    key = (base.device, base.element_size(), second_shift, ptrs)
-    hit = _TABLES.get(key)
-    if hit is not None:
-        return hit[1]
-    size, origin = base.element_size(), base.data_ptr()
-    if any((p - origin) % size for p in ptrs):
-        raise ValueError("sonic.moe_experts_list: expert weights are not aligned to their element size")
-    offs = [(p - origin) // size for p in ptrs]
-    if not second:
-        offs += [o + second_shift for o in offs]
-    host = torch.tensor(offs, dtype=torch.int64)
-    if base.is_cuda:
-        host = host.pin_memory()  # an async copy from pinned memory: no host sync on a miss either
-    table = host.to(base.device, non_blocking=True)
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.clear()
-    _TABLES[key] = (host, table)
-    return table
-
-
-def _list_banks(w_gate: list[Tensor], w_up: list[Tensor], w_down: list[Tensor], interleaved: bool,
-                gated: bool) -> tuple[Bank, Bank]:
-    """Banks over per-expert nn.Linear weights, read in place (nothing is stacked or copied)."""
-    g = w_gate[0]
-    if w_up:  # separate gate [n, d] and up [n, d] tensors: W1 rows n.. come from the up table
-        w1 = Bank(g, (0, *g.stride()), _offset_table(w_gate, w_up, 0), split=g.shape[0])
-    else:  # one [w1_out, d] tensor per expert; a concatenated gated one has its up rows n further on
-        shift = 0 if interleaved or not gated else (g.shape[0] // 2) * g.stride(0)
-        w1 = Bank(g, (0, *g.stride()), _offset_table(w_gate, None, shift))
-    w2 = Bank(w_down[0], (0, *w_down[0].stride()), _offset_table(w_down, None, 0))
-    return w1, w2
-
-
 def supports(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleaved, transposed, alpha, limit) -> bool:
     """Whether the Triton kernels handle this call; anything else runs the pure-torch reference."""
     if activation not in _ACT_CODE:
@@ -223,21 +180,72 @@ def supports(x, topk_ids, topk_weights, w1, w2, b1, b2, *, activation, interleav
     return 0 < E <= _MAX_EXPERTS and topk_ids.numel() < 2**31
 
 
-def supports_list(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, **_) -> bool:
-    """`supports` for per-expert tensors; each list must also share one shape and stride layout
-    (the kernels address every expert with expert 0's strides)."""
-    if not w_gate or not w_down:
-        return False
+# Per-expert weights: (pointers, strides, sizes, dtypes of every tensor, layout flags) -> their two
+# Banks, or None when the kernels cannot address them (a layout differing between experts).
+# Weights keep their addresses from step to step (optimizers update them in place), so after the
+# first step every call is a hit: ~0.1 ms of Python for 3 x 128 tensors, no host sync, no copy.
+_LIST_BANKS: dict[tuple, tuple[Bank, Bank] | None] = {}
+_MAX_LIST_BANKS = 256
+
+
+def list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, interleaved, **_):
+    """(W1, W2) Banks reading per-expert tensors in place, or None when the kernels do not take
+    this call (then the reference runs). Every tensor of a list must share expert 0's shape and
+    strides: the kernels address each expert with them."""
+    tensors = (*w_gate, *w_up, *w_down)
+    key = (activation, interleaved, len(w_gate), len(w_up), tuple(map(Tensor.data_ptr, tensors)),
+           tuple(map(Tensor.stride, tensors)), tuple(map(Tensor.size, tensors)),
+           tuple(t.dtype for t in tensors), w_gate[0].device if w_gate else None)
+    if key in _LIST_BANKS:
+        banks = _LIST_BANKS[key]
+    else:
+        banks = _build_list_banks(w_gate, w_up, w_down, activation=activation, interleaved=interleaved)
+        if len(_LIST_BANKS) >= _MAX_LIST_BANKS:
+            _LIST_BANKS.clear()
+        _LIST_BANKS[key] = banks
+    if banks is None or x.device != w_gate[0].device:
+        return None
     E = len(w_gate)
     stand_in = (w_gate[0].expand(E, -1, -1), w_down[0].expand(E, -1, -1))  # [E, ., .] views, no copy
-    if not supports(x, topk_ids, topk_weights, *stand_in, None, None, activation=activation, interleaved=False,
-                    transposed=False, alpha=0.0, limit=0.0):
-        return False
+    ok = supports(x, topk_ids, topk_weights, *stand_in, None, None, activation=activation, interleaved=interleaved,
+                  transposed=False, alpha=0.0, limit=0.0)
+    return banks if ok else None
+
+
+def _build_list_banks(w_gate, w_up, w_down, *, activation, interleaved) -> tuple[Bank, Bank] | None:
+    if not w_gate or not w_down or len(w_down) != len(w_gate) or (w_up and len(w_up) != len(w_gate)):
+        return None
     for group in (w_gate, w_up, w_down):
-        if group and any(w.dtype != x.dtype or w.shape != group[0].shape or w.stride() != group[0].stride()
-                         or w.device != x.device for w in group):
-            return False
-    return not w_up or w_up[0].stride() == w_gate[0].stride()
+        if group and any(w.dtype != group[0].dtype or w.shape != group[0].shape or w.stride() != group[0].stride()
+                         or w.device != group[0].device for w in group):
+            return None
+    if w_up and (w_up[0].stride() != w_gate[0].stride() or w_up[0].dtype != w_gate[0].dtype):
+        return None
+    size = w_gate[0].element_size()
+    if any(t.data_ptr() % size for t in (*w_gate, *w_up, *w_down)):
+        return None
+    g = w_gate[0]
+    if w_up:  # separate gate [n, d] and up [n, d] tensors: W1 rows n.. come from the up table
+        w1 = Bank(g, (0, *g.stride()), _offset_table(w_gate, w_up, 0), split=g.shape[0])
+    else:  # one [w1_out, d] tensor per expert; a concatenated gated one has its up rows n further on
+        shift = 0 if interleaved or not GATED[activation] else (g.shape[0] // 2) * g.stride(0)
+        w1 = Bank(g, (0, *g.stride()), _offset_table(w_gate, None, shift))
+    w2 = Bank(w_down[0], (0, *w_down[0].stride()), _offset_table(w_down, None, 0))
+    return w1, w2
+
+
+def _offset_table(first: list[Tensor], second: list[Tensor] | None, second_shift: int) -> Tensor:
+    """int64 [2E] on the weights' device: element offsets of each `first[e]` from first[0], then of
+    each second[e] (or first[e] + second_shift elements when there is no second list). Copied
+    from pinned memory without a host sync (the pinned allocator keeps the buffer until the copy ran)."""
+    base = first[0]
+    size, origin = base.element_size(), base.data_ptr()
+    offs = [(t.data_ptr() - origin) // size for t in first]
+    offs += [(t.data_ptr() - origin) // size for t in second] if second else [o + second_shift for o in offs]
+    host = torch.tensor(offs, dtype=torch.int64)
+    if base.is_cuda:
+        host = host.pin_memory()
+    return host.to(base.device, non_blocking=True)
 
 
 def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tensor]:
@@ -457,21 +465,21 @@ def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, 
     return dx, ds, dw1, dw2, db1, db2
 
 
-def triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, interleaved, alpha,
-                                limit, save_h, slot_token=None):
-    """`sonic::moe_experts_list` on CUDA: the same kernels, reading each expert's tensors in place."""
-    gated = GATED[activation]
-    W1, W2 = _list_banks(w_gate, w_up, w_down, interleaved, gated)
+def triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, banks, activation, interleaved,
+                                alpha, limit, save_h, slot_token=None):
+    """`sonic::moe_experts_list` on CUDA: the same kernels, reading each expert's tensors in place
+    (`banks` from `list_banks`)."""
+    W1, W2 = banks
     return _forward(x, topk_ids, topk_weights, W1, W2, None, None, n=w_down[0].shape[1], activation=activation,
                     interleaved=interleaved, alpha=alpha, limit=limit, save_h=save_h, slot_token=slot_token)
 
 
 def triton_moe_experts_list_bwd(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h, sorted_rows,
-                                expert_offsets, *, activation, interleaved, alpha, limit, slot_token=None):
+                                expert_offsets, *, banks, activation, interleaved, alpha, limit, slot_token=None):
     """-> (dx, d_topk_weights, dW1 [E, w1_out, d], dW2 [E, d, n]): weight gradients stacked (fresh
     tensors; `codegen.ops` hands each expert a view of its slice)."""
     gated = GATED[activation]
-    W1, W2 = _list_banks(w_gate, w_up, w_down, interleaved, gated)
+    W1, W2 = banks
     E, n, d = len(w_gate), w_down[0].shape[1], x.shape[1]
     dw1 = x.new_empty(E, 2 * n if gated else n, d)
     dw2 = x.new_empty(E, d, n)

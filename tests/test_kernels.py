@@ -347,23 +347,32 @@ def test_list_form_equals_stacked(tm, layout, dtype):
     gate, up, down = _as_lists(inputs, layout)
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
     list_flags = {k: v for k, v in flags.items() if k != "transposed"}
-    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, save_h=True, **list_flags)
-    dx, dw, dw1, dw2 = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, h, rows, offs, **list_flags)
+    banks = tm.list_banks(*routing, gate, up, down, **list_flags)
+    assert banks is not None
+    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, banks=banks, save_h=True,
+                                                        **list_flags)
+    dx, dw, dw1, dw2 = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, h, rows, offs, banks=banks,
+                                                      **list_flags)
     (want_out, want_h, _, _), (want_dx, want_dw, want_dw1, want_dw2, _, _) = _run_ours(tm, inputs, go, flags)
     for got, want in ((out, want_out), (h, want_h), (dx, want_dx), (dw, want_dw), (dw1, want_dw1), (dw2, want_dw2)):
         assert torch.equal(got, want)
     _check_against_oracle(tm, inputs, go, flags, _TOL[dtype])  # and the stacked run is right
 
 
-def test_list_form_supports_predicate(tm):
+def test_list_form_predicate(tm):
     inputs, _ = _make(5, 32, 16, 3, 2, torch.float32)
     gate, up, down = _as_lists(inputs, "separate")
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
-    assert tm.supports_list(*routing, gate, up, down, activation="swiglu")
+    flags = dict(activation="swiglu", interleaved=False)
+    assert tm.list_banks(*routing, gate, up, down, **flags) is not None
     # one expert laid out differently: expert 0's strides would read it wrongly, so not supported
     odd = gate[:1] + [gate[1].t().contiguous().t()] + gate[2:]
-    assert not tm.supports_list(*routing, odd, up, down, activation="swiglu")
-    assert not tm.supports_list(*routing, gate, up, [w.half() for w in down], activation="swiglu")
+    assert tm.list_banks(*routing, odd, up, down, **flags) is None
+    assert tm.list_banks(*routing, gate, up, [w.half() for w in down], **flags) is None
+    # the cache is keyed on layouts too: the same addresses with other strides are not a hit
+    assert tm.list_banks(*routing, gate, up, down, **flags) is not None
+    flipped = [w.t() for w in gate]  # same pointers, [d, n] views
+    assert tm.list_banks(*routing, flipped, up, down, **flags) is None
 
 
 # ---------------------------------------------------------------------------------------------- GPU
