@@ -16,6 +16,7 @@ class RegionRecord:
     status: str  # "rewritten", "rejected" or "error"
     reason: str = ""  # why it was rejected or failed
     details: dict = dataclasses.field(default_factory=dict)  # activation, layout, router, dtype, T/d/n/E/K
+    hint: bool = False  # a rejection whose reason says what the user can change: logged as a warning
 
 
 @dataclasses.dataclass
@@ -79,7 +80,7 @@ def publish(records: list[RegionRecord]) -> None:
             log.info("rewrote MoE region %s: %s", where, r.details)
         elif r.status == "error":
             log.warning("pattern failed on %s, graph left untouched: %s", where, r.reason)
-        elif r.idiom == "hf_eager_loop":
+        elif r.hint:
             log.warning("%s: %s", where, r.reason)  # the user can fix this one: say it loudly
         else:
             log.debug("left MoE candidate %s untouched: %s", where, r.reason)

@@ -47,7 +47,7 @@ def _find(name: str, gm: fx.GraphModule, graph_id: int, options: SonicOptions):
             raise
         return [], [RegionRecord(graph_id, name, "<graph>", "error", f"{type(exc).__name__}: {exc}")]
     matches = [m for m in found if isinstance(m, MoEMatch)]
-    records = [RegionRecord(graph_id, r.idiom, r.module, "rejected", r.reason) for r in found if isinstance(r, Rejection)]
+    records = [RegionRecord(graph_id, r.idiom, r.module, "rejected", r.reason, hint=r.hint) for r in found if isinstance(r, Rejection)]
     return matches, records
 
 

@@ -21,24 +21,28 @@ _PROBE_ROWS = 64
 _DEFAULT_OAI = (1.702, 7.0)
 
 
-def activation_subgraph(h: fx.Node, a: fx.Node) -> set[fx.Node] | str:
-    """Nodes computing A from H alone, or the reason they do not."""
-    nodes = backward_slice([a], stop={h})
+def activation_subgraph(h: fx.Node | tuple[fx.Node, ...], a: fx.Node) -> set[fx.Node] | str:
+    """Nodes computing A from H alone (or from each of several projections `h`), or the reason
+    they do not."""
+    hs = h if isinstance(h, tuple) else (h,)
+    nodes = backward_slice([a], stop=set(hs))
     for node in nodes:
         if node.op != "call_function" and node.op != "call_method":
             return f"activation reads {node.op} {node.name}, not only the up-projection output"
         for inp in node.all_input_nodes:
-            if inp is not h and inp not in nodes:
+            if inp not in hs and inp not in nodes:
                 return f"activation node {node.name} also reads {inp.name}"
-    if a is not h and h not in {i for n in nodes for i in n.all_input_nodes}:
-        return "activation does not read the up-projection output"
+    read = {i for n in nodes for i in n.all_input_nodes}
+    if any(a is not one and one not in read for one in hs):
+        return "activation does not read the up-projection output" if len(hs) == 1 else "activation does not read both projections"
     return nodes
 
 
-def _as_function(h: fx.Node, a: fx.Node, nodes: set[fx.Node]):
+def _as_function(h: fx.Node | tuple[fx.Node, ...], a: fx.Node, nodes: set[fx.Node]):
+    hs = h if isinstance(h, tuple) else (h,)
     graph = fx.Graph()
-    env = {h: graph.placeholder("h")}
-    for node in h.graph.nodes:  # graph order is a topological order
+    env = {one: graph.placeholder(f"h{i}") for i, one in enumerate(hs)}
+    for node in hs[0].graph.nodes:  # graph order is a topological order
         if node in nodes:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[a])
@@ -82,6 +86,38 @@ def identify_activation(h: fx.Node, a: fx.Node) -> dict | str:
         tol=_tolerance(nodes),
         ops=ops,
     )
+
+
+def identify_pair_activation(h_first: fx.Node, h_second: fx.Node, a: fx.Node) -> tuple[dict, bool] | str:
+    """Gate and up as two separate projections (`act(w1(x)) * w3(x)`): probe the sub-graph
+    (h_gate, h_up) -> A as the concatenated layout H = [h_gate | h_up].
+
+    Which of the two is the gate is not known from the graph, so both orders are probed; returns
+    (the activation, True when `h_second` is the gate) or a rejection reason.
+    """
+    nodes = activation_subgraph((h_first, h_second), a)
+    if isinstance(nodes, str):
+        return nodes
+    vals = [example_value(n) for n in (h_first, h_second, a)]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return "no shape information on the activation"
+    n1, n2, n = (int(v.shape[-1]) for v in vals)
+    if not n1 == n2 == n:
+        return f"gate and up projections are {n1} and {n2} wide and the activation {n}: not a gated pair"
+    fn = _as_function((h_first, h_second), a, nodes)
+    ops = sorted({str(nd.target) if nd.op == "call_method" else getattr(nd.target, "__name__", str(nd.target)) for nd in nodes})
+    reason = ""
+    for swapped in (False, True):
+        def concatenated(hcat, swapped=swapped):
+            gate, up = hcat[:, :n], hcat[:, n:]
+            return fn(up, gate) if swapped else fn(gate, up)
+
+        act = name_activation(concatenated, 2 * n, n, constants=_float_constants(nodes), tol=_tolerance(nodes), ops=ops)
+        if isinstance(act, str):
+            reason = act
+        elif not act["interleaved"]:  # separate projections are the concatenated layout by construction
+            return act, swapped
+    return reason
 
 
 def name_activation(fn, w1_out: int, n: int, constants=(), tol: float = 1e-10, ops=()) -> dict | str:

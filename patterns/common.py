@@ -2,7 +2,9 @@
 
 A pattern module exposes `find(gm) -> list[MoEMatch | Rejection]`. Finding and checking never
 mutate the graph; `rewrite(gm, match)` (here, shared by all idioms) replaces the match's anchor node
-with one call of `codegen.moe_experts` and erases the nodes only the region used.
+with one call of `codegen.moe_experts` (stacked [E, ...] expert weights) or
+`codegen.moe_experts_list` (per-expert weight lists, from an `nn.ModuleList`) and erases the nodes
+only the region used.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ class MoEMatch:
     x: fx.Node  # [T, d]
     topk_ids: fx.Node  # [T, K] integer
     topk_weights: fx.Node  # [T, K] float
-    w1: fx.Node  # [E, 2n, d] (or [E, d, 2n] when transposed)
-    w2: fx.Node  # [E, d, n]  (or [E, n, d] when transposed)
+    w1: fx.Node | None = None  # [E, 2n, d] (or [E, d, 2n] when transposed); None in the list form
+    w2: fx.Node | None = None  # [E, d, n]  (or [E, n, d] when transposed); None in the list form
     b1: fx.Node | None = None
     b2: fx.Node | None = None
     activation: str = "swiglu"
@@ -42,9 +44,19 @@ class MoEMatch:
     # them: what token rounding ranks tokens by. None: rounding is not offered for this region.
     router_probs: fx.Node | None = None
     module_source: str = ""  # the experts module as Dynamo's source, e.g. "L['self'].model.layers[0].mlp.experts"
+    # The list form (an nn.ModuleList of experts): each expert's Linear weights as graph inputs,
+    # (w_gate [E x [n or 2n, d]], w_up [] or [E x [n, d]], w_down [E x [d, n]]), never stacked.
+    expert_lists: tuple[list[fx.Node], list[fx.Node], list[fx.Node]] | None = None
+    # A combine accumulated in place (`out.index_add_(...)` per expert): the tensor whose reads
+    # after the anchor (its last in-place add) become reads of the op's output.
+    accumulator: fx.Node | None = None
 
     def describe(self) -> dict:
         layout = ("interleaved" if self.interleaved else "concatenated") + (", transposed" if self.transposed else "")
+        if self.expert_lists is not None:
+            w_gate, w_up, _ = self.expert_lists
+            gated = w_up or shape_of(w_gate[0])[0] == 2 * self.shape.get("n", -1)
+            layout = "per-expert list" + (", separate gate/up" if w_up else f", fused gate/up {layout}" if gated else "")
         if self.b1 is not None or self.b2 is not None:
             layout += ", bias"
         return {
@@ -64,6 +76,7 @@ class Rejection:
     idiom: str
     module: str
     reason: str
+    hint: bool = False  # the reason tells the user what to change (logged as a warning, not at debug)
 
 
 class NoMatch(Exception):
@@ -380,7 +393,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         inserted.append(node)
         if fake_mode is not None and "example_value" not in node.meta:
             with fake_mode:
-                node.meta["example_value"] = target(*[example_value(a) for a in args])
+                node.meta["example_value"] = target(*fx.node.map_arg(args, example_value))
         return node
 
     ids, weights, slot_token = match.topk_ids, match.topk_weights, None
@@ -391,16 +404,19 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
                          (match.router_probs, ids, weights, M_TILE, token_rounding, True))
         ids, weights, slot_token = (insert(operator.getitem, (rounded, i)) for i in range(3))
 
-    fakes = [example_value(a) for a in (match.x, ids, weights, match.w1, match.w2, match.b1, match.b2)]
-    validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed,
-                        slot_token=example_value(slot_token))
-    save_h = needs_saved_h(fakes[0], *fakes[2:])
-    args = (
-        match.x, ids, weights, match.w1, match.w2, match.b1, match.b2,
-        match.activation, match.interleaved, match.transposed, float(match.alpha), float(match.limit), save_h,
-        slot_token,
-    )
-    call = insert(torch.ops.sonic.moe_experts.default, args)
+    if match.expert_lists is None:
+        fakes = [example_value(a) for a in (match.x, ids, weights, match.w1, match.w2, match.b1, match.b2)]
+        validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed,
+                            slot_token=example_value(slot_token))
+        save_h = needs_saved_h(fakes[0], *fakes[2:])
+        args = (
+            match.x, ids, weights, match.w1, match.w2, match.b1, match.b2,
+            match.activation, match.interleaved, match.transposed, float(match.alpha), float(match.limit), save_h,
+            slot_token,
+        )
+        call = insert(torch.ops.sonic.moe_experts.default, args)
+    else:
+        call = insert(torch.ops.sonic.moe_experts_list.default, _list_call_args(match, ids, weights, slot_token))
     result = out = insert(operator.getitem, (call, 0))
     anchor_dtype = dtype_of(match.anchor)
     if anchor_dtype is not None and anchor_dtype != match.dtype:
@@ -411,9 +427,43 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
             result.meta["example_value"] = example_value(out).to(anchor_dtype)
     for node in inserted:
         node.meta.update({k: v for k, v in match.anchor.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
-    match.anchor.replace_all_uses_with(result)
+    if match.accumulator is None:
+        match.anchor.replace_all_uses_with(result)
+    else:
+        _replace_accumulator(graph, match, result)
     erase_dead(graph, match.region | {match.anchor})
     return call
+
+
+def _list_call_args(match: MoEMatch, ids: fx.Node, weights: fx.Node, slot_token: fx.Node | None) -> tuple:
+    """`sonic::moe_experts_list` arguments, validated on the fake values (as the stacked form is)."""
+    from codegen.ops import needs_saved_h, validate_moe_list_inputs
+
+    w_gate, w_up, w_down = (list(group) for group in match.expert_lists)
+    fake = lambda nodes: [example_value(n) for n in nodes]  # noqa: E731
+    x, fake_weights = example_value(match.x), example_value(weights)
+    validate_moe_list_inputs(x, example_value(ids), fake_weights, fake(w_gate), fake(w_up), fake(w_down),
+                             activation=match.activation, interleaved=match.interleaved,
+                             slot_token=example_value(slot_token))
+    save_h = needs_saved_h(x, fake_weights, *fake(w_gate), *fake(w_up), *fake(w_down))
+    return (
+        match.x, ids, weights, w_gate, w_up, w_down,
+        match.activation, match.interleaved, float(match.alpha), float(match.limit), save_h, slot_token,
+    )
+
+
+def _replace_accumulator(graph: fx.Graph, match: MoEMatch, result: fx.Node) -> None:
+    """An in-place combine: reads of the accumulator (or of its in-place adds' results) outside the
+    region, all after the last add (the checker made sure), read the op's output instead; then the
+    region's in-place adds go, last first, so the accumulator itself becomes dead."""
+    acc, region = match.accumulator, match.region | {match.anchor}
+    adds = [n for n in graph.nodes if n in region and is_inplace(n) and n.args[0] is acc]
+    for alias in (acc, *adds):
+        alias.replace_all_uses_with(result, delete_user_cb=lambda user: user not in region)
+    for node in reversed(adds):
+        if not node.users:
+            graph.erase_node(node)
+            match.region.discard(node)
 
 
 def erase_dead(graph: fx.Graph, region: set[fx.Node]) -> None:

@@ -31,5 +31,5 @@ def find(gm: fx.GraphModule) -> list[Rejection]:
         permuted = [u for u in node.users if is_call(u, "permute")]
         reduced = [u for p in permuted for u in p.users if is_call(u, "sum")]
         if any(is_call(u, "greater", "gt", "__gt__") for r in reduced for u in r.users):
-            found.append(Rejection(IDIOM, module_path(node), HINT))
+            found.append(Rejection(IDIOM, module_path(node), HINT, hint=True))
     return found
