@@ -8,7 +8,7 @@ import re
 import torch
 import torch.fx as fx
 
-from patterns import hf_batched_mm, hf_eager_loop, hf_grouped_mm
+from patterns import dense_experts, expert_loop, hf_batched_mm, hf_eager_loop, hf_grouped_mm
 from patterns.common import MoEMatch, Rejection, rewrite
 
 from .diagnostics import RegionRecord, publish
@@ -20,6 +20,8 @@ FINDERS = {
     "hf_grouped_mm": hf_grouped_mm.find,
     "hf_batched_mm": hf_batched_mm.find,
     "hf_eager_loop": hf_eager_loop.find,  # recognises only, to explain; never rewrites
+    "expert_loop": expert_loop.find,  # nn.ModuleList experts looped over with torch.where + index_add
+    "dense_experts": dense_experts.find,  # nn.ModuleList experts all run, combined by a [T, E] gate matrix
 }
 
 _graph_ids = itertools.count()

@@ -1,0 +1,296 @@
+"""Every expert of an `nn.ModuleList` run on every token, combined by a dense [T, E] gate matrix.
+
+Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
+
+    probs = F.softmax(self.gate(x), dim=-1)                        # [T, E]
+    w, ids = torch.topk(probs, K, dim=-1)                          # [T, K] (any [T, K] weights)
+    gates = torch.zeros_like(probs).scatter(1, ids, w)             # [T, E]; or zeros(...).scatter_(1, ids, w),
+                                                                   #   (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
+    outs = torch.stack([e(x) for e in self.experts], dim=1)        # [T, E, d]
+    out = (gates.unsqueeze(-1) * outs).sum(1)                      # [T, d]; or einsum("te,ted->td", gates, outs),
+                                                                   #   sum_e gates[:, e:e+1] * self.experts[e](x)
+
+with experts as in `module_list`. It becomes the sparse computation
+
+    out = moe_experts_list(x, ids, w, [w1_e], [w3_e] or [], [w2_e], activation=<probed>)
+
+which runs each expert on its top-k tokens only. That is the same function because the gate
+matrix is checked to be zero outside the top-k: built by scattering the top-k weights into zeros
+(top-k ids are distinct per token, so the scatter writes each weight once) or from one_hot(ids).
+A gate matrix that is not provably sparse (the softmax probabilities themselves, a top-p mask...)
+is rejected. One difference remains, by design: where an unselected expert's output is inf or nan,
+the dense code gives nan (0 * inf) and the rewrite gives the finite answer of the selected experts.
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch.fx as fx
+
+from .common import (
+    MoEMatch,
+    NoMatch,
+    RegionWalk,
+    Rejection,
+    arg,
+    dtype_of,
+    expect,
+    is_call,
+    module_path,
+    same_size,
+    shape_of,
+)
+from .module_list import (
+    expert_mlp,
+    finish_list_match,
+    through_float_casts,
+    topk_routing,
+)
+
+IDIOM = "dense_experts"
+_ZEROS = ("zeros", "zeros_like", "new_zeros")
+_ADD = ("add", "__add__")
+_MUL = ("mul", "__mul__")
+
+
+def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
+    """Candidates: a stack of expert outputs (linear calls) read by a product or an einsum, or a sum
+    of products of gate columns with expert outputs."""
+    results: list[MoEMatch | Rejection] = []
+    candidates = []
+    for node in gm.graph.nodes:
+        if is_call(node, "stack") and _stacked_outputs(node):
+            candidates.append((node, _check_stacked))
+    for anchor in _column_sums(gm.graph):
+        candidates.append((anchor, _check_columns))
+    for node, check in candidates:
+        try:
+            results.append(check(node))
+        except NoMatch as exc:
+            results.append(Rejection(IDIOM, module_path(node), str(exc)))
+    return results
+
+
+def _is_index(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
+
+
+def _stacked_outputs(stack: fx.Node) -> list[fx.Node] | None:
+    """The expert outputs of `torch.stack([expert(x) ...], dim)` when each is a linear call."""
+    items = arg(stack, 0, "tensors")
+    if not isinstance(items, (list, tuple)) or len(items) < 2:
+        return None
+    walk = RegionWalk()
+    return list(items) if all(is_call(through_float_casts(i, walk), "linear") for i in items) else None
+
+
+# -- the combine ------------------------------------------------------------------------------
+
+
+def _check_stacked(stack: fx.Node) -> MoEMatch:
+    """(gates.unsqueeze(-1) * stack(outs, 1)).sum(1) or einsum("te,ted->td", gates, stack(outs, 1))."""
+    walk = RegionWalk()
+    outs = _stacked_outputs(stack)
+    expect(arg(stack, 1, "dim", 0) in (1, -2), "expert outputs are not stacked as [T, E, d] (dim=1)")
+    walk.mark(stack)
+    readers = list(stack.users)
+    expect(len(readers) == 1, "the stacked expert outputs are read more than once")
+    (combine,) = readers
+    if is_call(combine, "einsum"):
+        gates = _einsum_gates(combine, stack)
+        anchor = combine
+    else:
+        expect(is_call(combine, *_MUL) and len(combine.args) == 2, "stacked expert outputs are not weighted by a gate matrix")
+        other = combine.args[1] if combine.args[0] is stack else combine.args[0]
+        gates = _broadcast_gates(other, walk)
+        anchor = next(iter(combine.users), None) if len(combine.users) == 1 else None
+        expect(is_call(anchor, "sum") and _sums_dim(anchor, (1, -2)), "weighted expert outputs are not summed over the experts")
+        walk.mark(combine, other)
+    walk.mark(anchor)
+    return _finish(anchor, gates, outs, walk)
+
+
+def _einsum_gates(einsum: fx.Node, stack: fx.Node) -> fx.Node:
+    """The gates operand of einsum("te,ted->td", gates, outs) (any letters, either order)."""
+    equation, *operands = einsum.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    expect(isinstance(equation, str) and len(operands) == 2 and stack in operands, "einsum does not combine two operands")
+    spec = re.fullmatch(r"(\w+),(\w+)->(\w+)", equation.replace(" ", ""))
+    expect(spec is not None, f"einsum {equation!r} has no explicit output")
+    ins, out = [spec.group(1), spec.group(2)], spec.group(3)
+    i = operands.index(stack)
+    t, e, d = ins[i] if len(ins[i]) == 3 else ("", "", "")
+    ok = len({t, e, d}) == 3 and ins[1 - i] == t + e and out == t + d
+    expect(ok, f"einsum {equation!r} is not sum_e gates[t, e] * outs[t, e, d]")
+    return operands[1 - i]
+
+
+def _broadcast_gates(node, walk: RegionWalk) -> fx.Node:
+    """g from g.unsqueeze(-1) / g[..., None] / g[:, :, None] (a 2-D g broadcast over a last dim)."""
+    node = through_float_casts(node, walk)
+    if is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, 2):
+        walk.mark(node)
+        return node.args[0]
+    if _is_index(node) and node.args[1] in ((Ellipsis, None), (slice(None), slice(None), None)):
+        walk.mark(node)
+        return node.args[0]
+    raise NoMatch(f"{getattr(node, 'name', node)} is not a [T, E] matrix broadcast over a last dim")
+
+
+def _sums_dim(node: fx.Node, dims) -> bool:
+    dim = arg(node, 1, "dim")
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    return dim in dims and not arg(node, 2, "keepdim", False) and arg(node, 3, "dtype") is None
+
+
+def _column(node, walk: RegionWalk | None = None):
+    """(gates, e) for gates[:, e:e+1], gates[:, e, None] or gates[:, e].unsqueeze(-1)."""
+    walk = walk or RegionWalk()
+    node = through_float_casts(node, walk)
+    picked = [node]
+    if is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, 1):
+        node = through_float_casts(node.args[0], walk)
+        picked.append(node)
+        if _is_index(node) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2:
+            full, e = node.args[1]
+            if full == slice(None) and isinstance(e, int):
+                walk.mark(*picked)
+                return node.args[0], e
+        return None
+    if not _is_index(node) or not isinstance(node.args[1], tuple):
+        return None
+    index = node.args[1]
+    if len(index) == 2 and index[0] == slice(None) and isinstance(index[1], slice):
+        s = index[1]
+        if isinstance(s.start, int) and s.stop == s.start + 1 and s.step in (None, 1):
+            walk.mark(node)
+            return node.args[0], s.start
+    if len(index) == 3 and index[0] == slice(None) and isinstance(index[1], int) and index[2] is None:
+        walk.mark(node)
+        return node.args[0], index[1]
+    return None
+
+
+def _column_product(node, walk: RegionWalk | None = None):
+    """(gates, e, expert output) for `gates[:, e:e+1] * y` (either order)."""
+    if not is_call(node, *_MUL) or len(node.args) != 2:
+        return None
+    walk = walk or RegionWalk()
+    for col, y in (node.args, node.args[::-1]):
+        found = _column(col, walk)
+        if found is not None and is_call(through_float_casts(y, walk), "linear"):
+            return (*found, y)
+    return None
+
+
+def _column_sums(graph: fx.Graph) -> list[fx.Node]:
+    """Tops of add trees over gate-column products: `sum_e gates[:, e:e+1] * experts[e](x)`."""
+    tops = []
+    for node in graph.nodes:
+        if _column_product(node) is None:
+            continue
+        top = node
+        while len(top.users) == 1 and is_call(next(iter(top.users)), *_ADD):
+            top = next(iter(top.users))
+        if top is not node and top not in tops:
+            tops.append(top)
+    return tops
+
+
+def _check_columns(anchor: fx.Node) -> MoEMatch:
+    walk = RegionWalk()
+    terms = []
+
+    def flatten(node):
+        if is_call(node, *_ADD) and len(node.args) == 2 and not node.kwargs:
+            expect(node is anchor or len(node.users) == 1, f"a partial sum of the experts ({node.name}) is read elsewhere")
+            walk.mark(node)
+            for a in node.args:
+                flatten(a)
+        elif node in (0, 0.0):  # builtin sum() starts from 0
+            return
+        else:
+            terms.append(node)
+
+    flatten(anchor)
+    by_expert, gates_nodes = {}, set()
+    for term in terms:
+        found = _column_product(term, walk)
+        expect(found is not None, f"{getattr(term, 'name', term)} is not a gate column times an expert output")
+        gates, e, y = found
+        expect(e not in by_expert, f"expert {e} is added twice")
+        by_expert[e] = y
+        gates_nodes.add(gates)
+        walk.mark(term)
+    expect(len(gates_nodes) == 1, "experts are weighted by columns of different gate matrices")
+    expect(sorted(by_expert) == list(range(len(by_expert))), f"the sum covers experts {sorted(by_expert)}: not 0..E-1")
+    return _finish(anchor, gates_nodes.pop(), [by_expert[e] for e in range(len(by_expert))], walk)
+
+
+# -- the gate matrix and the experts ------------------------------------------------------------
+
+
+def _sparse_gates(gates, walk: RegionWalk):
+    """(ids, w, zeros node or None, in-place scatter or None) when the gate matrix is provably zero
+    outside the top-k: zeros.scatter(1, ids, w), zeros.scatter_(1, ids, w), (one_hot(ids, E) * w[..., None]).sum(1)."""
+    gates = through_float_casts(gates, walk)
+    not_sparse = (f"the gate matrix ({getattr(gates, 'name', gates)}) is not provably zero outside the top-k: only top-k "
+                  f"weights scattered into zeros, or one_hot(ids, E) * w summed over K, are rewritten")
+    if is_call(gates, "sum"):  # (one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
+        mul = gates.args[0]
+        expect(_sums_dim(gates, (1, -2)) and is_call(mul, *_MUL) and len(mul.args) == 2, not_sparse)
+        for oh, wb in (mul.args, mul.args[::-1]):
+            cast = oh if is_call(oh, "to", "float", "type_as") else None  # 0/1 as floats: exact
+            oh = oh.args[0] if cast is not None else oh
+            if is_call(oh, "one_hot"):
+                num_classes = arg(oh, 1, "num_classes", -1)
+                expect(num_classes == shape_of(gates)[-1], f"one_hot has num_classes={num_classes}, the gate matrix {shape_of(gates)[-1]} columns")
+                walk.mark(gates, mul, oh, cast)
+                return oh.args[0], _broadcast_gates(wb, walk), None, None
+        raise NoMatch(not_sparse)
+    scatter = None
+    if is_call(gates, "scatter", "scatter_"):
+        scatter, zeros = gates, gates.args[0]
+    elif is_call(gates, *_ZEROS):
+        zeros = gates
+        inplace = [u for u in gates.users if is_call(u, "scatter_") and u.args[0] is gates]
+        expect(len(inplace) == 1, not_sparse)
+        scatter = inplace[0]
+    expect(scatter is not None and is_call(zeros, *_ZEROS), not_sparse)
+    expect(len(scatter.args) == 4 and not scatter.kwargs, "the gate scatter has a reduce or a scalar value")
+    _, dim, ids, w = scatter.args
+    expect(dim in (1, -1), f"the gates scatter along dim {dim}, not over the experts")
+    expect(isinstance(w, fx.Node) and shape_of(w) == shape_of(ids), "the scattered values are not [T, K] weights")
+    if is_call(scatter, "scatter_"):
+        order = {n: i for i, n in enumerate(zeros.graph.nodes)}
+        early = [u for u in zeros.users if u is not scatter and order[u] < order[scatter]]
+        expect(not early, f"the gate matrix is read before its scatter (by {early[0].name if early else ''})")
+        others = [u for u in zeros.users if u is not scatter and is_call(u, "scatter_", "copy_", "fill_", "add_")]
+        expect(not others, "the gate matrix is written more than once")
+    walk.mark(zeros, scatter)
+    return ids, w, zeros, scatter if is_call(scatter, "scatter_") else None
+
+
+def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWalk) -> MoEMatch:
+    ids, topk_weights, zeros, inplace_scatter = _sparse_gates(gates, walk)
+    E, K = topk_routing(ids, walk)
+    expect(len(shape_of(gates)) == 2 and shape_of(gates)[1] == E, f"the gate matrix {shape_of(gates)} is not [T, E={E}]")
+    expect(len(outs) == E, f"{len(outs)} expert outputs are combined, the router ranks E={E}")
+    expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point, "routing weights are not floating point")
+    experts = []
+    for e, y in enumerate(outs):
+        experts.append(expert_mlp(through_float_casts(y, walk), walk, e))
+    xs = {through_float_casts(ex.rows, walk) for ex in experts}
+    expect(len(xs) == 1, "experts read different inputs")
+    x = xs.pop()
+    expect(len(shape_of(x)) == 2, "expert input is not [T, d]")
+    T, d = shape_of(x)
+    expect(same_size(T, shape_of(ids)[0]) and same_size(shape_of(gates)[0], T), "gate matrix, ids and expert input differ in T")
+    expect(same_size(shape_of(anchor)[0], T) and same_size(shape_of(anchor)[-1], d), f"combined output {shape_of(anchor)} is not [T, d]")
+    return finish_list_match(
+        IDIOM, anchor, walk, anchor, [anchor], x, ids, topk_weights, experts, E=E, K=K, T=T, d=d,
+        extra_region=[inplace_scatter] if inplace_scatter is not None else [],
+        shape_only=[zeros] if zeros is not None else [],
+    )

@@ -1,0 +1,322 @@
+"""Experts in an `nn.ModuleList`, looped over in Python (Mixtral-style code users write themselves).
+
+Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
+
+    probs = F.softmax(self.gate(x), dim=-1)                       # [T, E]
+    w, ids = torch.topk(probs, K, dim=-1)                         # [T, K] (any [T, K] weights: renormalised, cast...)
+    out = torch.zeros_like(x)                                     # or torch.zeros((T, d), ...): [T, d]
+    mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)         # [E, K, T]
+    for e in range(E):
+        k, tok = torch.where(mask[e])                             # or tok, k = torch.where(ids == e),
+                                                                  #    mask[e].nonzero(as_tuple=True)
+        y = self.experts[e](x[tok]) * w[tok, k, None]             # or w[tok, k].unsqueeze(-1), w[tok, k][:, None]
+        out.index_add_(0, tok, y.to(x.dtype))                     # or out = out.index_add(0, tok, y)
+
+with each expert `w2(act(w1(x)) * w3(x))`, `w2(act(chunk(w13(x))))` or `w2(act(w1(x)))`, bias-free
+nn.Linear layers (see `module_list`). It becomes
+
+    out = moe_experts_list(x, ids, w, [w1_e], [w3_e] or [], [w2_e], activation=<probed>)
+
+reading each expert's weights where they are. Dynamo traces the loop into one graph only with
+`torch._dynamo.config.capture_dynamic_output_shape_ops = True` (a global setting this package never
+changes); `torch.where` then yields unbacked sizes with `sym_size`/`_assert_scalar` nodes on them,
+which belong to the region and go with it. Without the flag Dynamo skips the frame that holds the
+loop; when a fragment of it still reaches the backend (a one_hot or `ids == e` mask computed and
+returned, the loop being in another function), it is reported with a hint to set the flag.
+
+Checked, not guessed: every expert 0..E-1 visited exactly once, with E the one_hot's num_classes
+(or the `ids == e` constants) and the router's expert count; ids from a top-k (distinct per token,
+in [0, E)); each expert's rows `x[tok_e]` of one x; its output scaled by `w[tok_e, k_e]`; one
+zero-initialised [T, d] accumulator that nothing reads before the last add.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .common import (
+    MoEMatch,
+    NoMatch,
+    RegionWalk,
+    Rejection,
+    arg,
+    dtype_of,
+    example_value,
+    expect,
+    is_call,
+    module_path,
+    same_size,
+    shape_of,
+)
+from .module_list import (
+    ExpertMLP,
+    expert_mlp,
+    finish_list_match,
+    through_float_casts,
+    topk_routing,
+)
+
+IDIOM = "expert_loop"
+FLAG = "torch._dynamo.config.capture_dynamic_output_shape_ops"
+HINT = (
+    f"this graph returns what looks like the per-expert mask of an experts loop (one_hot(ids) or ids == e) whose "
+    f"torch.where/nonzero graph-broke, so the loop never reaches the backend; if it is one, set {FLAG} = True "
+    f"before torch.compile: the loop then becomes one graph that backend='sonic' rewrites"
+)
+_ZEROS = ("zeros", "zeros_like", "new_zeros")
+_ZEROS_KWARGS = {"dtype", "device", "layout", "pin_memory", "requires_grad", "memory_format"}
+
+
+def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
+    results: list[MoEMatch | Rejection] = []
+    done: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node in done or not is_call(node, "index_add", "index_add_") or not _rows_of_mask(node):
+            continue
+        acc = _accumulator(node)
+        chain = _combine_chain(acc)
+        done.update(chain)
+        try:
+            results.append(_check(acc, chain))
+        except NoMatch as exc:
+            results.append(Rejection(IDIOM, module_path(chain[-1]), str(exc)))
+    if not torch._dynamo.config.capture_dynamic_output_shape_ops:
+        results += _flag_off_hints(gm)
+    return results
+
+
+def _rows_of_mask(add: fx.Node) -> bool:
+    """A candidate adds rows indexed by the output of torch.where/nonzero (a per-expert loop)."""
+    index = arg(add, 2, "index")
+    return _is_index(index) and _is_where(index.args[0])
+
+
+def _is_where(node) -> bool:
+    """`torch.where(mask)` (one argument) or `mask.nonzero(as_tuple=True)`: a tuple of index tensors."""
+    if is_call(node, "where"):
+        return len(node.args) == 1 and not node.kwargs
+    return is_call(node, "nonzero") and arg(node, 1, "as_tuple", False) is True
+
+
+def _accumulator(add: fx.Node) -> fx.Node:
+    """The tensor a chain of index_add(_) starts from: `out` of `out.index_add_` / `out = out.index_add(...)`."""
+    acc = add.args[0]
+    while is_call(acc, "index_add"):
+        acc = acc.args[0]
+    return acc
+
+
+def _combine_chain(acc: fx.Node) -> list[fx.Node]:
+    """Every index_add(_) into `acc`, in graph order: in-place adds on it, or functional adds chained
+    from it (`out = out.index_add(...)`, each reading the previous)."""
+    chain, todo = [], [acc]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if is_call(user, "index_add_", "index_add") and user.args[0] is node and user not in chain:
+                chain.append(user)
+                if is_call(user, "index_add"):
+                    todo.append(user)
+    order = {n: i for i, n in enumerate(acc.graph.nodes)}
+    return sorted(chain, key=order.get)
+
+
+def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
+    walk = RegionWalk()
+    anchor = chain[-1]
+    inplace = _check_accumulator(acc, chain, walk)
+
+    experts: dict[int, ExpertMLP] = {}
+    xs, ids_nodes, weights_nodes, classes, extra = set(), set(), set(), set(), []
+    for add in chain:
+        e, expert, x, ids, weights, num_classes, asserts = _check_expert_add(add, walk)
+        expect(e not in experts, f"expert {e} is added twice")
+        experts[e] = expert
+        xs.add(x)
+        ids_nodes.add(ids)
+        weights_nodes.add(weights)
+        classes.add(num_classes)
+        extra += asserts
+    expect(len(xs) == 1, "experts read rows of different hidden states")
+    expect(len(ids_nodes) == 1, "experts are selected from different expert ids")
+    expect(len(weights_nodes) == 1, "experts are scaled by different routing weights")
+    (x,), (topk_ids,), (topk_weights,) = xs, ids_nodes, weights_nodes
+
+    E, K = topk_routing(topk_ids, walk)
+    for num_classes in classes - {None}:
+        expect(num_classes == E, f"one_hot has num_classes={num_classes} but the router ranks E={E} experts")
+    expect(all(0 <= e < E for e in experts), f"expert index {max(experts)} is outside the router's E={E} experts")
+    expect(len(experts) == E, f"the loop visits experts {sorted(experts)} of the router's E={E}: not every expert")
+    expect(shape_of(topk_weights) == shape_of(topk_ids), "top-k weights and ids differ in shape")
+    expect(len(shape_of(x)) == 2, "hidden states are not [T, d]")
+    T, d = shape_of(x)
+    expect(same_size(T, shape_of(topk_ids)[0]), "hidden states are not [T, d] for the routed T")
+    expect(same_size(shape_of(acc)[0], T) and same_size(shape_of(acc)[1], d), f"accumulator {shape_of(acc)} is not [T, d]")
+    return finish_list_match(
+        IDIOM, anchor, walk, anchor, chain, x, topk_ids, topk_weights, [experts[e] for e in range(E)],
+        E=E, K=K, T=T, d=d, accumulator=acc if inplace else None, extra_region=extra, shape_only=[acc],
+    )
+
+
+def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> bool:
+    """A fresh zeros [T, d] accumulator, added to only (in place or chained), read after the last add.
+    Returns whether the adds are in place."""
+    expect(is_call(acc, *_ZEROS), f"the loop accumulates into {acc.name}, not a fresh torch.zeros/zeros_like")
+    expect(set(acc.kwargs) <= _ZEROS_KWARGS, f"accumulator is created with {sorted(set(acc.kwargs) - _ZEROS_KWARGS)}")
+    expect(len(shape_of(acc)) == 2, "accumulator is not [T, d]")
+    walk.mark(acc)
+    for add in chain:
+        expect(arg(add, 1, "dim") in (0, -2), f"{add.name} adds along dim {arg(add, 1, 'dim')}, not the token dim")
+        expect(arg(add, 4, "alpha", 1) == 1, f"{add.name} scales its rows by alpha")
+        walk.mark(add)
+    inplace = {is_call(add, "index_add_") for add in chain}
+    expect(len(inplace) == 1, "the loop mixes in-place and functional index_add")
+    order = {n: i for i, n in enumerate(acc.graph.nodes)}
+    last = order[chain[-1]]
+    if inplace == {True}:
+        expect(all(add.args[0] is acc for add in chain), "in-place adds go into different tensors")
+        early = [u for alias in (acc, *chain) for u in alias.users if u not in chain and order[u] < last]
+        expect(not early, f"the accumulator is read inside the loop (by {early[0].name if early else ''}), before the last add")
+        return True
+    for node in (acc, *chain[:-1]):
+        expect(len(node.users) == 1, f"the accumulator is read inside the loop (by {', '.join(u.name for u in node.users if u not in chain)})")
+    return False
+
+
+def _check_expert_add(add: fx.Node, walk: RegionWalk):
+    """(e, expert, x, ids, weights, one_hot num_classes, assert nodes) of
+    `out.index_add_(0, tok, experts[e](x[tok]) * w[tok, k, None])`."""
+    tok, source = arg(add, 2, "index"), arg(add, 3, "source")
+    where = tok.args[0] if _is_index(tok) else None
+    expect(_is_where(where), f"{add.name} adds at rows that are not torch.where/nonzero indices")
+    e, ids, tok_pos, num_classes = _expert_of_mask(where.args[0], walk)
+    expect(tok.args[1] == tok_pos, f"{add.name} adds at the K positions of the mask, not its token positions")
+    walk.mark(tok, where)
+
+    # y * w[tok, k, None] (either order), cast or not
+    mul = through_float_casts(source, walk)
+    expect(is_call(mul, "mul", "__mul__") and len(mul.args) == 2, f"expert {e}'s output is not scaled by the routing weights")
+    scaled = None
+    for y, scale in (mul.args, mul.args[::-1]):
+        weights = _routing_weight(scale, where, tok_pos, walk)
+        y = through_float_casts(y, walk) if weights is not None else None
+        if is_call(y, "linear"):
+            scaled = y, weights
+            break
+    expect(scaled is not None, f"expert {e}'s output is not scaled by its top-k weights w[tok, k]")
+    walk.mark(mul)
+    y, weights = scaled
+    expert = expert_mlp(y, walk, e)
+    rows = through_float_casts(expert.rows, walk)
+    expect(_is_index(rows) and _is_index(rows.args[1], where, tok_pos), f"expert {e} does not read the rows x[tok] of its tokens")
+    walk.mark(rows, rows.args[1])
+    return e, expert, rows.args[0], ids, weights, num_classes, _size_asserts(where, walk)
+
+
+def _is_index(node, of=None, pos=None) -> bool:
+    """`src[...]` (operator.getitem), optionally `of[pos]`."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return False
+    return of is None or (node.args[0] is of and node.args[1] == pos)
+
+
+def _expert_of_mask(mask_e, walk: RegionWalk) -> tuple[int, fx.Node, int, int | None]:
+    """(e, ids, which output of torch.where is the token, one_hot's num_classes) for the mask of
+    one expert: `mask[e]` with mask = one_hot(ids, E).permute(2, 1, 0) (or (2, 0, 1)), or `ids == e`."""
+    if is_call(mask_e, "eq", "__eq__"):  # ids == e: [T, K] -> (tok, k)
+        ids, e = mask_e.args
+        if isinstance(ids, int):
+            ids, e = e, ids
+        expect(isinstance(e, int) and not isinstance(e, bool), "experts are selected by ids == <not a constant>")
+        expect(len(shape_of(ids)) == 2 and not dtype_of(ids).is_floating_point, "experts are selected from something that is not [T, K] ids")
+        walk.mark(mask_e)
+        return e, ids, 0, None
+    permuted = mask_e.args[0] if _is_index(mask_e) else None
+    e = mask_e.args[1] if permuted is not None else None
+    expect(is_call(permuted, "permute") and isinstance(e, int), "rows are not selected by mask[e] or ids == e")
+    dims = permuted.args[1:] if len(permuted.args) > 2 else arg(permuted, 1, "dims")
+    dims = tuple(int(d) % 3 for d in dims)
+    expect(dims in ((2, 1, 0), (2, 0, 1)), f"expert mask permuted by {dims}: the expert dim must come first")
+    one_hot = permuted.args[0]
+    expect(is_call(one_hot, "one_hot"), "the expert mask is not a one_hot of the expert ids")
+    num_classes = arg(one_hot, 1, "num_classes", -1)
+    expect(isinstance(num_classes, int) and num_classes > 0, "one_hot has no explicit num_classes")
+    walk.mark(mask_e, permuted, one_hot)
+    # [E, K, T] -> torch.where gives (k, tok); [E, T, K] -> (tok, k)
+    return e, one_hot.args[0], 1 if dims == (2, 1, 0) else 0, num_classes
+
+
+def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx.Node | None:
+    """The [T, K] weights w when `scale` is w[tok, k, None], w[tok, k].unsqueeze(-1) or
+    w[tok, k][:, None] (casts anywhere), with (tok, k) this expert's torch.where outputs."""
+    def picks_rows(node, extra=()):
+        if not _is_index(node) or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2 + len(extra):
+            return False
+        t, k, *rest = node.args[1]
+        return _is_index(t, where, tok_pos) and _is_index(k, where, 1 - tok_pos) and tuple(rest) == extra
+
+    scale = through_float_casts(scale, walk)
+    nodes = [scale]
+    if not picks_rows(scale, (None,)):
+        broadcast = (is_call(scale, "unsqueeze") and arg(scale, 1, "dim") in (-1, 1)) or (
+            _is_index(scale) and scale.args[1] in ((slice(None), None), (Ellipsis, None)))
+        if not broadcast:
+            return None
+        scale = through_float_casts(scale.args[0], walk)
+        if not picks_rows(scale):
+            return None
+        nodes.append(scale)
+    w = scale.args[0]  # as the loop reads it, casts included
+    if len(shape_of(w)) != 2 or dtype_of(w) is None or not dtype_of(w).is_floating_point:
+        return None
+    walk.mark(*nodes, *scale.args[1][:2])
+    return w
+
+
+def _size_asserts(where: fx.Node, walk: RegionWalk) -> list[fx.Node]:
+    """What Dynamo hangs on torch.where's unbacked sizes (getitem -> sym_size -> ge/le ->
+    _assert_scalar): non-tensor nodes read by nothing else, erased with the region."""
+    found, todo = [], [u for u in where.users]
+    while todo:
+        node = todo.pop()
+        if node in found:
+            continue
+        is_index = node.op == "call_function" and node.target is operator.getitem and node.args[0] is where
+        if not is_index and isinstance(example_value(node), torch.Tensor):
+            continue  # a tensor computed from the rows: the region's own walk decides on it
+        found.append(node)
+        walk.mark(node)
+        todo.extend(node.users)
+    return found
+
+
+def _flag_off_hints(gm: fx.GraphModule) -> list[Rejection]:
+    """Fragments of an expert loop Dynamo did not trace: a one_hot (optionally permuted) or an
+    `ids == e` of 2-D integer ids, returned from the graph for a torch.where that graph-broke."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = set(output.all_input_nodes)
+    found = []
+    for node in gm.graph.nodes:
+        mask = None
+        if is_call(node, "one_hot") and not _is_hf_eager_mask(node):
+            permuted = [u for u in node.users if is_call(u, "permute")]
+            if node in returned or any(p in returned for p in permuted):
+                mask = node
+        elif is_call(node, "eq", "__eq__") and node in returned and len(node.args) == 2:
+            ids, e = node.args
+            if isinstance(ids, fx.Node) and len(shape_of(ids)) == 2 and dtype_of(ids) in (torch.int64, torch.int32):
+                if isinstance(e, int) and not isinstance(e, bool) or isinstance(example_value(e), torch.SymInt):
+                    mask = node
+        if mask is not None:
+            found.append(Rejection(IDIOM, module_path(mask), HINT, hint=True))
+    return found[:1]  # one hint per graph is enough
+
+
+def _is_hf_eager_mask(one_hot: fx.Node) -> bool:
+    """transformers' eager experts loop (its own finder explains it): one_hot -> permute -> sum -> greater."""
+    return any(
+        is_call(s, "sum") and any(is_call(g, "greater", "gt", "__gt__") for g in s.users)
+        for p in one_hot.users if is_call(p, "permute") for s in p.users
+    )
