@@ -1,0 +1,212 @@
+"""MoE layers written the naive way (an `nn.ModuleList` of experts), one knob per spelling.
+
+`LoopMoE` loops over the experts in Python (Mixtral-style `torch.where` + `index_add_`);
+`DenseMoE` runs every expert on every token and combines with a dense [T, E] gate matrix.
+Shared by tests/test_naive_patterns.py; each variant names the eager spelling it produces.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def relu2(h):
+    return F.relu(h).square()
+
+
+class GatedExpert(nn.Module):
+    """w2(act(w1(x)) * w3(x)), three bias-free Linears (Mixtral's names)."""
+
+    def __init__(self, d, n, act=F.silu, bias=False, up_first=False):
+        super().__init__()
+        self.w1 = nn.Linear(d, n, bias=bias)
+        self.w3 = nn.Linear(d, n, bias=bias)
+        self.w2 = nn.Linear(n, d, bias=bias)
+        self.act, self.up_first = act, up_first
+
+    def forward(self, x):
+        if self.up_first:  # the up projection comes first in the graph
+            return self.w2(self.w3(x) * self.act(self.w1(x)))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+class FusedExpert(nn.Module):
+    """One Linear(d, 2n) for gate and up, split by chunk or slicing, then w2."""
+
+    def __init__(self, d, n, split="chunk"):
+        super().__init__()
+        self.n, self.split = n, split
+        self.w13 = nn.Linear(d, 2 * n, bias=False)
+        self.w2 = nn.Linear(n, d, bias=False)
+
+    def forward(self, x):
+        h = self.w13(x)
+        if self.split == "chunk":
+            g, u = h.chunk(2, dim=-1)
+        else:
+            g, u = h[..., : self.n], h[..., self.n:]
+        return self.w2(F.silu(g) * u)
+
+
+class PlainExpert(nn.Module):
+    """w2(act(w1(x))): a non-gated expert."""
+
+    def __init__(self, d, n, act=F.gelu):
+        super().__init__()
+        self.w1 = nn.Linear(d, n, bias=False)
+        self.w2 = nn.Linear(n, d, bias=False)
+        self.act = act
+
+    def forward(self, x):
+        return self.w2(self.act(self.w1(x)))
+
+
+def make_experts(kind, d, n, E, acts=None, bias=False):
+    if kind in ("gated", "gated_up_first"):
+        acts = acts or [F.silu] * E
+        return nn.ModuleList(GatedExpert(d, n, act, bias, kind == "gated_up_first") for act in acts)
+    if kind in ("fused", "fused_slice"):
+        return nn.ModuleList(FusedExpert(d, n, "chunk" if kind == "fused" else "slice") for _ in range(E))
+    if kind == "plain":
+        return nn.ModuleList(PlainExpert(d, n, act) for act in (acts or [F.gelu] * E))
+    if kind == "plain_relu2":
+        return nn.ModuleList(PlainExpert(d, n, relu2) for _ in range(E))
+    raise ValueError(kind)
+
+
+class Router(nn.Module):
+    """softmax(gate(x)) in fp32 -> top-k -> renormalise, cast back to x's dtype."""
+
+    def __init__(self, d, E, K):
+        super().__init__()
+        self.gate = nn.Linear(d, E, bias=False)
+        self.E, self.K = E, K
+
+    def route(self, x):
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        w, ids = torch.topk(probs, self.K, dim=-1)
+        return probs, (w / w.sum(-1, keepdim=True)).to(x.dtype), ids
+
+
+class LoopMoE(Router):
+    """for e in range(E): rows of expert e, expert e on them, index_add into the output.
+
+    where:   "one_hot" (torch.where(mask[e]) -> k, tok), "eq" (torch.where(ids == e) -> tok, k),
+             "nonzero" (mask[e].nonzero(as_tuple=True))
+    scale:   "index_none" (w[tok, k, None]), "unsqueeze" (w[tok, k].unsqueeze(-1)),
+             "slice" (w[tok, k][:, None]), "cast" (w[tok, k, None].to(x.dtype)), "none" (unscaled)
+    combine: "inplace" (out.index_add_), "functional" (out = out.index_add(...))
+    acc:     "zeros_like" or "zeros" (torch.zeros((T, d), dtype=..., device=...))
+    experts_used: the experts the loop visits (default all); read_inside: the loop reads `out`;
+    spare_experts: experts beyond the router's E, in the ModuleList, the one_hot and the loop
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, experts="gated", where="one_hot", scale="index_none",
+                 combine="inplace", acc="zeros_like", acts=None, bias=False, experts_used=None,
+                 read_inside=False, spare_experts=0):
+        super().__init__(d, E, K)
+        self.experts = make_experts(experts, d, n, E + spare_experts, acts, bias)
+        self.where, self.scale, self.combine, self.acc = where, scale, combine, acc
+        self.classes = E + spare_experts
+        self.experts_used = list(range(self.classes)) if experts_used is None else experts_used
+        self.read_inside = read_inside
+
+    def _rows(self, ids, mask, e):
+        if self.where == "eq":
+            return torch.where(ids == e)
+        if self.where == "nonzero":
+            k, tok = mask[e].nonzero(as_tuple=True)
+        else:
+            k, tok = torch.where(mask[e])
+        return tok, k
+
+    def _scale(self, w, tok, k, dtype):
+        if self.scale == "index_none":
+            return w[tok, k, None]
+        if self.scale == "unsqueeze":
+            return w[tok, k].unsqueeze(-1)
+        if self.scale == "slice":
+            return w[tok, k][:, None]
+        if self.scale == "cast":
+            return w[tok, k, None].to(dtype)
+        raise ValueError(self.scale)
+
+    def forward(self, x):
+        T, d = x.shape
+        _, w, ids = self.route(x)
+        if self.acc == "zeros":
+            out = torch.zeros((T, d), dtype=x.dtype, device=x.device)
+        else:
+            out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.classes).permute(2, 1, 0)  # [E, K, T]
+        for e in self.experts_used:
+            tok, k = self._rows(ids, mask, e)
+            y = self.experts[e](x[tok])
+            if self.scale != "none":
+                y = y * self._scale(w, tok, k, x.dtype)
+            if self.read_inside:
+                y = y + out[tok]
+            if self.combine == "functional":
+                out = out.index_add(0, tok, y.to(x.dtype))
+            else:
+                out.index_add_(0, tok, y.to(x.dtype))
+        return out
+
+
+class DenseMoE(Router):
+    """Every expert on every token, combined by a [T, E] gate matrix.
+
+    gates:   "scatter" (zeros_like(probs).scatter(1, ids, w)), "scatter_" (in place on zeros),
+             "one_hot" ((one_hot(ids, E) * w.unsqueeze(-1)).sum(1)), "probs" (softmax probs: not sparse)
+    combine: "stack_sum" ((gates.unsqueeze(-1) * stack(outs, 1)).sum(1)), "einsum", "slices"
+             (sum over e of gates[:, e:e+1] * experts[e](x))
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, experts="gated", gates="scatter", combine="stack_sum", acts=None):
+        super().__init__(d, E, K)
+        self.experts = make_experts(experts, d, n, E, acts)
+        self.gates, self.combine = gates, combine
+
+    def _gates(self, probs, w, ids):
+        if self.gates == "scatter":
+            return torch.zeros_like(probs).scatter(1, ids, w)
+        if self.gates == "scatter_":
+            gates = torch.zeros(probs.shape, dtype=w.dtype, device=w.device)
+            gates.scatter_(1, ids, w)
+            return gates
+        if self.gates == "one_hot":
+            return (F.one_hot(ids, self.E) * w.unsqueeze(-1)).sum(1)
+        if self.gates == "probs":
+            return probs
+        raise ValueError(self.gates)
+
+    def forward(self, x):
+        probs, w, ids = self.route(x)
+        gates = self._gates(probs, w, ids).to(x.dtype)
+        if self.combine == "slices":
+            out = self.experts[0](x) * gates[:, 0:1]
+            for e in range(1, self.E):
+                out = out + gates[:, e:e + 1] * self.experts[e](x)
+            return out
+        outs = torch.stack([expert(x) for expert in self.experts], dim=1)  # [T, E, d]
+        if self.combine == "einsum":
+            return torch.einsum("te,ted->td", gates, outs)
+        return (gates.unsqueeze(-1) * outs).sum(1)
+
+
+class SplitLoopMoE(LoopMoE):
+    """Routing and mask in forward, the loop in a helper method: without
+    capture_dynamic_output_shape_ops, Dynamo compiles forward up to the call and returns the mask."""
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)
+        return self.loop(x, w, mask)
+
+    def loop(self, x, w, mask):
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            k, tok = torch.where(mask[e])
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
+        return out
