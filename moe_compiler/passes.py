@@ -8,7 +8,13 @@ import re
 import torch
 import torch.fx as fx
 
-from patterns import dense_experts, expert_loop, hf_batched_mm, hf_eager_loop, hf_grouped_mm
+from patterns import (
+    dense_experts,
+    expert_loop,
+    hf_batched_mm,
+    hf_eager_loop,
+    hf_grouped_mm,
+)
 from patterns.common import MoEMatch, Rejection, rewrite
 
 from .diagnostics import RegionRecord, publish
