@@ -92,6 +92,7 @@ DENSE_VARIANTS = {
     "one_hot-slices": dict(gates="one_hot", combine="slices"),
     "fused-one_hot-stack_sum": dict(experts="fused", gates="one_hot"),
     "non-gated-einsum": dict(experts="plain", combine="einsum"),
+    "scatter_-builtin_sum": dict(gates="scatter_", combine="builtin_sum"),
 }
 
 
