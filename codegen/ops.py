@@ -276,7 +276,9 @@ def _list_backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
     # views of the stacked gradients, one per expert tensor (no copy)
     d_gate = list(dw1[:, :gate_rows].unbind(0))
     d_up = list(dw1[:, gate_rows:].unbind(0)) if n_up else []
-    return dx, None, dw, d_gate, d_up, list(dw2.unbind(0)), None, None, None, None, None
+    grads = (dx, None, dw, d_gate, d_up, list(dw2.unbind(0)))
+    # one entry per input as the caller passed them (slot_token may have been left to its default)
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
 
 moe_experts_list_op.register_autograd(_list_backward, setup_context=_setup_list_context)

@@ -62,11 +62,15 @@ def _cfg(kernel: str, a: int, b: int, c: int, warps: int, stages: int, fused: bo
     if kernel == "wgrad":
         kw = dict(BLOCK_P=a, BLOCK_Q=b, BLOCK_M=c)
     else:
-        kw = dict(BLOCK_M=a, BLOCK_N=b, BLOCK_K=c)
+        kw = dict(BLOCK_M=a, BLOCK_N=b, BLOCK_K=c, GROUP_M=_GROUP_M)
     if kernel in ("up", "dact"):
         kw["FUSED_GU"] = fused
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
+
+# M tiles walked together down each N tile (kernels.grouped_gemm._grouped_order): L2 reuse of the
+# weight tiles when n is large (Mixtral's 14336), neutral when it is small.
+_GROUP_M = 8
 
 # Candidate configs for the H100 (bf16): 128-row tiles match the wgmma M of two warpgroups.
 _GPU_CONFIGS = {
@@ -148,11 +152,12 @@ class Bank(NamedTuple):
     strides: tuple[int, int, int]
     table: Tensor | None = None
     split: int = 0
+    align: int = 1  # every table entry is a multiple of this many elements (16 bytes when it can be)
 
     def kernel_args(self):
-        """(pointer, table pointer, W_TABLE) for a kernel launch; the table argument is not read
-        when there is none."""
-        return self.ptr, self.ptr if self.table is None else self.table, self.table is not None
+        """(pointer, table pointer, W_TABLE, W_ALIGN) for a kernel launch; the table argument is not
+        read when there is none."""
+        return self.ptr, self.ptr if self.table is None else self.table, self.table is not None, self.align
 
 
 def _stacked_banks(w1: Tensor, w2: Tensor, transposed: bool) -> tuple[Bank, Bank]:
@@ -226,18 +231,20 @@ def _build_list_banks(w_gate, w_up, w_down, *, activation, interleaved) -> tuple
         return None
     g = w_gate[0]
     if w_up:  # separate gate [n, d] and up [n, d] tensors: W1 rows n.. come from the up table
-        w1 = Bank(g, (0, *g.stride()), _offset_table(w_gate, w_up, 0), split=g.shape[0])
+        table1, split = _offset_table(w_gate, w_up, 0), g.shape[0]
     else:  # one [w1_out, d] tensor per expert; a concatenated gated one has its up rows n further on
         shift = 0 if interleaved or not GATED[activation] else (g.shape[0] // 2) * g.stride(0)
-        w1 = Bank(g, (0, *g.stride()), _offset_table(w_gate, None, shift))
-    w2 = Bank(w_down[0], (0, *w_down[0].stride()), _offset_table(w_down, None, 0))
-    return w1, w2
+        table1, split = _offset_table(w_gate, None, shift), 0
+    table2 = _offset_table(w_down, None, 0)
+    return (Bank(g, (0, *g.stride()), table1[0], split, table1[1]),
+            Bank(w_down[0], (0, *w_down[0].stride()), table2[0], 0, table2[1]))
 
 
-def _offset_table(first: list[Tensor], second: list[Tensor] | None, second_shift: int) -> Tensor:
-    """int64 [2E] on the weights' device: element offsets of each `first[e]` from first[0], then of
-    each second[e] (or first[e] + second_shift elements when there is no second list). Copied
-    from pinned memory without a host sync (the pinned allocator keeps the buffer until the copy ran)."""
+def _offset_table(first: list[Tensor], second: list[Tensor] | None, second_shift: int) -> tuple[Tensor, int]:
+    """(int64 [2E] on the weights' device, the alignment of its entries in elements): the element
+    offsets of each `first[e]` from first[0], then of each second[e] (or first[e] + second_shift
+    elements when there is no second list). Copied from pinned memory without a host sync (the
+    pinned allocator keeps the buffer until the copy ran)."""
     base = first[0]
     size, origin = base.element_size(), base.data_ptr()
     offs = [(t.data_ptr() - origin) // size for t in first]
@@ -245,7 +252,9 @@ def _offset_table(first: list[Tensor], second: list[Tensor] | None, second_shift
     host = torch.tensor(offs, dtype=torch.int64)
     if base.is_cuda:
         host = host.pin_memory()
-    return host.to(base.device, non_blocking=True)
+    vector = max(1, 16 // size)  # 16-byte alignment: the weight loads vectorise
+    align = vector if origin % 16 == 0 and all(o % vector == 0 for o in offs) else 1
+    return host.to(base.device, non_blocking=True), align
 
 
 def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tensor]:
@@ -291,7 +300,7 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
     if TK == 0 or not (store_h or store_a):
         return h, a
     b1c = b1.contiguous() if b1 is not None else x
-    w_ptr, w_table, has_table = w1.kernel_args()
+    w_ptr, w_table, has_table, align = w1.kernel_args()
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _up[grid](
         x, w_ptr, b1c, sorted_rows, _or(row_token, sorted_rows), offsets, h, a, w_table,
@@ -302,7 +311,7 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
         float(alpha), float(limit),
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
         HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=_e_pow2(E),
-        DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table,
+        DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table, W_ALIGN=align,
     )
     return h, a
 
@@ -319,14 +328,14 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
     if TK == 0:
         return out
     biasc = bias.contiguous() if bias is not None else inp
-    w_ptr, w_table, has_table = w.kernel_args()
+    w_ptr, w_table, has_table, align = w.kernel_args()
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"]),)
     _scatter[grid](
         inp, w_ptr, biasc, sorted_rows, offsets, out, w_table,
         TK, k_dim, n_dim, E, split,
         *w_strides, n_dim,
         HAS_BIAS=bias is not None, E_POW2=_e_pow2(E), DOT_PRECISION=_dot_precision(inp.dtype),
-        W_TABLE=has_table, SPLIT_K=split > 0,
+        W_TABLE=has_table, SPLIT_K=split > 0, W_ALIGN=align,
     )
     return out
 
@@ -371,7 +380,7 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     # dA' [TK, n] = gather(dO) @ W2[e]: the up-projection kernel with W2 read as (e, out=n, in=d)
     da = h.new_empty(TK, n)
     sw = w2.strides  # (e, d, n)
-    w_ptr, w_table, has_table = w2.kernel_args()
+    w_ptr, w_table, has_table, align = w2.kernel_args()
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _dact[grid](
         grad_out, w_ptr, grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da, w_table,
@@ -382,7 +391,7 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
         0.0, 0.0,
         ACTIVATION=_IDENTITY, GATED=False, INTERLEAVED=False,
         HAS_B1=False, STORE_H=False, STORE_A=True, E_POW2=_e_pow2(E),
-        DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table,
+        DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table, W_ALIGN=align,
     )
     block_c = min(256, triton.next_power_of_2(n))
     block_r = 4 if INTERPRETED else max(1, 2048 // block_c)

@@ -29,6 +29,34 @@ def _row_tokens(rows, mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP: tl
     return (tl.load(sorted_rows_ptr + rows, mask=mask, other=0) // top_k).to(tl.int64)
 
 
+@triton.jit
+def _table_offset(w_table_ptr, index, W_ALIGN: tl.constexpr):
+    """Entry `index` of a per-expert offset table, with the alignment the launcher checked: without
+    it the compiler cannot prove the weight rows 16-byte aligned and loads them element by element
+    (2.5x slower GEMMs, measured on the H200)."""
+    off = tl.load(w_table_ptr + index)
+    if W_ALIGN > 1:
+        off = tl.multiple_of(off, W_ALIGN)
+    return off
+
+
+@triton.jit
+def _grouped_order(pid, TK, E, num_n, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """(M tile, N tile) of program `pid`, GROUP_M M tiles at a time for each N tile (L2 reuse).
+
+    Row-major order (all N tiles of one M tile, then the next) keeps few M tiles in flight, so at a
+    large n every program streams a different slice of the expert's weight from HBM once per M tile
+    (Mixtral's n = 14336: ~112 N tiles per M tile). Walking GROUP_M M tiles down each N tile lets
+    the programs in flight share each weight tile. GROUP_M = 1 is row-major.
+    """
+    num_m = tl.cdiv(TK, BLOCK_M) + E  # the grid's upper bound on M tiles
+    in_group = GROUP_M * num_n
+    first = (pid // in_group) * GROUP_M
+    size = tl.minimum(num_m - first, GROUP_M)
+    local = pid % in_group
+    return first + local % size, local // size
+
+
 @triton.jit(do_not_specialize=["TK"])
 def _up_proj_kernel(
     x_ptr,  # [T, d] x.dtype, strides (stride_x_t, stride_x_d)
@@ -47,10 +75,12 @@ def _up_proj_kernel(
     alpha, limit,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_B1: tl.constexpr,
     STORE_H: tl.constexpr, STORE_A: tl.constexpr, E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TOKEN_MAP: tl.constexpr, W_TABLE: tl.constexpr,
+    TOKEN_MAP: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED_GU: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n, BLOCK_N),). Program = (M tile of one expert, N tile).
+    """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n, BLOCK_N),). Program = (M tile of one expert, N tile),
+    in `_grouped_order`.
 
     An N tile covers columns j..j+BLOCK_N of A, i.e. the matching gate AND up columns of H, so the
     activation runs in the epilogue on float32 accumulators. FUSED_GU (gated only) loads the gate and
@@ -58,10 +88,7 @@ def _up_proj_kernel(
     width 2*BLOCK_N (the x tile is read from shared memory once per step instead of twice); the
     accumulator is split back into gate and up in the epilogue.
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(n, BLOCK_N)
-    tile = pid // num_n
-    pid_n = pid % num_n
+    tile, pid_n = _grouped_order(tl.program_id(0), TK, E, tl.cdiv(n, BLOCK_N), BLOCK_M, GROUP_M)
     expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
     if expert >= E:
         return
@@ -87,8 +114,8 @@ def _up_proj_kernel(
         up_cols = cols
         w_up_rows = cols
     if W_TABLE:
-        gate_off = tl.load(w_table_ptr + expert)
-        up_off = tl.load(w_table_ptr + E + expert)
+        gate_off = _table_offset(w_table_ptr, expert, W_ALIGN)
+        up_off = _table_offset(w_table_ptr, E + expert, W_ALIGN)
     else:
         gate_off = expert.to(tl.int64) * stride_w1_e
         up_off = gate_off
@@ -169,8 +196,8 @@ def _scatter_gemm_kernel(
     stride_w_e, stride_w_k, stride_w_n,
     stride_bias_e,
     HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    W_TABLE: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_TABLE: tl.constexpr, SPLIT_K: tl.constexpr, W_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n_dim, BLOCK_N),). out[slot(r)] = in[r] @ B[e] (+ bias[e]).
 
@@ -178,10 +205,7 @@ def _scatter_gemm_kernel(
     with a gated W1 kept as separate gate and up tensors): rows k >= k_split of B[e] are the up
     tensor's rows k - k_split, counted from w_table[E + e].
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(n_dim, BLOCK_N)
-    tile = pid // num_n
-    pid_n = pid % num_n
+    tile, pid_n = _grouped_order(tl.program_id(0), TK, E, tl.cdiv(n_dim, BLOCK_N), BLOCK_M, GROUP_M)
     expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
     if expert >= E:
         return
@@ -193,12 +217,13 @@ def _scatter_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = in_ptr + rows.to(tl.int64)[:, None] * k_dim + ks[None, :]
     if W_TABLE:
-        w_base = w_ptr + tl.load(w_table_ptr + expert)
+        w_base = w_ptr + _table_offset(w_table_ptr, expert, W_ALIGN)
     else:
         w_base = w_ptr + expert.to(tl.int64) * stride_w_e
     w_ptrs = w_base + ks[:, None] * stride_w_k + cols[None, :] * stride_w_n
     if SPLIT_K:  # extra offset of the rows past k_split: the up tensor's start minus the gate's
-        up_shift = tl.load(w_table_ptr + E + expert) - tl.load(w_table_ptr + expert) - k_split * stride_w_k
+        up_shift = _table_offset(w_table_ptr, E + expert, W_ALIGN) - _table_offset(w_table_ptr, expert, W_ALIGN)
+        up_shift -= k_split * stride_w_k
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
