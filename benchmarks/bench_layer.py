@@ -39,6 +39,7 @@ SHAPES = {
     "120b-512": (32768, 4096, 512, 256, 16), "120b-1024": (32768, 4096, 1024, 128, 8),
     "120b-2048": (32768, 4096, 2048, 64, 4),
     "qwen3": (16384, 2048, 768, 128, 8), "olmoe": (16384, 2048, 1024, 64, 8),
+    "mixtral": (8192, 4096, 14336, 8, 2),  # coarse-grained: few experts, wide n
     "tiny": (2048, 512, 256, 16, 4),  # smoke test
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}

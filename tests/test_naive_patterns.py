@@ -171,9 +171,6 @@ def _rounded_twin(model, x, mode):
                             [e.w2.weight for e in experts], slot_token=slot_token)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="codegen/ops.py _list_backward returns 11 gradients for the op's 12 inputs (none for "
-                          "slot_token), so AOTAutograd cannot trace the slot form; remove this mark with that fix")
 def test_token_rounding_routes_through_slots():
     """sonic.token_rounding in a training graph: the list op takes the rounded slot form; output and
     gradients equal the eager round_routing twin, and differ from plain top-k."""
