@@ -127,7 +127,7 @@ def bench_shape(shape, providers, args, device, dtype):
         )
         print(f"  {name:>9}: {ms:8.2f} ms  {rows[name]['tflops']:6.1f} TFLOPS  peak {peak:6.2f} GiB  "
               f"first {first:6.1f} s  err out {rows[name]['err_out']:.1e} dx {rows[name]['err_dx']:.1e}", flush=True)
-        del fn
+
     return rows
 
 
