@@ -170,7 +170,7 @@ class DenseMoE(Router):
 
     def _gates(self, probs, w, ids):
         if self.gates == "scatter":
-            return torch.zeros_like(probs).scatter(1, ids, w)
+            return torch.zeros_like(probs, dtype=w.dtype).scatter(1, ids, w)
         if self.gates == "scatter_":
             gates = torch.zeros(probs.shape, dtype=w.dtype, device=w.device)
             gates.scatter_(1, ids, w)
