@@ -543,13 +543,9 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     region = backward_slice([anchor], stop=inputs)
     for node in list(region):
         region |= {u for u in node.users if is_inplace(u) and walk.is_harmless_inplace(u)}
-    unknown = [nd for nd in region if nd not in walk.seen and isinstance(example_value(nd), torch.Tensor)]
-    expect(not unknown, f"unrecognised node(s) in the region: {', '.join(nd.name for nd in unknown[:4])}")
-    mutated = [u for node in region for u in node.users if is_inplace(u) and u not in region]
-    expect(not mutated, f"region tensor mutated outside it by {mutated[0].name if mutated else ''}")
+    check_closed(region, walk)
     return MoEMatch(
         idiom=idiom,
-        module=module_path(site),
         anchor=anchor,
         region=region,
         x=x,
@@ -566,8 +562,25 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
         limit=act["limit"],
         shape={"T": T, "d": d, "n": n, "E": E, "K": K},
         dtype=x_dtype,
-        router=describe_router(topk_ids, topk_weights) + (f" ({module_class(site)})" if module_class(site) else ""),
-        shared_expert=describe_shared_expert(site.graph, module_path(site)),
+        **site_fields(site, topk_ids, topk_weights, T, E, experts_module=module_path(site)),
+    )
+
+
+def check_closed(region: set[fx.Node], walk: RegionWalk) -> None:
+    """The region holds only nodes a checker validated, and nothing outside it mutates them."""
+    unknown = [nd for nd in region if nd not in walk.seen and isinstance(example_value(nd), torch.Tensor)]
+    expect(not unknown, f"unrecognised node(s) in the region: {', '.join(nd.name for nd in unknown[:4])}")
+    mutated = [u for node in region for u in node.users if is_inplace(u) and u not in region]
+    expect(not mutated, f"region tensor mutated outside it by {mutated[0].name if mutated else ''}")
+
+
+def site_fields(site: fx.Node, topk_ids: fx.Node, topk_weights: fx.Node, T, E, *, experts_module: str) -> dict:
+    """The MoEMatch fields read off the region's site: module, router, shared expert, router probs."""
+    cls = module_class(site)
+    return dict(
+        module=module_path(site),
+        router=describe_router(topk_ids, topk_weights) + (f" ({cls})" if cls else ""),
+        shared_expert=describe_shared_expert(site.graph, experts_module),
         router_probs=router_probs(topk_ids, T, E),
         module_source=module_source(site),
     )

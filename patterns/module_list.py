@@ -27,19 +27,14 @@ from .common import (
     RegionWalk,
     arg,
     backward_slice,
-    describe_router,
-    describe_shared_expert,
+    check_closed,
     dtype_of,
-    example_value,
     expect,
     getitem_of,
     is_call,
-    is_inplace,
-    module_class,
     module_path,
-    module_source,
-    router_probs,
     shape_of,
+    site_fields,
 )
 
 _CAST_METHODS = ("to", "float", "half", "bfloat16", "double", "type_as", "contiguous")
@@ -187,14 +182,9 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     inputs = {x, topk_ids, topk_weights, *w_gate, *w_up, *w_down}
     stop = inputs | {inp for node in shape_only for inp in node.all_input_nodes}
     region = backward_slice(anchors, stop=stop) | set(extra_region)
-    unknown = [nd for nd in region if nd not in walk.seen and isinstance(example_value(nd), torch.Tensor)]
-    expect(not unknown, f"unrecognised node(s) in the region: {', '.join(nd.name for nd in unknown[:4])}")
-    mutated = [u for node in region for u in node.users if is_inplace(u) and u not in region]
-    expect(not mutated, f"region tensor mutated outside it by {mutated[0].name if mutated else ''}")
-    module = module_path(site)
+    check_closed(region, walk)
     return MoEMatch(
         idiom=idiom,
-        module=module,
         anchor=anchor,
         region=region,
         x=x,
@@ -206,10 +196,7 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
         limit=act["limit"],
         shape={"T": T, "d": d, "n": n, "E": E, "K": K},
         dtype=x_dtype,
-        router=describe_router(topk_ids, topk_weights) + (f" ({module_class(site)})" if module_class(site) else ""),
-        shared_expert=describe_shared_expert(site.graph, module + ".experts"),
-        router_probs=router_probs(topk_ids, T, E),
-        module_source=module_source(site),
+        **site_fields(site, topk_ids, topk_weights, T, E, experts_module=module_path(site) + ".experts"),
         expert_lists=(w_gate, w_up, w_down),
         accumulator=accumulator,
     )
