@@ -25,7 +25,9 @@ def test_hf_train_tiny(tmp_path):
     assert (tmp_path / "olmoe_tiny.json").exists()
 
 
-def test_hf_generate_tiny():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_hf_generate_tiny(cache):
     import hf_generate
 
-    assert hf_generate.main(["--model", "mixtral", "--new-tokens", "6", "--device", "cpu", "--sonic-compiler", "aot_eager"]) == 0
+    assert hf_generate.main(["--model", "mixtral", "--new-tokens", "6", "--device", "cpu", "--sonic-compiler", "aot_eager",
+                             "--cache", cache, "--repeats", "1"]) == 0
