@@ -292,6 +292,21 @@ def test_out_of_range_expert_id_raises(tm):
         tm.triton_moe_experts_fwd(**inputs, save_h=True, **_FLAGS)
 
 
+@pytest.mark.parametrize("E,TK", [(1, 5), (6, 0), (6, 37), (64, 300), (200, 1024), (256, 1024), (256, 1025)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_route_matches_torch_route(tm, E, TK, padded):
+    """Both routing paths (one program up to 2**18 slot x bucket pairs, the sort beyond) give the
+    reference's stable order and offsets; padding slots (-1) sort last, uncounted."""
+    gen = torch.Generator().manual_seed(E * 1000 + TK)
+    ids = torch.randint(0, E, (TK,), generator=gen)
+    if padded:
+        ids[torch.rand(TK, generator=gen) < 0.3] = -1
+    rows, offs = tm.route(ids.view(-1, 1), E, padded=padded)
+    ref_rows, ref_offs = torch_route(ids.view(-1, 1), E)
+    assert rows.dtype == offs.dtype == torch.int32
+    assert torch.equal(rows, ref_rows) and torch.equal(offs, ref_offs)
+
+
 def test_supports_predicate(tm):
     inputs, _ = _make(4, 32, 16, 4, 2, torch.float32)
     assert tm.supports(**inputs, **_FLAGS)
@@ -498,6 +513,26 @@ def test_gpu_fp16_fp32(dtype, first_config_only):
     assert _rel(out, ref_out) <= 2 * _rel(base_out, ref_out) + eps
     for name, g, b in zip(names, grads, base_grads):
         assert _rel(g, ref_grads[name]) <= 2 * _rel(b, ref_grads[name]) + eps, name
+
+
+@pytest.mark.gpu
+def test_gpu_route_paths_match_and_bad_ids_assert():
+    from codegen import triton_moe
+
+    for E, TK, padded in [(8, 4, False), (128, 32, False), (256, 1024, True), (128, 2048, False), (64, 9000, True)]:
+        ids = torch.randint(0, E, (TK,), device="cuda")
+        if padded:
+            ids[torch.rand(TK, device="cuda") < 0.3] = -1
+        rows, offs = triton_moe.route(ids.view(-1, 1), E, padded=padded)
+        ref_rows, ref_offs = torch_route(ids.view(-1, 1), E)
+        assert torch.equal(rows, ref_rows) and torch.equal(offs, ref_offs), (E, TK, padded)
+    # an out-of-range id in the one-program path: a device-side assert, never a silent wrong expert
+    # (it poisons the CUDA context, hence a child process)
+    code = ("import torch; from codegen import triton_moe; "
+            "triton_moe.route(torch.tensor([[0, 8]], device='cuda'), 8); torch.cuda.synchronize()")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert child.returncode != 0 and "out of range" in child.stderr + child.stdout, child.stderr[-2000:]
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""The per-expert M-tile schedule, computed inside each grouped-GEMM program (no host sync).
+"""The per-expert M-tile schedule, computed inside each grouped-GEMM program (no host sync), and the
+one-program routing kernel of small batches (`_route_small_kernel`).
 
 Rows are in expert order: expert e owns rows [offsets[e], offsets[e+1]). With tiles of BLOCK_M rows,
 expert e needs cdiv(count_e, BLOCK_M) tiles, so sum_e cdiv(count_e, BLOCK_M) <= cdiv(TK, BLOCK_M) + E.
@@ -30,3 +31,43 @@ def _expert_tile(offsets_ptr, E, tile, BLOCK_M: tl.constexpr, E_POW2: tl.constex
     row_lo = tl.sum(tl.where(this, lo, 0), 0)
     row_hi = tl.sum(tl.where(this, hi, 0), 0)
     return expert, row_lo + (tile - first_tile) * BLOCK_M, row_hi
+
+
+@triton.jit(do_not_specialize=["TK"], debug=True)
+def _route_small_kernel(ids_ptr, sorted_rows_ptr, offsets_ptr, TK, E,
+                        PADDED: tl.constexpr, B_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """The routing metadata of a few hundred slots in one program: a stable counting sort.
+
+    Same contract as `codegen.reference.torch_route`: sorted_rows [TK] lists the flat slots in
+    expert order, token order inside an expert; offsets [E+1] is the exclusive prefix of the counts.
+    PADDED: id -1 is a padding slot, bucket E, sorted last and not counted. Two passes over the ids
+    in chunks of BLOCK: the per-expert counts, then each slot's place = its expert's offset + the
+    expert's slots already placed + its rank among the chunk's slots of that expert. One launch
+    instead of the torch path's sort, scatter and cumsum: what decode-size batches pay for is
+    launches, not bandwidth. An id out of range fails the device assert (`debug=True` keeps it).
+    """
+    bucket = tl.arange(0, B_POW2)
+    n_buckets = E + 1 if PADDED else E
+    counts = tl.zeros([B_POW2], dtype=tl.int32)
+    for start in range(0, TK, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        live = slot < TK
+        ids = tl.load(ids_ptr + slot, mask=live, other=0)
+        if PADDED:
+            ids = tl.where(ids == -1, E, ids)
+        tl.device_assert(((ids >= 0) & (ids < n_buckets)) | ~live, "expert id out of range")
+        hit = (ids.to(tl.int32)[:, None] == bucket[None, :]) & live[:, None]
+        counts += tl.sum(hit.to(tl.int32), 0)
+    placed = tl.cumsum(counts, 0) - counts  # exclusive prefix: the first row of each bucket
+    tl.store(offsets_ptr + bucket, placed, mask=bucket <= E)
+    for start in range(0, TK, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        live = slot < TK
+        ids = tl.load(ids_ptr + slot, mask=live, other=0)
+        if PADDED:
+            ids = tl.where(ids == -1, E, ids)
+        hit = ((ids.to(tl.int32)[:, None] == bucket[None, :]) & live[:, None]).to(tl.int32)
+        rank = tl.cumsum(hit, 0)  # inclusive, per bucket, down the chunk
+        row = tl.sum(hit * (rank - 1 + placed[None, :]), 1)
+        tl.store(sorted_rows_ptr + row, slot.to(tl.int32), mask=live)
+        placed += tl.sum(hit, 0)
