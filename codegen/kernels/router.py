@@ -1,0 +1,199 @@
+"""The fused router: scores -> top-k selection -> weights, and the analytic gradient of the logits.
+
+One program per block of BLOCK_T tokens (grid: cdiv(T, BLOCK_T)); each row's E scores live in
+registers ([BLOCK_T, BLOCK_E], E padded to a power of two), top-k is K rounds of "take the largest
+not yet taken" (ties: the lowest expert index). Arithmetic is fp32; with ROUND (a compute dtype
+narrower than fp32) every value the eager model would store in that dtype is rounded to it, so
+ranks and ties are those of the model's own tensors. See codegen/router.py for the semantics.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rnd(x, COMPUTE: tl.constexpr, ROUND: tl.constexpr):
+    """x as the compute dtype would hold it (a no-op in fp32)."""
+    if ROUND:
+        return x.to(COMPUTE).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _scores(x, cmask, COMPUTE: tl.constexpr, ROUND: tl.constexpr, SOFTMAX: tl.constexpr):
+    """softmax over the valid columns, or sigmoid; x already in the compute dtype's values."""
+    if SOFTMAX:
+        xm = tl.where(cmask[None, :], x, float("-inf"))
+        ex = tl.exp(xm - tl.max(xm, 1)[:, None])
+        s = ex / tl.sum(ex, 1)[:, None]
+    else:
+        s = tl.sigmoid(x)
+    return _rnd(s, COMPUTE, ROUND)
+
+
+@triton.jit
+def _take_largest(avail, taken, cols, BLOCK_E: tl.constexpr):
+    """Column of the largest value not yet taken, per row (ties: lowest column; a row of NaNs:
+    the lowest untaken column)."""
+    avail = tl.where(taken, float("-inf"), avail)
+    best = tl.max(avail, 1)
+    pick = tl.min(tl.where((avail == best[:, None]) & ~taken, cols[None, :], BLOCK_E), 1)
+    first_free = tl.min(tl.where(~taken, cols[None, :], BLOCK_E), 1)
+    return tl.where(pick == BLOCK_E, first_free, pick)
+
+
+@triton.jit
+def _group_keep(choice, cols, cmask, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, COMPUTE: tl.constexpr,
+                ROUND: tl.constexpr):
+    """[BLOCK_T, BLOCK_E] mask of the experts in each row's TOPK_GROUP best groups, a group scoring
+    the sum of its two largest choice values."""
+    gcols = tl.arange(0, BLOCK_G)
+    group = cols // GROUP_SIZE
+    gscore = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
+    for g in tl.static_range(N_GROUP):
+        in_g = ((group == g) & cmask)[None, :]
+        cg = tl.where(in_g, choice, float("-inf"))
+        m1 = tl.max(cg, 1)
+        first = tl.min(tl.where(cg == m1[:, None], cols[None, :], BLOCK_E), 1)
+        m2 = tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), cg), 1)
+        gscore = tl.where(gcols[None, :] == g, _rnd(m1 + m2, COMPUTE, ROUND)[:, None], gscore)
+    gtaken = (gcols[None, :] + tl.zeros([BLOCK_T, BLOCK_G], tl.int32)) >= N_GROUP
+    gkeep = tl.zeros([BLOCK_T, BLOCK_G], tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        pick = _take_largest(gscore, gtaken, gcols, BLOCK_G)
+        hit = gcols[None, :] == pick[:, None]
+        gtaken = gtaken | hit
+        gkeep = gkeep | hit.to(tl.int32)
+    keep = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
+    for g in tl.static_range(N_GROUP):
+        kept = tl.sum(tl.where(gcols[None, :] == g, gkeep, 0), 1) > 0
+        keep = keep | (((group == g)[None, :]) & kept[:, None]).to(tl.int32)
+    return keep != 0
+
+
+@triton.jit
+def _route_fwd_kernel(
+    logits_ptr,  # [T, E] fp32/fp16/bf16, rows contiguous
+    bias_ptr,  # [E] selection bias (read only with HAS_BIAS)
+    w_ptr,  # [T, K] compute dtype: topk_weights
+    ids_ptr,  # [T, K] int64: topk_ids
+    T, E,
+    stride_l_t, stride_w_t, stride_i_t,
+    eps, scale, fill,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    SOFTMAX: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+    COMPUTE: tl.constexpr, ROUND: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    kcols = tl.arange(0, BLOCK_K)
+    rmask, cmask, kmask = rows < T, cols < E, kcols < K
+    rows64 = rows.to(tl.int64)
+    x = tl.load(logits_ptr + rows64[:, None] * stride_l_t + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    if TOPK_FIRST:
+        choice = x  # the logits as they are: top-k ranks them in their own dtype
+        s = x
+    else:
+        s = _scores(_rnd(x, COMPUTE, ROUND), cmask, COMPUTE, ROUND, SOFTMAX)
+        choice = s
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            choice = _rnd(choice + b[None, :], COMPUTE, ROUND)
+        if N_GROUP > 1:
+            keep = _group_keep(choice, cols, cmask, BLOCK_T, BLOCK_E, BLOCK_G, N_GROUP, TOPK_GROUP, GROUP_SIZE, COMPUTE, ROUND)
+            choice = tl.where(keep, choice, fill)
+
+    taken = (cols[None, :] + tl.zeros([BLOCK_T, BLOCK_E], tl.int32)) >= E
+    top_v = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
+    for j in range(K):
+        pick = _take_largest(choice, taken, cols, BLOCK_E)
+        hit = cols[None, :] == pick[:, None]
+        taken = taken | hit
+        value = tl.sum(tl.where(hit, s, 0.0), 1)
+        top_v = tl.where(kcols[None, :] == j, value[:, None], top_v)
+        top_i = tl.where(kcols[None, :] == j, pick[:, None].to(tl.int64), top_i)
+
+    if TOPK_FIRST:  # softmax over the K selected logits, in the compute dtype
+        v = tl.where(kmask[None, :], _rnd(top_v, COMPUTE, ROUND), float("-inf"))
+        ev = tl.exp(v - tl.max(v, 1)[:, None])
+        w = _rnd(ev / tl.sum(ev, 1)[:, None], COMPUTE, ROUND)
+    else:
+        w = top_v
+    w = tl.where(kmask[None, :], w, 0.0)
+    if RENORM:  # w / (sum(w) + eps), each step as the model rounds it
+        den = _rnd(_rnd(tl.sum(w, 1), COMPUTE, ROUND) + eps, COMPUTE, ROUND)
+        w = _rnd(w / den[:, None], COMPUTE, ROUND)
+    w = _rnd(w * scale, COMPUTE, ROUND)
+    out = rmask[:, None] & kmask[None, :]
+    tl.store(w_ptr + rows64[:, None] * stride_w_t + kcols[None, :], w.to(w_ptr.dtype.element_ty), mask=out)
+    tl.store(ids_ptr + rows64[:, None] * stride_i_t + kcols[None, :], top_i, mask=out)
+
+
+@triton.jit
+def _route_bwd_kernel(
+    grad_w_ptr,  # [T, K] any float: d loss / d topk_weights
+    logits_ptr,  # [T, E] fp32/fp16/bf16, rows contiguous (the forward's input)
+    ids_ptr,  # [T, K] int64: the forward's topk_ids
+    dlogits_ptr,  # [T, E] logits dtype: d loss / d logits
+    T, E,
+    stride_g_t, stride_l_t, stride_i_t, stride_d_t,
+    eps, scale,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    SOFTMAX: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORM: tl.constexpr,
+    COMPUTE: tl.constexpr, ROUND: tl.constexpr,
+):
+    """dlogits from d topk_weights, with b the selected scores (the weights before renorm/scale):
+        g_b = c g                                    (scale c)
+        renorm, S = sum(b) + eps, w = b / S:  g_b = (g_b - <g_b, w>) / S
+        softmax -> topk: G = scatter(g_b) [E],  dl = p * (G - <G, p>)
+        sigmoid -> topk: G = scatter(g_b),      dl = G * s * (1 - s)
+        topk -> softmax: dv = b * (g_b - <g_b, b>), dl = scatter(dv)
+    """
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    kcols = tl.arange(0, BLOCK_K)
+    rmask, cmask, kmask = rows < T, cols < E, kcols < K
+    rows64 = rows.to(tl.int64)
+    full = rmask[:, None] & cmask[None, :]
+    tile_k = rmask[:, None] & kmask[None, :]
+    x = _rnd(tl.load(logits_ptr + rows64[:, None] * stride_l_t + cols[None, :], mask=full, other=0.0).to(tl.float32),
+             COMPUTE, ROUND)
+    ids = tl.load(ids_ptr + rows64[:, None] * stride_i_t + kcols[None, :], mask=tile_k, other=-1)
+    g = tl.load(grad_w_ptr + rows64[:, None] * stride_g_t + kcols[None, :], mask=tile_k, other=0.0).to(tl.float32)
+    if TOPK_FIRST:
+        s = x
+    else:
+        s = _scores(x, cmask, COMPUTE, ROUND, SOFTMAX)
+    b = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    for j in range(K):
+        id_j = tl.sum(tl.where(kcols[None, :] == j, ids, 0), 1)
+        b_j = tl.sum(tl.where(cols[None, :] == id_j[:, None], s, 0.0), 1)
+        b = tl.where(kcols[None, :] == j, b_j[:, None], b)
+    if TOPK_FIRST:
+        v = tl.where(kmask[None, :], b, float("-inf"))
+        ev = tl.exp(v - tl.max(v, 1)[:, None])
+        b = _rnd(ev / tl.sum(ev, 1)[:, None], COMPUTE, ROUND)
+    b = tl.where(kmask[None, :], b, 0.0)
+    g = g * scale
+    if RENORM:
+        den = tl.where(rmask, tl.sum(b, 1) + eps, 1.0)  # rows past T hold no selection
+        w = b / den[:, None]
+        g = (g - tl.sum(g * w, 1)[:, None]) / den[:, None]
+    if TOPK_FIRST:
+        g = b * (g - tl.sum(g * b, 1)[:, None])
+    grad = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for j in range(K):
+        id_j = tl.sum(tl.where(kcols[None, :] == j, ids, 0), 1)
+        g_j = tl.sum(tl.where(kcols[None, :] == j, g, 0.0), 1)
+        grad += tl.where(cols[None, :] == id_j[:, None], g_j[:, None], 0.0)
+    if not TOPK_FIRST:
+        if SOFTMAX:
+            grad = s * (grad - tl.sum(grad * s, 1)[:, None])
+        else:
+            grad = grad * s * (1.0 - s)
+    grad = _rnd(grad, COMPUTE, ROUND)
+    tl.store(dlogits_ptr + rows64[:, None] * stride_d_t + cols[None, :], grad.to(dlogits_ptr.dtype.element_ty),
+             mask=full)
