@@ -27,6 +27,10 @@ class SonicOptions:
     # Tile-aware token rounding in training graphs: None (plain top-k), "nearest", "up" or "down".
     # See codegen.token_rounding and the README; evaluation graphs always route plain top-k.
     token_rounding: str | None = None
+    # Replace the router in front of each rewritten MoE (softmax/sigmoid, top-k, renormalise, bias,
+    # group-limited top-k, scale) with one fused `sonic::route` (codegen.router): one kernel instead
+    # of ~5-20 small ops, and an analytic backward. Off: the router stays as the model wrote it.
+    fuse_router: bool = True
 
     def __post_init__(self):
         patterns = self.patterns
@@ -40,7 +44,7 @@ class SonicOptions:
             raise ValueError(f"sonic.compiler must be one of {COMPILERS}, got {self.compiler!r}")
         if self.token_rounding not in (None, *ROUNDING_MODES):
             raise ValueError(f"sonic.token_rounding must be None or one of {ROUNDING_MODES}, got {self.token_rounding!r}")
-        for name in ("enabled", "debug", "fallback"):
+        for name in ("enabled", "debug", "fallback", "fuse_router"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"sonic.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -16,6 +16,7 @@ from patterns import (
     hf_grouped_mm,
 )
 from patterns.common import MoEMatch, Rejection, rewrite
+from patterns.router_fusion import fuse_router
 
 from .diagnostics import RegionRecord, publish
 from .options import SonicOptions
@@ -84,6 +85,28 @@ def token_rounding_for(match: MoEMatch, options: SonicOptions) -> tuple[str | No
     return mode, mode
 
 
+def router_outcome(gm: fx.GraphModule, call: fx.Node, match: MoEMatch, router: str, options: SonicOptions) -> str:
+    """Fuse the router of a just-rewritten region (sonic.fuse_router); what the report says of it.
+
+    The MoE rewrite stands whatever happens here: an unrecognised router stays as it is, and so
+    (with `fallback`) does one whose check raised. The check never edits the graph.
+    """
+    if not options.fuse_router:
+        return router
+    try:
+        fused, what = fuse_router(gm, call)
+    except Exception as exc:
+        if not options.fallback:
+            raise
+        log.warning("router fusion failed on %s, router left as it is: %s: %s", match.module, type(exc).__name__, exc)
+        return f"{router}, not fused: {type(exc).__name__}"
+    if fused:
+        log.info("fused the router of %s: %s", match.module, what)
+        return f"{what}, fused" + (router[router.index(" ("):] if " (" in router else "")
+    log.debug("router of %s not fused: %s", match.module, what)
+    return f"{router}, not fused: {what}"
+
+
 _SOURCE_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']*)'\]")
 
 
@@ -124,7 +147,8 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
             for match in matches:
                 details = match.describe()
                 rounding, details["token_rounding"] = token_rounding_for(match, options)
-                rewrite(gm, match, token_rounding=rounding)
+                call = rewrite(gm, match, token_rounding=rounding)
+                details["router"] = router_outcome(gm, call, match, details["router"], options)
                 records.append(RegionRecord(graph_id, match.idiom, match.module, "rewritten", details=details))
             if options.debug:
                 gm.graph.lint()
