@@ -1,0 +1,546 @@
+"""Router fusion: the `sonic::route` op (reference, analytic backward, Triton kernels) and the pass
+that puts it in place of the routers of Hugging Face families and naive MoE code.
+
+The op: the analytic backward vs autograd through the reference (float64), opcheck, errors. The
+kernels run under TRITON_INTERPRET=1 in a child process (as in test_kernels.py, fp32/fp16), and in
+bf16 on the GPU (`gpu` marker). The pass: per family, loss and every gradient vs eager, the rewrite
+count, the report saying "fused", and `sonic::route` executed, in training and under no_grad; then
+a grid of look-alikes that must stay unfused, each with its reason.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moe_compiler
+from codegen.router import route, route_op, torch_router_bwd, torch_router_fwd
+
+from .helpers import (
+    assert_close_to_eager,
+    compile_sonic,
+    loss_and_grads,
+    profiled_op_names,
+)
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read once: this process is the child
+ROUTE = "sonic::route"
+
+# (name, k, route() keywords, bias): every router form the pass produces, plus edge cases
+FORMS = [
+    ("softmax-topk", 3, dict(), False),
+    ("softmax-topk-renorm", 2, dict(renorm=True), False),
+    ("topk-softmax", 2, dict(topk_first=True), False),
+    ("sigmoid-topk-scale", 2, dict(score="sigmoid", scale=2.5), False),
+    ("sigmoid-bias-group-renorm-scale", 3, dict(score="sigmoid", n_group=3, topk_group=2, renorm=True, eps=1e-20,
+                                                scale=2.5), True),
+    ("sigmoid-bias-group-fill0", 2, dict(score="sigmoid", n_group=3, topk_group=1, fill=0.0), True),
+    ("k1", 1, dict(renorm=True), False),
+    ("k=E", 6, dict(renorm=True, scale=0.5), False),
+]
+
+
+def _args(E, k, kw, bias, dtype, compute_dtype=None):
+    full = dict(score="softmax", topk_first=False, renorm=False, eps=0.0, scale=1.0, n_group=1, topk_group=1,
+                fill=float("-inf"))
+    full.update(kw)
+    b = torch.linspace(-0.1, 0.1, E, dtype=dtype) if bias else None
+    return (b, k, full["score"], full["topk_first"], full["renorm"], full["eps"], full["scale"], full["n_group"],
+            full["topk_group"], full["fill"], compute_dtype or dtype)
+
+
+def _bwd_args(args):
+    b, k, score, topk_first, renorm, eps, scale, *_, compute_dtype = args
+    return (k, score, topk_first, renorm, eps, scale, compute_dtype)
+
+
+def _canonical(w, ids):
+    """Weights and ids ordered by expert id (a sorted=False top-k may list them in any order)."""
+    ids_sorted, order = ids.sort(-1)
+    return w.gather(-1, order), ids_sorted
+
+
+# --- the op -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
+def test_analytic_backward_matches_autograd(name, k, kw, bias):
+    """torch_router_bwd (the formulas the kernel implements) == autograd through the reference, fp64."""
+    torch.manual_seed(0)
+    logits = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    args = _args(6, k, kw, bias, torch.float64)
+    w, ids = torch_router_fwd(logits, *args)
+    g = torch.randn_like(w)
+    (want,) = torch.autograd.grad(w, logits, g)
+    got = torch_router_bwd(g, logits.detach(), ids, *_bwd_args(args))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
+def test_op_gradcheck(name, k, kw, bias):
+    """The op's autograd (route_backward) passes torch.autograd.gradcheck in fp64."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    args = _args(6, k, kw, bias, torch.float64)
+    torch.autograd.gradcheck(lambda x: route_op(x, *args)[0], (logits,))
+
+
+def test_compute_dtype_and_output_dtype():
+    """softmax(bf16 logits, dtype=float32) -> fp32 weights; the logits' grad comes back in bf16."""
+    torch.manual_seed(2)
+    logits = torch.randn(9, 8).bfloat16().requires_grad_()
+    w, ids = route(logits, 2, renorm=True, compute_dtype=torch.float32)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    ew, eids = torch.topk(probs, 2, dim=-1)
+    ew = ew / ew.sum(-1, keepdim=True)
+    assert w.dtype == torch.float32 and torch.equal(ids, eids)
+    torch.testing.assert_close(w, ew)
+    g = torch.randn_like(w)
+    (got,) = torch.autograd.grad(w, logits, g)
+    (want,) = torch.autograd.grad(ew, logits, g)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name,k,kw,bias", [FORMS[1], FORMS[2], FORMS[4]], ids=[FORMS[i][0] for i in (1, 2, 4)])
+def test_opcheck(name, k, kw, bias):
+    torch.manual_seed(3)
+    logits = torch.randn(5, 6, requires_grad=True)
+    torch.library.opcheck(route_op, (logits, *_args(6, k, kw, bias, torch.float32)))
+
+
+BAD = {
+    "k>E": (dict(k=7), "k must be in"),
+    "k=0": (dict(k=0), "k must be in"),
+    "3-D logits": (dict(logits=torch.randn(2, 3, 6)), "must be [T, E]"),
+    "int logits": (dict(logits=torch.zeros(3, 6, dtype=torch.int64)), "floating point"),
+    "bias shape": (dict(score="sigmoid", bias=torch.zeros(5)), "bias must be"),
+    "bias promotes": (dict(score="sigmoid", bias=torch.zeros(6, dtype=torch.float64)), "would promote"),
+    "n_group divides": (dict(score="sigmoid", n_group=4, topk_group=1), "divide E"),
+    "topk_group": (dict(score="sigmoid", n_group=3, topk_group=4), "topk_group"),
+    "one expert per group": (dict(score="sigmoid", n_group=6, topk_group=2), ">= 2 experts per group"),
+    "topk_first sigmoid": (dict(topk_first=True, score="sigmoid"), "topk_first"),
+    "score": (dict(score="relu"), "score must be"),
+    "eps without renorm": (dict(eps=1e-6), "without renorm"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_errors(case):
+    kw, message = BAD[case]
+    kw = dict(kw)
+    logits = kw.pop("logits", torch.randn(3, 6))
+    k = kw.pop("k", 2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        route(logits, k, **kw)
+
+
+# --- the kernels -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kernels():
+    """codegen.router's Triton launchers with interpreted kernels (only in the child process)."""
+    if not _INTERPRETING:
+        pytest.skip("interpreted kernels run in the child process of test_router_kernels_in_child_process")
+    from codegen import router
+
+    return router
+
+
+@pytest.mark.skipif(_INTERPRETING, reason="this is the child process")
+def test_router_kernels_in_child_process():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider", "-k", "interpreted",
+         os.path.abspath(__file__)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    assert proc.returncode == 0, f"interpreted router kernels failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    counts = {word: int(num) for num, word in re.findall(r"(\d+) (passed|skipped|failed)", summary)}
+    assert counts.get("passed", 0) >= 16, summary
+
+
+# fp32: summation order only. fp16: the kernel rounds where the model's fp16 tensors round, but
+# exp and sums differ in the last bit.
+_KTOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=1e-3)}
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=str)
+@pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
+def test_interpreted_kernel_matches_reference(kernels, name, k, kw, bias, dtype):
+    """T=7 with 4-token blocks (a partial block), E=6 (not a power of two), k=1 and k=E among FORMS."""
+    torch.manual_seed(4)
+    logits = torch.randn(7, 6).to(dtype)
+    args = _args(6, k, kw, bias, dtype)
+    want = _canonical(*torch_router_fwd(logits, *args))
+    got = _canonical(*kernels.triton_router_fwd(logits, *args, block_t=4))
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0].float(), want[0].float(), **_KTOL[dtype])
+    _, ids = torch_router_fwd(logits, *args)
+    g = torch.randn(7, k).to(dtype)
+    want_grad = torch_router_bwd(g, logits, ids, *_bwd_args(args))
+    got_grad = kernels.triton_router_bwd(g, logits, ids, *_bwd_args(args), block_t=4)
+    assert got_grad.dtype == logits.dtype
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), **_KTOL[dtype])
+
+
+def test_interpreted_kernel_upcast_and_large_block(kernels):
+    """fp16 logits scored in fp32 (softmax(dtype=float)), the default block size, T=0."""
+    torch.manual_seed(5)
+    logits = torch.randn(37, 10).half()
+    args = _args(10, 4, dict(renorm=True), False, torch.float16, compute_dtype=torch.float32)
+    want, got = torch_router_fwd(logits, *args), kernels.triton_router_fwd(logits, *args)
+    assert got[0].dtype == torch.float32 and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0])
+    empty = kernels.triton_router_fwd(logits[:0], *args)
+    assert empty[0].shape == (0, 4) and empty[1].shape == (0, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
+def test_kernel_gpu_bf16(name, k, kw, bias):
+    """bf16 on the GPU: the Triton kernels vs the reference run by torch in bf16 on the same device."""
+    from codegen.router import triton_router_bwd, triton_router_fwd
+
+    torch.manual_seed(6)
+    E = 6 if name == "k=E" else 72  # E = 72: not a power of two, 3 groups of 24
+    k = E if name == "k=E" else k
+    logits = torch.randn(1000, E, device="cuda").bfloat16()
+    args = _args(E, k, kw, bias, torch.bfloat16)
+    args = (None if args[0] is None else args[0].cuda(), *args[1:])
+    want = _canonical(*torch_router_fwd(logits, *args))
+    got = _canonical(*triton_router_fwd(logits, *args))
+    mismatch = (got[1] != want[1]).any(-1).float().mean().item()
+    assert mismatch < 0.01, f"{mismatch:.2%} of the rows select other experts (bf16 ties only)"
+    same = (got[1] == want[1]).all(-1)
+    torch.testing.assert_close(got[0][same].float(), want[0][same].float(), rtol=1.6e-2, atol=1e-3)
+    _, ids = torch_router_fwd(logits, *args)
+    g = torch.randn(1000, k, device="cuda").bfloat16()
+    want_grad = torch_router_bwd(g, logits, ids, *_bwd_args(args)).float()
+    got_grad = triton_router_bwd(g, logits, ids, *_bwd_args(args)).float()
+    assert (got_grad - want_grad).norm() <= 2e-2 * want_grad.norm() + 1e-6
+
+
+# --- the pass on Hugging Face families -----------------------------------------------------------------
+
+FUSED_FORMS = {
+    "qwen3_moe": "softmax->topk->renorm, fused",
+    "qwen2_moe": "softmax->topk, fused",
+    "olmoe": "softmax->topk, fused",
+    "mixtral": "softmax->topk->renorm, fused",
+    "gpt_oss": "topk->softmax, fused",
+    "deepseek_v3": "sigmoid+bias->group-top1/2->topk->gather->renorm->scale, fused",
+}
+
+
+def _tiny(name, dtype=torch.float32, **overrides):
+    from moe_compiler.testing import tiny_moe_model
+
+    return tiny_moe_model(name, dtype, num_hidden_layers=1, **overrides)
+
+
+def _ids(model, T=10, batch=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, T), generator=g)
+
+
+def _check_fused(model, expect_router, compiler="aot_eager", dtype=torch.float32, truth=None, fused=True, **options):
+    """Training and no_grad equal eager; one rewrite per MoE layer; the router column says
+    `expect_router`; sonic::route runs (or, when not fused, does not)."""
+    from moe_compiler.testing import count_moe_layers
+
+    ids = _ids(model).to(next(model.parameters()).device)
+    eager = loss_and_grads(model, ids)
+    compiled = compile_sonic(model, compiler=compiler, **options)
+    with moe_compiler.capture() as report:
+        got = loss_and_grads(compiled, ids)
+    layers = count_moe_layers(model)
+    assert len(report.rewritten) == layers and not report.rejected, str(report)
+    routers = {r.details["router"] for r in report.rewritten}
+    assert all(expect_router in r for r in routers), str(report)
+    assert_close_to_eager(got[0], eager[0], truth and truth[0], dtype, "logits")
+    assert got[1].keys() == eager[1].keys()
+    for pname in eager[1]:
+        assert_close_to_eager(got[1][pname], eager[1][pname], truth and truth[1][pname], dtype, f"grad {pname}")
+    with torch.no_grad(), moe_compiler.capture() as inference:
+        out = compiled(ids).logits
+        names = profiled_op_names(lambda: compiled(ids))
+    assert len(inference.rewritten) == layers and all(expect_router in r.details["router"] for r in inference.rewritten)
+    assert_close_to_eager(out, eager[0], truth and truth[0], dtype, "no_grad logits")
+    assert any(n.startswith("sonic::moe_experts") for n in names)
+    assert (ROUTE in names) == fused, sorted(names)
+    return report
+
+
+@pytest.mark.parametrize("name", list(FUSED_FORMS))
+def test_hf_router_fused(name):
+    _check_fused(_tiny(name), FUSED_FORMS[name])
+
+
+def test_hf_router_fused_inductor():
+    """DeepSeek-V3 (bias, groups, eps, scale) through AOTAutograd and Inductor."""
+    _check_fused(_tiny("deepseek_v3"), FUSED_FORMS["deepseek_v3"], compiler="inductor")
+
+
+def _check_fused_bf16(name, device="cpu", compiler="aot_eager"):
+    """A bf16 model judged against its fp32 twin (as test_hf_grouped_mm does)."""
+    model = _tiny(name, torch.bfloat16).to(device)
+    fp32 = _tiny(name).to(device)
+    fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    truth = loss_and_grads(fp32, _ids(fp32).to(device))
+    _check_fused(model, FUSED_FORMS[name], compiler=compiler, dtype=torch.bfloat16, truth=truth)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_hf_router_fused_bf16_cpu(name):
+    """bf16 weights: Qwen3 scores in fp32 (softmax dtype=torch.float) and the `.to(bf16)` of the
+    weights stays after the op; gpt-oss's softmax over its top-k runs in bf16; DeepSeek-V3 routes in
+    fp32 with a bf16 correction bias."""
+    _check_fused_bf16(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FUSED_FORMS))
+def test_hf_router_fused_gpu_bf16(name):
+    """Every family in bf16 on the GPU through Inductor: the Triton router kernels in the model."""
+    _check_fused_bf16(name, device="cuda", compiler="inductor")
+
+
+def test_fuse_router_off_keeps_the_router():
+    model = _tiny("qwen3_moe")
+    report = _check_fused(model, "softmax->topk->renorm (Qwen3MoeExperts)", fused=False, fuse_router=False)
+    assert all("fused" not in r.details["router"] for r in report.rewritten), str(report)
+
+
+def test_explain_says_fused():
+    model = _tiny("mixtral")
+    text = str(moe_compiler.explain(model, _ids(model)))
+    assert "softmax->topk->renorm, fused (MixtralExperts)" in text, text
+
+
+def test_token_rounding_keeps_the_router():
+    """Token rounding reads the router probabilities: the router stays, with that reason."""
+    model = _tiny("qwen3_moe")
+    ids = _ids(model)
+    compiled = compile_sonic(model, compiler="aot_eager", token_rounding="nearest")
+    with moe_compiler.capture() as report:
+        loss_and_grads(compiled, ids)
+    (record,) = report.rewritten
+    assert "not fused: token rounding reads the router probabilities" in record.details["router"], str(report)
+    assert ROUTE not in profiled_op_names(lambda: compiled(ids, labels=ids).loss.backward())
+
+
+# --- DeepSeek-style group routers written differently --------------------------------------------------
+
+
+def _deepseek_forward(group_score="top2", fill=float("-inf")):
+    """DeepseekV3TopkRouter.forward with the group score and the mask fill as knobs."""
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+        scores = router_logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.view(-1, self.num_group, self.num_experts // self.num_group)
+        if group_score == "top2":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        elif group_score == "top3":
+            group_scores = grouped.topk(3, dim=-1)[0].sum(dim=-1)
+        else:  # "max"
+            group_scores = grouped.amax(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
+                      .reshape(-1, self.num_experts))
+        choice = choice.masked_fill(~score_mask.bool(), fill)
+        topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_indices)
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+    return forward
+
+
+def _deepseek_with(forward):
+    model = _tiny("deepseek_v3")
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV3TopkRouter":
+            module.forward = types.MethodType(forward, module)
+            module.e_score_correction_bias.copy_(torch.linspace(-0.05, 0.05, module.num_experts))
+    return model
+
+
+def test_group_router_fill_zero_fused():
+    """Older DeepSeek code fills masked experts with 0.0: fused with fill=0.0 (a bias keeps the
+    choices apart, so no tie decides the result)."""
+    _check_fused(_deepseek_with(_deepseek_forward(fill=0.0)), "group-top1/2->topk->gather->renorm->scale, fused")
+
+
+@pytest.mark.parametrize("group_score", ["top3", "max"])
+def test_group_score_not_top2_sum_unfused(group_score):
+    _check_fused(_deepseek_with(_deepseek_forward(group_score)), "not fused: the group score", fused=False)
+
+
+# --- naive MoE code, and the negative grid ---------------------------------------------------------------
+
+T_NAIVE, D_NAIVE = 12, 16
+
+
+def _naive_check(model, expect_router, loop=False, fused=True):
+    """Output, input grad and every parameter grad vs eager, in training and under no_grad; one
+    rewrite; the router column; whether sonic::route ran."""
+    g = torch.Generator().manual_seed(0)
+    x, cot = torch.randn(T_NAIVE, D_NAIVE, generator=g), torch.randn(T_NAIVE, D_NAIVE, generator=g)
+    params = dict(model.named_parameters())
+
+    def run(fn):
+        xr = x.clone().requires_grad_()
+        out = fn(xr)
+        grads = torch.autograd.grad((out * cot).sum(), [xr, *params.values()], allow_unused=True)
+        return out.detach(), grads
+
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.fallback": False})
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=loop):
+        eager = run(model)
+        with moe_compiler.capture() as report:
+            got = run(compiled)
+        with torch.no_grad(), moe_compiler.capture() as inference:
+            out = compiled(x)
+            names = profiled_op_names(lambda: compiled(x))
+    assert len(report.rewritten) == 1 and not report.rejected, str(report)
+    assert expect_router in report.rewritten[0].details["router"], str(report)
+    assert expect_router in inference.rewritten[0].details["router"], str(inference)
+    assert_close_to_eager(got[0], eager[0], what="output")
+    assert_close_to_eager(out, eager[0], what="no_grad output")
+    for name, a, b in zip(["x", *params], got[1], eager[1]):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert_close_to_eager(a, b, what=f"grad {name}")
+    assert (ROUTE in names) == fused, sorted(n for n in names if "::" in n)
+    return report
+
+
+def test_naive_loop_router_fused():
+    from .naive_models import LoopMoE
+
+    torch.manual_seed(0)
+    _naive_check(LoopMoE(), "softmax->topk->renorm, fused", loop=True)
+
+
+def test_naive_dense_router_fused():
+    from .naive_models import DenseMoE
+
+    torch.manual_seed(0)
+    _naive_check(DenseMoE(gates="one_hot"), "softmax->topk->renorm, fused")
+
+
+class RoutedDense(nn.Module):
+    """Dense all-experts MoE (one_hot gates) whose router is a knob: `router(self, x) -> (w, ids, extra)`,
+    `extra` added to the output (an aux-loss-like read of router intermediates, or 0)."""
+
+    def __init__(self, router, d=D_NAIVE, n=8, E=4, K=2):
+        super().__init__()
+        from .naive_models import make_experts
+
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = make_experts("gated", d, n, E)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.router, self.E, self.K = router, E, K
+
+    def forward(self, x):
+        w, ids, extra = self.router(self, x)
+        gates = (F.one_hot(ids, self.E) * w.unsqueeze(-1)).sum(1).to(x.dtype)
+        outs = torch.stack([expert(x) for expert in self.experts], dim=1)
+        return (gates.unsqueeze(-1) * outs).sum(1) + extra
+
+
+def _softmax_topk(m, x, *, dim=-1, largest=True):
+    probs = torch.softmax(m.gate(x), dim=dim)
+    w, ids = probs.topk(m.K, dim=-1, largest=largest)
+    return probs, w, ids
+
+
+POSITIVE = {
+    # method spellings, dim=1 on 2-D, `/` of a keepdim sum, scale by a Python constant
+    "method-dim1-scale": (lambda m, x: (lambda p, w, i: (w / w.sum(1, keepdim=True) * 2.0, i, 0))(
+        *_softmax_topk(m, x, dim=1)), "softmax->topk->renorm->scale, fused"),
+    "sigmoid-topk": (lambda m, x: (lambda v, i: (v, i, 0))(*torch.topk(torch.sigmoid(m.gate(x)), m.K, dim=-1)),
+                     "sigmoid->topk, fused"),
+    "float-cast-logits": (lambda m, x: (lambda v, i: (F.softmax(v, dim=-1), i, 0))(
+        *m.gate(x).float().topk(m.K, dim=-1)), "topk->softmax, fused"),
+    # the logits may be computed any way: a temperature on part of them is the router's input
+    "partial-temperature-on-logits": (lambda m, x: (lambda logits: (lambda v, i: (v, i, 0))(
+        *torch.topk(torch.cat([logits[:, :2] / 2.0, logits[:, 2:]], -1).softmax(-1), m.K, dim=-1)))(m.gate(x)),
+        "softmax->topk, fused"),
+}
+
+
+@pytest.mark.parametrize("case", POSITIVE)
+def test_naive_router_spellings_fused(case):
+    torch.manual_seed(0)
+    router, form = POSITIVE[case]
+    _naive_check(RoutedDense(router), form)
+
+
+def _probs_also_read(m, x):
+    probs, w, ids = _softmax_topk(m, x)
+    return w, ids, probs.mean() * 0.1  # an aux loss reads the probabilities
+
+
+def _partial_temperature_on_probs(m, x):
+    probs = torch.softmax(m.gate(x), dim=-1)
+    probs = torch.cat([probs[:, :2] / 2.0, probs[:, 2:]], -1)  # an op the router op does not compute
+    w, ids = probs.topk(m.K, dim=-1)
+    return w, ids, 0
+
+
+NEGATIVE = {
+    "probs-used-elsewhere": (_probs_also_read, "is also read outside the router"),
+    "largest-false": (lambda m, x: (*_softmax_topk(m, x, largest=False)[1:], 0), "largest=False"),
+    "softmax-dim0": (lambda m, x: (*_softmax_topk(m, x, dim=0)[1:], 0), "softmax over dim 0"),
+    "renorm-dim0": (lambda m, x: (lambda p, w, i: (w / w.sum(0, keepdim=True), i, 0))(*_softmax_topk(m, x)),
+                    "renormalisation sums over dim 0"),
+    "renorm-whole-tensor": (lambda m, x: (lambda p, w, i: (w / w.sum(), i, 0))(*_softmax_topk(m, x)),
+                            "renormalisation sums over dim None"),
+    "tensor-scale": (lambda m, x: (lambda p, w, i: (w * m.scale, i, 0))(*_softmax_topk(m, x)),
+                     "scaled by a tensor"),
+    "unknown-op-in-chain": (_partial_temperature_on_probs, "not a softmax or sigmoid"),
+}
+
+
+@pytest.mark.parametrize("case", NEGATIVE)
+def test_lookalike_routers_stay(case):
+    """Each look-alike: the MoE is still rewritten, the router stays, the report says why."""
+    torch.manual_seed(0)
+    router, reason = NEGATIVE[case]
+    report = _naive_check(RoutedDense(router), reason, fused=False)
+    assert ", not fused: " in report.rewritten[0].details["router"]
+
+
+def test_fusion_error_keeps_the_moe_rewrite(monkeypatch):
+    """An exception inside router fusion (with fallback) leaves the router as it is; the MoE rewrite
+    stands and the report names the error."""
+    import moe_compiler.passes as passes
+
+    def broken(gm, call):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(passes, "fuse_router", broken)
+    model = _tiny("olmoe")
+    ids = _ids(model)
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager"})
+    with moe_compiler.capture() as report:
+        got = compiled(ids).logits
+    (record,) = report.rewritten
+    assert record.details["router"].endswith("not fused: RuntimeError"), str(report)
+    assert_close_to_eager(got, model(ids).logits, what="logits")
