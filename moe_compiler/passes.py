@@ -15,8 +15,8 @@ from patterns import (
     hf_eager_loop,
     hf_grouped_mm,
 )
-from patterns.common import MoEMatch, Rejection, rewrite
-from patterns.router_fusion import fuse_router
+from patterns.common import MoEMatch, NoMatch, Rejection, rewrite
+from patterns.router_fusion import match_router, rewrite_router
 
 from .diagnostics import RegionRecord, publish
 from .options import SonicOptions
@@ -88,23 +88,25 @@ def token_rounding_for(match: MoEMatch, options: SonicOptions) -> tuple[str | No
 def router_outcome(gm: fx.GraphModule, call: fx.Node, match: MoEMatch, router: str, options: SonicOptions) -> str:
     """Fuse the router of a just-rewritten region (sonic.fuse_router); what the report says of it.
 
-    The MoE rewrite stands whatever happens here: an unrecognised router stays as it is, and so
-    (with `fallback`) does one whose check raised. The check never edits the graph.
+    The MoE rewrite stands whatever the check finds: an unrecognised router stays as it is, and so
+    (with `fallback`) does one whose check raised; the check never edits the graph. An error in the
+    edit itself goes to the driver, which restores the whole graph: never a half-fused router.
     """
     if not options.fuse_router:
         return router
     try:
-        fused, what = fuse_router(gm, call)
+        found = match_router(call)
+    except NoMatch as why:
+        log.debug("router of %s not fused: %s", match.module, why)
+        return f"{router}, not fused: {why}"
     except Exception as exc:
         if not options.fallback:
             raise
         log.warning("router fusion failed on %s, router left as it is: %s: %s", match.module, type(exc).__name__, exc)
         return f"{router}, not fused: {type(exc).__name__}"
-    if fused:
-        log.info("fused the router of %s: %s", match.module, what)
-        return f"{what}, fused" + (router[router.index(" ("):] if " (" in router else "")
-    log.debug("router of %s not fused: %s", match.module, what)
-    return f"{router}, not fused: {what}"
+    rewrite_router(gm, found)
+    log.info("fused the router of %s: %s", match.module, found.form)
+    return f"{found.form}, fused" + (router[router.index(" ("):] if " (" in router else "")
 
 
 _SOURCE_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']*)'\]")

@@ -528,14 +528,14 @@ def test_lookalike_routers_stay(case):
 
 
 def test_fusion_error_keeps_the_moe_rewrite(monkeypatch):
-    """An exception inside router fusion (with fallback) leaves the router as it is; the MoE rewrite
-    stands and the report names the error."""
+    """An exception inside the router check (with fallback) leaves the router as it is; the MoE
+    rewrite stands and the report names the error."""
     import moe_compiler.passes as passes
 
-    def broken(gm, call):
+    def broken(call):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(passes, "fuse_router", broken)
+    monkeypatch.setattr(passes, "match_router", broken)
     model = _tiny("olmoe")
     ids = _ids(model)
     compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager"})
@@ -543,4 +543,22 @@ def test_fusion_error_keeps_the_moe_rewrite(monkeypatch):
         got = compiled(ids).logits
     (record,) = report.rewritten
     assert record.details["router"].endswith("not fused: RuntimeError"), str(report)
+    assert_close_to_eager(got, model(ids).logits, what="logits")
+
+
+def test_error_in_the_router_edit_restores_the_whole_graph(monkeypatch):
+    """An exception while editing the graph for the router is never half-applied: the driver
+    restores the graph as it came (no MoE rewrite either) and the step still runs."""
+    import moe_compiler.passes as passes
+
+    def broken(gm, found):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(passes, "rewrite_router", broken)
+    model = _tiny("olmoe")
+    ids = _ids(model)
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager"})
+    with moe_compiler.capture() as report:
+        got = compiled(ids).logits
+    assert not report.rewritten and any("rewrite failed" in r.reason for r in report.records), str(report)
     assert_close_to_eager(got, model(ids).logits, what="logits")
