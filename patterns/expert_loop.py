@@ -17,7 +17,18 @@ nn.Linear layers (see `module_list`). It becomes
 
     out = moe_experts_list(x, ids, w, [w1_e], [w3_e] or [], [w2_e], activation=<probed>)
 
-reading each expert's weights where they are. Dynamo traces the loop into one graph only with
+reading each expert's weights where they are. Experts stored as stacked [E, ., .] parameters and
+sliced per expert work too (see `module_list`):
+
+    h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)      # or F.linear(xe, self.w1[e]); or xe @ self.w13[e]
+    out.index_add_(0, tok, (h @ self.w2[e].T) * w[tok, k, None])
+
+become `moe_experts(x, ids, w, w13 or w1, w2, transposed=<[E, in, out]>)` on the parameters
+themselves when gate and up share one parameter (or there is no up), and the list op on the slices
+`w1[e]`, `w3[e]`, `w2[e]` (views, no copy) when they are two [E, out, in] parameters. Expert e must
+read slice e of each parameter, all projections in one orientation, and no parameter may be
+modified in the graph; two [E, in, out] gate/up parameters are left alone (either op would need a
+copy). Dynamo traces the loop into one graph only with
 `torch._dynamo.config.capture_dynamic_output_shape_ops = True` (a global setting this package never
 changes); `torch.where` then yields unbacked sizes with `sym_size`/`_assert_scalar` nodes on them,
 which belong to the region and go with it. Without the flag Dynamo skips the frame that holds the
@@ -53,7 +64,7 @@ from .common import (
 from .module_list import (
     ExpertMLP,
     expert_mlp,
-    finish_list_match,
+    finish_expert_match,
     through_float_casts,
     topk_routing,
 )
@@ -154,7 +165,7 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
     T, d = shape_of(x)
     expect(same_size(T, shape_of(topk_ids)[0]), "hidden states are not [T, d] for the routed T")
     expect(same_size(shape_of(acc)[0], T) and same_size(shape_of(acc)[1], d), f"accumulator {shape_of(acc)} is not [T, d]")
-    return finish_list_match(
+    return finish_expert_match(
         IDIOM, anchor, walk, anchor, chain, x, topk_ids, topk_weights, [experts[e] for e in range(E)],
         E=E, K=K, T=T, d=d, accumulator=acc if inplace else None, extra_region=extra, shape_only=[acc],
     )
@@ -202,13 +213,13 @@ def _check_expert_add(add: fx.Node, walk: RegionWalk):
     for y, scale in (mul.args, mul.args[::-1]):
         weights = _routing_weight(scale, where, tok_pos, walk)
         y = through_float_casts(y, walk) if weights is not None else None
-        if is_call(y, "linear"):
+        if is_call(y, "linear", "matmul", "mm", "__matmul__"):
             scaled = y, weights
             break
     expect(scaled is not None, f"expert {e}'s output is not scaled by its top-k weights w[tok, k]")
     walk.mark(mul)
     y, weights = scaled
-    expert = expert_mlp(y, walk, e)
+    expert = expert_mlp(y, walk, e, stacked=True)
     rows = through_float_casts(expert.rows, walk)
     expect(_is_index(rows) and _is_index(rows.args[1], where, tok_pos), f"expert {e} does not read the rows x[tok] of its tokens")
     walk.mark(rows, rows.args[1])

@@ -13,10 +13,20 @@ what makes the ids distinct per token and in [0, E), which the rewrite relies on
 
 `finish_list_match` is `common.finish_match` for the list form: `sonic::moe_experts_list` gets
 the weight placeholders as they are (no stacking).
+
+Stacked experts (`stacked=True`, the loop idiom): each projection may instead read `W[e]`, a slice
+of one [E, ., .] parameter, as `F.linear(rows, W[e])` / `rows @ W[e].T` ([E, out, in], nn.Linear's
+orientation) or `rows @ W[e]` ([E, in, out]). Which one is read off the graph (a transpose or not),
+never off the shapes: with d == n both are square. `finish_expert_match` checks that expert e
+reads slice e of one parameter per projection, all in one orientation, none mutated, and then
+passes the parameters themselves to `sonic::moe_experts` (w1 = gate/up or fused gate_up, w2 = down;
+`transposed` for [E, in, out]); gate and up in two stacked parameters go to
+`sonic::moe_experts_list` as the slices `W[e]` (views: the list kernels read each where it is).
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -32,12 +42,30 @@ from .common import (
     expect,
     getitem_of,
     is_call,
+    is_inplace,
     module_path,
     shape_of,
     site_fields,
 )
 
 _CAST_METHODS = ("to", "float", "half", "bfloat16", "double", "type_as", "contiguous")
+_LINEAR = ("linear",)
+_MATMUL = ("matmul", "mm", "__matmul__")
+# view ops through which a mutation would still reach a stacked parameter
+_VIEW_OPS = ("getitem", "getattr", "t", "transpose", "permute", "view", "reshape", "select", "narrow", "unsqueeze",
+             "squeeze", "expand", "as_strided", "flatten", "unflatten", "view_as", "unbind", "split", "chunk", "detach",
+             "contiguous", "swapaxes", "movedim", "diagonal", "to", "type_as", "float", "double", "half", "bfloat16",
+             "expand_as", "alias", "split_with_sizes", "tensor_split", "unfold", "ravel", "adjoint", "conj",
+             "resolve_conj", "resolve_neg", "moveaxis", "mT", "mH")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """`W[e]` of a stacked [E, ., .] parameter W, as one projection reads it."""
+
+    base: fx.Node  # W, a graph input
+    index: int  # e
+    transposed: bool  # read as [in, out] (`rows @ W[e]`), not [out, in] (`F.linear(rows, W[e])`, `rows @ W[e].T`)
 
 
 @dataclasses.dataclass
@@ -45,10 +73,12 @@ class ExpertMLP:
     """One expert's projections, as graph inputs, and its probed activation."""
 
     rows: fx.Node  # what the expert reads: [rows, d]
-    w_gate: fx.Node  # [n, d] (separate or non-gated) or [2n, d] (fused gate/up)
+    w_gate: fx.Node  # [n, d] (separate or non-gated) or [2n, d] (fused gate/up); a stacked slice W[e] as it is
     w_up: fx.Node | None  # [n, d] when gate and up are separate Linears
     w_down: fx.Node  # [d, n]
     act: dict  # activation, interleaved, alpha, limit
+    # (gate, up, down) slices when the weights are W[e] of stacked parameters, else None
+    slices: tuple[Slice, Slice | None, Slice] | None = None
 
     @property
     def layout(self) -> str:
@@ -74,51 +104,107 @@ def is_weight(node) -> bool:
     return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
 
 
-def _linear(node, what: str) -> tuple[fx.Node, fx.Node]:
-    """(input, weight) of `F.linear(input, weight)`, rejecting biases and computed weights."""
-    expect(is_call(node, "linear"), f"{what} is not an nn.Linear/F.linear call")
-    bias = arg(node, 2, "bias")
-    expect(bias is None, f"{what} has a bias: per-expert Linear biases are not supported yet")
-    weight = arg(node, 1, "weight")
+def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, fx.Node, Slice | None]:
+    """(input, weight, slice) of `F.linear(input, weight)`, rejecting biases and computed weights.
+
+    With a walk (stacked experts allowed), also `F.linear(input, W[e])`, `input @ W[e].T` and
+    `input @ W[e]`: then the weight is the slice node `W[e]` and `slice` says which of W and e."""
+    projection = _LINEAR + (_MATMUL if walk is not None else ())
+    expect(is_call(node, *projection), f"{what} is not an nn.Linear/F.linear call" + (" or a matmul" if walk else ""))
+    if is_call(node, *_LINEAR):
+        bias = arg(node, 2, "bias")
+        expect(bias is None, f"{what} has a bias: per-expert Linear biases are not supported yet")
+        inp, weight, transposed = arg(node, 0, "input"), arg(node, 1, "weight"), False
+    else:
+        expect(len(node.args) == 2 and not node.kwargs, f"{what} is a matmul with extra arguments")
+        inp, weight, transposed = node.args[0], node.args[1], True  # rows @ W: W is [in, out]
+    if walk is not None and not is_weight(weight):
+        inner = _transposed_2d(weight)
+        if inner is not None:  # rows @ W[e].T, F.linear(rows, W[e].T)
+            walk.mark(weight)
+            weight, transposed = inner, not transposed
+        found = _slice_of(weight)
+        expect(found is not None, f"{what} weight is neither a parameter of the expert nor a slice W[e] of a stacked [E, ., .] parameter")
+        walk.mark(weight)
+        return inp, weight, Slice(found[0], found[1], transposed)
+    expect(not transposed, f"{what} multiplies by a parameter that is not a slice W[e] of stacked experts")
     expect(is_weight(weight) and len(shape_of(weight)) == 2, f"{what} weight is not a parameter of the expert")
-    return arg(node, 0, "input"), weight
+    return inp, weight, None
 
 
-def expert_mlp(y: fx.Node, walk: RegionWalk, e: int) -> ExpertMLP:
-    """The expert whose output is `y` ([rows, d], casts already skipped), checked."""
+def _transposed_2d(node) -> fx.Node | None:
+    """t when `node` is `t.T`, `t.mT`, `t.t()`, `t.transpose(0, 1)` or `t.permute(1, 0)` of a 2-D t."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return None
+    src = node.args[0] if node.args else None
+    if not isinstance(src, fx.Node) or len(shape_of(src)) != 2:
+        return None
+    if is_call(node, "getattr") and len(node.args) == 2 and node.args[1] in ("T", "mT"):
+        return src
+    if is_call(node, "t") and len(node.args) == 1 and not node.kwargs:
+        return src
+    if is_call(node, "transpose", "swapaxes") and not node.kwargs and len(node.args) == 3:
+        dims = node.args[1:]
+        if all(isinstance(i, int) and not isinstance(i, bool) for i in dims) and {i % 2 for i in dims} == {0, 1}:
+            return src
+    if is_call(node, "permute") and not node.kwargs:
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        if all(isinstance(i, int) and not isinstance(i, bool) for i in dims) and tuple(i % 2 for i in dims) == (1, 0):
+            return src
+    return None
+
+
+def _slice_of(node) -> tuple[fx.Node, int] | None:
+    """(W, e) when `node` is `W[e]`: a constant integer index into dim 0 of a 3-D graph input W."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    base, index = node.args
+    if not is_weight(base) or len(shape_of(base)) != 3 or not isinstance(index, int) or isinstance(index, bool):
+        return None
+    return base, index
+
+
+def expert_mlp(y: fx.Node, walk: RegionWalk, e: int, stacked: bool = False) -> ExpertMLP:
+    """The expert whose output is `y` ([rows, d], casts already skipped), checked.
+
+    `stacked`: projections may also be matmuls with slices W[e] of stacked parameters (see above)."""
     what = f"expert {e}"
-    a, w_down = _linear(y, f"{what}'s down projection")
+    slicing = walk if stacked else None
+    a, w_down, s_down = _linear(y, f"{what}'s down projection", slicing)
     a = through_float_casts(a, walk)
     walk.mark(y)
-    ups = _projections_before(a)
+    ups = _projections_before(a, _LINEAR + (_MATMUL if stacked else ()))
     expect(ups, f"{what} has no projection before its down projection")
     rows = {arg(n, 0, "input") for n in ups}
     expect(len(rows) == 1, f"{what}'s projections read different inputs")
     expect(len(ups) in (1, 2), f"{what} has {len(ups)} projections of its input; 1 (fused or non-gated) or 2 (gate, up) are matched")
-    weights = [_linear(n, f"{what}'s up projection")[1] for n in ups]
+    found_ups = [_linear(n, f"{what}'s up projection", slicing) for n in ups]
+    weights, slices = [f[1] for f in found_ups], [f[2] for f in found_ups]
     expect(a not in ups, f"{what} has no activation between its projections")
     if len(ups) == 1:
         act = identify_activation(ups[0], a)
         expect(not isinstance(act, str), f"{what}: {act}")
-        w_gate, w_up = weights[0], None
+        (w_gate, s_gate), w_up, s_up = (weights[0], slices[0]), None, None
     else:
         found = identify_pair_activation(ups[0], ups[1], a)
         expect(not isinstance(found, str), f"{what}: {found}")
         act, swapped = found
-        w_gate, w_up = weights[::-1] if swapped else weights
+        (w_gate, w_up), (s_gate, s_up) = (weights[::-1], slices[::-1]) if swapped else (weights, slices)
+    kinds = {s is None for s, w in ((s_gate, w_gate), (s_up, w_up), (s_down, w_down)) if w is not None}
+    expect(len(kinds) == 1, f"{what} mixes Linear weights and slices of stacked parameters")
     walk.mark(*ups, *backward_slice([a], stop=set(ups)))
-    return ExpertMLP(rows.pop(), w_gate, w_up, w_down, act)
+    return ExpertMLP(rows.pop(), w_gate, w_up, w_down, act, None if kinds == {True} else (s_gate, s_up, s_down))
 
 
-def _projections_before(a: fx.Node) -> list[fx.Node]:
-    """The linear nodes A is computed from, in graph order (the walk stops at each of them)."""
+def _projections_before(a: fx.Node, ops=_LINEAR) -> list[fx.Node]:
+    """The projection nodes A is computed from, in graph order (the walk stops at each of them)."""
     found, seen, todo = [], set(), [a]
     while todo:
         node = todo.pop()
         if node in seen:
             continue
         seen.add(node)
-        if is_call(node, "linear"):
+        if is_call(node, *ops):
             found.append(node)
         else:
             todo.extend(node.all_input_nodes)
@@ -159,10 +245,7 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
 
     same_experts(experts)
     act = experts[0].act
-    x_dtype = dtype_of(x)
-    expect(x_dtype is not None and x_dtype.is_floating_point, "hidden states are not floating point")
-    expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point, "routing weights are not floating point")
-    expect(dtype_of(topk_ids) is not None and not dtype_of(topk_ids).is_floating_point, "expert ids are not integers")
+    x_dtype = _routing_dtypes(x, topk_ids, topk_weights)
     expect(len(experts) == E, f"{len(experts)} experts for E={E}")
     w_down = shape_of(experts[0].w_down)
     expect(len(w_down) == 2 and w_down[0] == d, f"down projection {w_down} does not map to d={d}")
@@ -179,10 +262,7 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     w_gate = [ex.w_gate for ex in experts]
     w_up = [ex.w_up for ex in experts] if experts[0].w_up is not None else []
     w_down = [ex.w_down for ex in experts]
-    inputs = {x, topk_ids, topk_weights, *w_gate, *w_up, *w_down}
-    stop = inputs | {inp for node in shape_only for inp in node.all_input_nodes}
-    region = backward_slice(anchors, stop=stop) | set(extra_region)
-    check_closed(region, walk)
+    region = _closed_region(walk, anchors, {x, topk_ids, topk_weights, *w_gate, *w_up, *w_down}, extra_region, shape_only)
     return MoEMatch(
         idiom=idiom,
         anchor=anchor,
@@ -200,3 +280,112 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
         expert_lists=(w_gate, w_up, w_down),
         accumulator=accumulator,
     )
+
+
+def _routing_dtypes(x, topk_ids, topk_weights) -> torch.dtype:
+    x_dtype = dtype_of(x)
+    expect(x_dtype is not None and x_dtype.is_floating_point, "hidden states are not floating point")
+    expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point, "routing weights are not floating point")
+    expect(dtype_of(topk_ids) is not None and not dtype_of(topk_ids).is_floating_point, "expert ids are not integers")
+    return x_dtype
+
+
+def _closed_region(walk, anchors, inputs, extra_region, shape_only) -> set[fx.Node]:
+    stop = set(inputs) | {inp for node in shape_only for inp in node.all_input_nodes}
+    region = backward_slice(anchors, stop=stop) | set(extra_region)
+    check_closed(region, walk)
+    return region
+
+
+def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts: list[ExpertMLP], *,
+                        E, K, T, d, accumulator=None, extra_region=(), shape_only=()) -> MoEMatch:
+    """`finish_list_match` for experts that are Linears; for slices W[e] of stacked parameters
+    (`experts[e]` must read slice e), `sonic::moe_experts` on the parameters themselves, or the
+    list op on the slices when gate and up are two parameters."""
+    kw = dict(E=E, K=K, T=T, d=d, accumulator=accumulator, extra_region=extra_region, shape_only=shape_only)
+    stacked = {ex.slices is not None for ex in experts}
+    expect(len(stacked) == 1, "some experts are Linear modules, others slices of stacked parameters")
+    if stacked == {False}:
+        return finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts, **kw)
+    from codegen.activations import GATED
+
+    same_experts(experts)
+    expect(len(experts) == E, f"{len(experts)} experts for E={E}")
+    w1, w_up, w2, transposed = _stacked_params(experts, E)
+    if w_up is not None:
+        expect(not transposed, f"gate and up are two stacked parameters ({w1.name}, {w_up.name}) read as rows @ W[e] "
+               f"([E, in, out]): the stacked op takes them as one w1 (a copy) and the list op as [out, in] slices; "
+               f"keep gate and up in one [E, d, 2n] parameter, or store them as [E, n, d]")
+        # the list op on the slices W[e] themselves: views of the stacked parameters, read where they are
+        return finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts, **kw)
+
+    act = experts[0].act
+    x_dtype = _routing_dtypes(x, topk_ids, topk_weights)
+    expect(x_dtype == dtype_of(w1) == dtype_of(w2), f"hidden states ({x_dtype}) and expert weights ({dtype_of(w1)}, {dtype_of(w2)}) differ in dtype")
+    s1, s2 = shape_of(w1), shape_of(w2)
+    w1_in, w1_out = (s1[1], s1[2]) if transposed else (s1[2], s1[1])
+    n, w2_out = (s2[1], s2[2]) if transposed else (s2[2], s2[1])
+    expect(w1_in == d and w2_out == d, f"stacked expert weights {s1} / {s2} do not map d={d}")
+    expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
+    region = _closed_region(walk, anchors, {x, topk_ids, topk_weights, w1, w2}, extra_region, shape_only)
+    return MoEMatch(
+        idiom=idiom,
+        anchor=anchor,
+        region=region,
+        x=x,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
+        w1=w1,
+        w2=w2,
+        activation=act["activation"],
+        interleaved=act["interleaved"],
+        transposed=transposed,
+        alpha=act["alpha"],
+        limit=act["limit"],
+        shape={"T": T, "d": d, "n": n, "E": E, "K": K},
+        dtype=x_dtype,
+        **site_fields(site, topk_ids, topk_weights, T, E, experts_module=module_path(site) + ".experts"),
+        accumulator=accumulator,
+    )
+
+
+def _stacked_params(experts: list[ExpertMLP], E: int) -> tuple[fx.Node, fx.Node | None, fx.Node, bool]:
+    """(gate W, up W or None, down W, transposed): expert e reads slice e of one [E, ., .] parameter
+    per projection, every slice in one orientation, and no parameter is modified in the graph."""
+    bases, orientations = [], set()
+    for role, name in enumerate(("gate", "up", "down")):
+        found = [ex.slices[role] for ex in experts]
+        if found[0] is None:  # no separate up projection (same_experts: none has one)
+            bases.append(None)
+            continue
+        for e, one in enumerate(found):
+            expect(one.index == e, f"expert {e}'s {name} projection reads {one.base.name}[{one.index}], not slice {e} of its stacked weight")
+        base = {one.base for one in found}
+        expect(len(base) == 1, f"experts read their {name} projections from different stacked parameters")
+        bases.append(base.pop())
+        orientations |= {one.transposed for one in found}
+        expect(shape_of(bases[-1])[0] == E, f"stacked {name} weight {bases[-1].name} {shape_of(bases[-1])} does not hold the router's E={E} experts")
+    expect(len(orientations) == 1, "stacked weights are read both as [out, in] (F.linear(x, W[e]), x @ W[e].T) and as "
+           "[in, out] (x @ W[e]): the op takes one layout for w1 and w2")
+    for base in dict.fromkeys(b for b in bases if b is not None):
+        mutation = _mutation_of(base)
+        expect(mutation is None, f"stacked weight {base.name} is modified in the graph (by {getattr(mutation, 'name', '')}): the op would read it once")
+    gate, up, down = bases
+    return gate, up, down, orientations.pop()
+
+
+def _mutation_of(base: fx.Node) -> fx.Node | None:
+    """An in-place node on `base` or on a view of it, anywhere in the graph."""
+    seen, todo = set(), [base]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            mutated = (bool(user.args) and user.args[0] is node) or any(user.kwargs.get(k) is node for k in ("input", "self"))
+            if (is_inplace(user) and mutated) or "out" in user.kwargs:
+                return user
+            if is_call(user, *_VIEW_OPS):
+                todo.append(user)
+    return None

@@ -1,7 +1,8 @@
 """MoE layers written the naive way (an `nn.ModuleList` of experts), one knob per spelling.
 
 `LoopMoE` loops over the experts in Python (Mixtral-style `torch.where` + `index_add_`);
-`DenseMoE` runs every expert on every token and combines with a dense [T, E] gate matrix.
+`DenseMoE` runs every expert on every token and combines with a dense [T, E] gate matrix;
+`StackedLoopMoE` is the loop over stacked [E, ., .] parameters sliced per expert (`W[e]`).
 Shared by tests/test_naive_patterns.py; each variant names the eager spelling it produces.
 """
 from __future__ import annotations
@@ -211,4 +212,68 @@ class SplitLoopMoE(LoopMoE):
         for e in range(self.E):
             k, tok = torch.where(mask[e])
             out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
+        return out
+
+
+class StackedLoopMoE(Router):
+    """The loop of `LoopMoE` over experts stored as stacked [E, ., .] parameters, each expert e
+    reading the slices W[e] (`xe = x[tok]`, `out.index_add_(0, tok, y * w[tok, k, None])`).
+
+    orient:  "T" (xe @ W[e].T, W [E, out, in]), "linear" (F.linear(xe, W[e]), W [E, out, in]),
+             "in_out" (xe @ W[e], W [E, in, out])
+    gate_up: "separate" (w1, w3: silu(xe w1) * (xe w3)), "fused" (one w13 of width 2n, chunked),
+             "plain" (gelu(xe w1), non-gated)
+    down_orient: the down projection's orientation when it differs (a layout mismatch)
+    index:   "own" (W[e]), "next" (W[(e + 1) % E]), "shuffled" (W[perm[e]], one fixed permutation)
+    experts_used: the experts the loop visits (default all); mutate: clamp_ the down slice in place
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, orient="T", gate_up="separate", down_orient=None, index="own",
+                 experts_used=None, mutate=False):
+        super().__init__(d, E, K)
+        self.orient, self.down_orient, self.gate_up, self.index = orient, down_orient or orient, gate_up, index
+        self.experts_used = list(range(E)) if experts_used is None else experts_used
+        self.mutate = mutate
+        self.perm = [(e * 3 + 1) % E for e in range(E)] if E != 3 else [1, 2, 0]
+
+        def stacked(out_features, in_features, orient):
+            shape = (E, in_features, out_features) if orient == "in_out" else (E, out_features, in_features)
+            return nn.Parameter(torch.randn(shape) / in_features ** 0.5)
+
+        self.w1 = stacked(2 * n if gate_up == "fused" else n, d, orient)
+        if gate_up == "separate":
+            self.w3 = stacked(n, d, orient)
+        self.w2 = stacked(d, n, self.down_orient)
+
+    def _slice(self, W, e):
+        if self.index == "next":
+            return W[(e + 1) % self.E]
+        if self.index == "shuffled":
+            return W[self.perm[e]]
+        return W[e]
+
+    def _project(self, h, W, e, orient):
+        if orient == "T":
+            return h @ self._slice(W, e).T
+        if orient == "linear":
+            return F.linear(h, self._slice(W, e))
+        return h @ self._slice(W, e)
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in self.experts_used:
+            tok, k = torch.where(ids == e)
+            xe = x[tok]
+            if self.gate_up == "separate":
+                h = F.silu(self._project(xe, self.w1, e, self.orient)) * self._project(xe, self.w3, e, self.orient)
+            elif self.gate_up == "fused":
+                g, u = self._project(xe, self.w1, e, self.orient).chunk(2, dim=-1)
+                h = F.silu(g) * u
+            else:
+                h = F.gelu(self._project(xe, self.w1, e, self.orient))
+            if self.mutate:
+                with torch.no_grad():
+                    self.w2[e].clamp_(-0.5, 0.5)
+            out.index_add_(0, tok, self._project(h, self.w2, e, self.down_orient) * w[tok, k, None])
         return out

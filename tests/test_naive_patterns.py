@@ -2,7 +2,8 @@
 
 Each rewrite test checks, in training and under no_grad: outputs and every gradient (router,
 experts, input) equal eager, exactly one region rewritten by the expected idiom, and
-`sonic::moe_experts_list` executed. The negative grid must stay untouched, with its reason logged,
+`sonic::moe_experts_list` executed (`sonic::moe_experts` for stacked [E, ., .] parameters sliced
+per expert, unless gate and up are two of them). The negative grid must stay untouched, with its reason logged,
 and still equal eager. The loop needs `capture_dynamic_output_shape_ops`, patched per test here.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import DenseMoE, LoopMoE, SplitLoopMoE
+from .naive_models import DenseMoE, LoopMoE, SplitLoopMoE, StackedLoopMoE
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -45,8 +46,8 @@ def _out_and_grads(model, x, cotangent, params):
     return out.detach(), {n: torch.zeros_like(p) if g is None else g for n, g, p in zip(names, grads, [x, *params.values()])}
 
 
-def _check_rewrite(model, idiom, compiler="aot_eager"):
-    """fp32 training and inference through backend="sonic" equal eager; one region of `idiom`; the op runs."""
+def _check_rewrite(model, idiom, compiler="aot_eager", op=OP):
+    """fp32 training and inference through backend="sonic" equal eager; one region of `idiom`; `op` runs."""
     x, cotangent = _inputs()
     params = dict(model.named_parameters())
     compiled = _compile(model, compiler)
@@ -66,7 +67,8 @@ def _check_rewrite(model, idiom, compiler="aot_eager"):
         assert_close_to_eager(inference, eager[0], what="no_grad output")
         with torch.no_grad():
             names = profiled_op_names(lambda: compiled(x))
-    assert OP in names, sorted(n for n in names if "::" in n)[:20]
+    other = {OP: "sonic::moe_experts", "sonic::moe_experts": OP}[op]
+    assert op in names and other not in names, sorted(n for n in names if "::" in n)[:20]
     return report
 
 
@@ -197,6 +199,54 @@ def test_token_rounding_routes_through_slots():
     assert (got[0] - plain).norm() / plain.norm() > 1e-3  # rounding to 128-row tiles moved tokens
 
 
+# Stacked [E, ., .] parameters sliced per expert (W[e]): the stacked op on the parameters, or the
+# list op on the slices when gate and up are two parameters. Shapes [E, out, in] unless "in_out".
+STACKED_VARIANTS = {
+    "T-separate": (dict(), OP, "per-expert list, separate gate/up"),
+    "linear-separate": (dict(orient="linear"), OP, "per-expert list, separate gate/up"),
+    "T-fused": (dict(gate_up="fused"), "sonic::moe_experts", "concatenated"),
+    "linear-plain": (dict(orient="linear", gate_up="plain"), "sonic::moe_experts", "concatenated"),
+    "in_out-fused": (dict(orient="in_out", gate_up="fused"), "sonic::moe_experts", "concatenated, transposed"),
+    # d == n: [E, in, out] and [E, out, in] have one shape; only the graph's (absent) transpose tells
+    "in_out-plain-square": (dict(n=D, orient="in_out", gate_up="plain"), "sonic::moe_experts", "concatenated, transposed"),
+    "T-fused-square": (dict(n=D // 2, gate_up="fused"), "sonic::moe_experts", "concatenated"),
+}
+
+
+@pytest.mark.parametrize("variant", STACKED_VARIANTS)
+def test_expert_loop_stacked_matches_eager(variant):
+    kwargs, op, layout = STACKED_VARIANTS[variant]
+    model = StackedLoopMoE(**kwargs)
+    report = _check_rewrite(model, "expert_loop", op=op)
+    assert report.rewritten[0].details["layout"] == layout, str(report)
+    assert {"w1", "w2"} <= set(dict(model.named_parameters()))  # the stacked params' grads were compared
+
+
+@pytest.mark.parametrize("variant", ["T-separate", "in_out-fused"])
+def test_expert_loop_stacked_inductor(variant):
+    kwargs, op, _ = STACKED_VARIANTS[variant]
+    _check_rewrite(StackedLoopMoE(**kwargs), "expert_loop", compiler="inductor", op=op)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_stacked_slices_reach_the_list_op_as_views(compiler, monkeypatch):
+    """Gate and up in two stacked parameters: the list op gets the slices W[e] themselves, views
+    into the parameters (each expert where it lies), never a stacked or transposed copy."""
+    import codegen.ops as ops
+
+    model = StackedLoopMoE()
+    x, _ = _inputs()
+    calls, real = [], ops.stack_expert_lists
+    monkeypatch.setattr(ops, "stack_expert_lists", lambda *lists: calls.append(lists) or real(*lists))
+    with torch._dynamo.config.patch(**{FLAG: True}), torch.no_grad():
+        _compile(model, compiler)(x)
+    assert len(calls) == 1, len(calls)
+    for group, param in zip(calls[0], (model.w1, model.w3, model.w2)):
+        assert len(group) == 4
+        for e, w in enumerate(group):
+            assert w.data_ptr() == param[e].data_ptr() and w.stride() == param[e].stride() and w.shape == param[e].shape
+
+
 # -- negative grid: untouched, reason logged, equal to eager -------------------------------------
 
 NEGATIVE = {
@@ -207,6 +257,14 @@ NEGATIVE = {
     "linear-bias": (lambda: LoopMoE(bias=True), "biases are not supported yet"),
     "unscaled": (lambda: LoopMoE(scale="none"), "not scaled by the routing weights"),
     "accumulator-read-in-loop": (lambda: LoopMoE(read_inside=True), "read inside the loop"),
+    "stacked-next-slice": (lambda: StackedLoopMoE(index="next"), "reads l_self_parameters_w1_[1], not slice 0"),
+    "stacked-shuffled-slices": (lambda: StackedLoopMoE(index="shuffled", gate_up="fused"), "not slice 0 of its stacked weight"),
+    "stacked-expert-visited-twice": (lambda: StackedLoopMoE(experts_used=[0, 1, 2, 3, 1]), "added twice"),
+    "stacked-subset": (lambda: StackedLoopMoE(experts_used=[0, 1, 3]), "not every expert"),
+    # d == n: the down weight has w1's [E, out, in] shape but is read as [in, out]; the shapes cannot tell
+    "stacked-square-orientation-mismatch": (lambda: StackedLoopMoE(n=D, gate_up="plain", down_orient="in_out"), "read both as [out, in]"),
+    "stacked-separate-in_out": (lambda: StackedLoopMoE(orient="in_out"), "gate and up are two stacked parameters"),
+    "stacked-weight-modified-in-loop": (lambda: StackedLoopMoE(mutate=True), "is modified in the graph"),
     "dense-softmax-gates": (lambda: DenseMoE(gates="probs"), "not provably zero outside the top-k"),
     "dense-softmax-gate-columns": (lambda: DenseMoE(gates="probs", combine="slices"), "not provably zero outside the top-k"),
     "dense-mixed-activations": (lambda: DenseMoE(combine="einsum", acts=[F.silu, F.gelu, F.silu, F.silu]), "expert 1's activation"),
@@ -265,19 +323,19 @@ def test_tolerance_is_tight():
 # -- bf16 on the GPU -----------------------------------------------------------------------------
 
 
-def _check_gpu_bf16(make, idiom):
-    """bf16 on CUDA through Inductor: as close to the fp32 model as eager bf16 is."""
+def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor"):
+    """bf16 on CUDA through Inductor (or `compiler` on `device`): as close to the fp32 model as eager bf16 is."""
     torch.manual_seed(0)
-    fp32 = make().cuda()
-    bf16 = make().cuda().to(torch.bfloat16)
+    fp32 = make().to(device)
+    bf16 = make().to(device, torch.bfloat16)
     bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in fp32.state_dict().items()})
-    x, cotangent = _inputs(torch.float32, "cuda")
+    x, cotangent = _inputs(torch.float32, device)
     xb, cb = x.to(torch.bfloat16), cotangent.to(torch.bfloat16)
     with torch._dynamo.config.patch(**{FLAG: True}):
         truth = _out_and_grads(fp32, x, cotangent, dict(fp32.named_parameters()))
         eager = _out_and_grads(bf16, xb, cb, dict(bf16.named_parameters()))
         with moe_compiler.capture() as report:
-            got = _out_and_grads(_compile(bf16, "inductor"), xb, cb, dict(bf16.named_parameters()))
+            got = _out_and_grads(_compile(bf16, compiler), xb, cb, dict(bf16.named_parameters()))
     _assert_one_rewrite(report, idiom)
     assert_close_to_eager(got[0], eager[0], truth[0], torch.bfloat16, "output")
     for name in truth[1]:
@@ -294,3 +352,15 @@ def test_expert_loop_gpu_bf16(variant):
 @pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices"])
 def test_dense_experts_gpu_bf16(variant):
     _check_gpu_bf16(lambda: DenseMoE(**DENSE_VARIANTS[variant]), "dense_experts")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["T-separate", "in_out-fused", "linear-plain"])
+def test_expert_loop_stacked_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: StackedLoopMoE(**STACKED_VARIANTS[variant][0]), "expert_loop")
+
+
+@pytest.mark.parametrize("variant", ["T-separate", "in_out-fused"])
+def test_expert_loop_stacked_cpu_bf16(variant):
+    """bf16 on the CPU (the reference op), aot_eager: as close to the fp32 model as eager bf16 is."""
+    _check_gpu_bf16(lambda: StackedLoopMoE(**STACKED_VARIANTS[variant][0]), "expert_loop", "cpu", "aot_eager")
