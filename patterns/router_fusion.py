@@ -55,7 +55,7 @@ from .common import (
     shape_of,
 )
 
-_CASTS = ("to", "float", "half", "bfloat16", "type")
+_CASTS = ("to", "float", "half", "bfloat16", "type", "type_as")
 _FLOAT_OF = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -158,12 +158,15 @@ def _src(node):
 
 
 def _cast_dtype(node) -> torch.dtype | None:
-    """The float dtype of a pure dtype cast (`.float()`, `.to(torch.float32)`, `.type(dtype)`), else None."""
+    """The float dtype of a pure dtype cast (`.float()`, `.to(torch.float32)`, `.type(dtype)`,
+    `.type_as(other)`), else None."""
     if not is_call(node, *_CASTS) or node.op != "call_method":
         return None
     out = dtype_of(node)
     if node.target in _FLOAT_OF:
         ok = len(node.args) == 1 and not node.kwargs
+    elif node.target == "type_as":  # .type_as(other): other's dtype, read from the node's own value
+        ok = len(node.args) == 2 and isinstance(node.args[1], fx.Node) and not node.kwargs
     else:
         rest = list(node.args[1:]) + list(node.kwargs.values())
         ok = len(rest) == 1 and isinstance(rest[0], torch.dtype) and set(node.kwargs) <= {"dtype"}

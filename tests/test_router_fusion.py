@@ -317,6 +317,18 @@ def test_hf_router_fused_gpu_bf16(name):
     _check_fused_bf16(name, device="cuda", compiler="inductor")
 
 
+def test_granitemoe_router_through_type_as():
+    """A family the other tests do not build (Granite-MoE: `softmax(topk(logits.float()).values)
+    .type_as(hidden)`): the `.type_as` cast after the router stays, the router fuses."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GraniteMoeConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    _check_fused(model, "topk->softmax, fused (GraniteMoeExperts)")
+
+
 def test_fuse_router_off_keeps_the_router():
     model = _tiny("qwen3_moe")
     report = _check_fused(model, "softmax->topk->renorm (Qwen3MoeExperts)", fused=False, fuse_router=False)
