@@ -1,0 +1,122 @@
+"""Every MoE family transformers ships, tiny and random, through backend="sonic" on the CPU.
+
+    python scripts/sweep_hf_families.py                      # every family below, ~8 minutes
+    python scripts/sweep_hf_families.py mixtral granitemoe   # some
+
+For families no issue names: a model is built from its default config shrunk to toy sizes (no
+downloads), one training step (loss + backward) runs eagerly and compiled (`sonic.compiler` =
+aot_eager, so only our rewrite differs), and the loss and every gradient are compared. A family
+whose compiled step differs from eager is re-run with `sonic.enabled=False`: if that differs too,
+the model itself is not repeatable (PhiMoE samples its experts in training); if only the rewrite
+differs, it is a wrong rewrite, the worst bug this project can have, and the exit code is 1.
+Families whose toy config does not build or run eagerly are listed as such (the shrinking below
+is generic, not every config accepts it); they say nothing about the backend.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+FAMILIES = (
+    "afmoe cohere2_moe dbrx deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 dots1 ernie4_5_moe exaone_moe "
+    "flex_olmo glm4_moe glm4_moe_lite glm_moe_dsa gpt_oss granitemoe granitemoe_swa granitemoehybrid "
+    "granitemoeshared hunyuan_v1_moe jamba jetmoe kimi_linear lfm2_moe llama4_text longcat_flash minimax "
+    "minimax_m2 mixtral olmoe phimoe qwen2_moe qwen3_5_moe_text qwen3_moe qwen3_next solar_open"
+).split()
+
+# Toy sizes for whichever of these fields a config has.
+SMALL = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts=8, num_local_experts=8, n_routed_experts=8,
+    num_experts_per_tok=2, moe_topk=2, top_k=2, max_position_embeddings=256, n_group=2, topk_group=1,
+    first_k_dense_replace=0, shared_expert_intermediate_size=32, n_shared_experts=1, num_shared_experts=1,
+    moe_num_experts=8, moe_k=2,
+)
+TOLERANCE = dict(loss=1e-4, grad=1e-3)  # fp32, relative: summation order only
+
+
+def one(family: str, enabled: bool) -> dict:
+    """Runs in a child process: {status, rewritten, loss_rel, grad_rel, routers, rejected}."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import moe_compiler
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family)
+    text = getattr(config, "text_config", None)
+    target = text if text is not None and hasattr(text, "hidden_size") else config
+    for key, value in SMALL.items():
+        if hasattr(target, key):
+            setattr(target, key, value)
+    for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
+        if isinstance(getattr(target, key, None), list) and getattr(target, key):
+            setattr(target, key, (getattr(target, key) * 2)[:2])
+    try:
+        model = AutoModelForCausalLM.from_config(config).float().train()
+    except Exception as exc:
+        return dict(status="toy config does not build", detail=f"{type(exc).__name__}: {str(exc)[:120]}")
+    ids = torch.randint(0, 128, (2, 16))
+
+    def step(m):
+        model.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    try:
+        loss, grads = step(model)
+    except Exception as exc:
+        return dict(status="toy config does not run eagerly", detail=f"{type(exc).__name__}: {str(exc)[:120]}")
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.enabled": enabled})
+    with moe_compiler.capture() as report:
+        got_loss, got = step(compiled)
+    grad_rel = 0.0
+    for name, g in grads.items():
+        h = got.get(name)
+        grad_rel = max(grad_rel, math.inf if h is None else ((g - h).norm() / g.norm().clamp_min(1e-12)).item())
+    loss_rel = abs(loss - got_loss).item() / abs(loss).item()
+    same = loss_rel <= TOLERANCE["loss"] and grad_rel <= TOLERANCE["grad"]
+    return dict(status="equal" if same else "DIFFERS", rewritten=len(report.rewritten), loss_rel=loss_rel,
+                grad_rel=grad_rel, routers=sorted({r.details.get("router", "") for r in report.rewritten}),
+                rejected=sorted({r.reason[:100] for r in report.rejected}))
+
+
+def run(family: str, enabled: bool = True) -> dict:
+    code = f"import json, sys; sys.path.insert(0, 'scripts'); import sweep_hf_families as s; print(json.dumps(s.one({family!r}, {enabled})))"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    lines = child.stdout.strip().splitlines()
+    if child.returncode != 0 or not lines:
+        return dict(status="compiled step failed", detail=child.stderr.strip().splitlines()[-1:] or "")
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> int:
+    families = (argv if argv is not None else sys.argv[1:]) or FAMILIES
+    wrong = []
+    for family in families:
+        result = run(family)
+        if result["status"] == "DIFFERS" and result["rewritten"]:
+            plain = run(family, enabled=False)
+            if plain["status"] == "DIFFERS":
+                result["status"] = "differs without the rewrite too (model not repeatable)"
+            else:
+                result["status"] = "WRONG REWRITE"
+                wrong.append(family)
+        if "rewritten" in result:
+            print(f"{family:18s} {result['status']:10s} rewritten {result['rewritten']}  loss {result['loss_rel']:.1e}  "
+                  f"grads {result['grad_rel']:.1e}  router {'; '.join(result['routers']) or '-'}"
+                  + (f"  rejected: {'; '.join(result['rejected'])}" if result["rejected"] else ""), flush=True)
+        else:
+            print(f"{family:18s} {result['status']}: {result.get('detail', '')}", flush=True)
+    print(f"{len(families)} families, wrong rewrites: {wrong or 'none'}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
