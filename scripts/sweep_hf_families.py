@@ -48,16 +48,16 @@ def one(family: str, enabled: bool) -> dict:
     import moe_compiler
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family)
-    text = getattr(config, "text_config", None)
-    target = text if text is not None and hasattr(text, "hidden_size") else config
-    for key, value in SMALL.items():
-        if hasattr(target, key):
-            setattr(target, key, value)
-    for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
-        if isinstance(getattr(target, key, None), list) and getattr(target, key):
-            setattr(target, key, (getattr(target, key) * 2)[:2])
     try:
+        config = AutoConfig.for_model(family)
+        text = getattr(config, "text_config", None)
+        target = text if text is not None and hasattr(text, "hidden_size") else config
+        for key, value in SMALL.items():
+            if hasattr(target, key):
+                setattr(target, key, value)
+        for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
+            if isinstance(getattr(target, key, None), list) and getattr(target, key):
+                setattr(target, key, (getattr(target, key) * 2)[:2])
         model = AutoModelForCausalLM.from_config(config).float().train()
     except Exception as exc:
         return dict(status="toy config does not build", detail=f"{type(exc).__name__}: {str(exc)[:120]}")
