@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -88,7 +89,9 @@ def one(family: str, enabled: bool) -> dict:
 
 
 def run(family: str, enabled: bool = True) -> dict:
-    code = f"import json, sys; sys.path.insert(0, 'scripts'); import sweep_hf_families as s; print(json.dumps(s.one({family!r}, {enabled})))"
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import json, sys; sys.path.insert(0, {here!r}); import sweep_hf_families as s; "
+            f"print(json.dumps(s.one({family!r}, {enabled})))")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     lines = child.stdout.strip().splitlines()
     if child.returncode != 0 or not lines:

@@ -31,3 +31,13 @@ def test_hf_generate_tiny(cache):
 
     assert hf_generate.main(["--model", "mixtral", "--new-tokens", "6", "--device", "cpu", "--sonic-compiler", "aot_eager",
                              "--cache", cache, "--repeats", "1"]) == 0
+
+
+def test_sweep_hf_families_runs(capsys):
+    """The family sweep end to end on one family it must rewrite, fuse and match eager on."""
+    sys.path.insert(0, str(EXAMPLES.parent / "scripts"))
+    import sweep_hf_families
+
+    assert sweep_hf_families.main(["mixtral"]) == 0
+    out = capsys.readouterr().out
+    assert "mixtral" in out and "equal" in out and "rewritten 2" in out and "fused (MixtralExperts)" in out, out
