@@ -263,6 +263,14 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     w_up = [ex.w_up for ex in experts] if experts[0].w_up is not None else []
     w_down = [ex.w_down for ex in experts]
     region = _closed_region(walk, anchors, {x, topk_ids, topk_weights, *w_gate, *w_up, *w_down}, extra_region, shape_only)
+    return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
+                         shape={"T": T, "d": d, "n": n, "E": E, "K": K}, expert_lists=(w_gate, w_up, w_down))
+
+
+def _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator, *, shape,
+                  **weights) -> MoEMatch:
+    """The MoEMatch of the loop/dense idioms; `weights` are expert_lists=... or w1=, w2=, transposed=."""
+    T, E = shape["T"], shape["E"]
     return MoEMatch(
         idiom=idiom,
         anchor=anchor,
@@ -274,11 +282,11 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
         interleaved=act["interleaved"],
         alpha=act["alpha"],
         limit=act["limit"],
-        shape={"T": T, "d": d, "n": n, "E": E, "K": K},
+        shape=shape,
         dtype=x_dtype,
         **site_fields(site, topk_ids, topk_weights, T, E, experts_module=module_path(site) + ".experts"),
-        expert_lists=(w_gate, w_up, w_down),
         accumulator=accumulator,
+        **weights,
     )
 
 
@@ -328,25 +336,8 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     expect(w1_in == d and w2_out == d, f"stacked expert weights {s1} / {s2} do not map d={d}")
     expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
     region = _closed_region(walk, anchors, {x, topk_ids, topk_weights, w1, w2}, extra_region, shape_only)
-    return MoEMatch(
-        idiom=idiom,
-        anchor=anchor,
-        region=region,
-        x=x,
-        topk_ids=topk_ids,
-        topk_weights=topk_weights,
-        w1=w1,
-        w2=w2,
-        activation=act["activation"],
-        interleaved=act["interleaved"],
-        transposed=transposed,
-        alpha=act["alpha"],
-        limit=act["limit"],
-        shape={"T": T, "d": d, "n": n, "E": E, "K": K},
-        dtype=x_dtype,
-        **site_fields(site, topk_ids, topk_weights, T, E, experts_module=module_path(site) + ".experts"),
-        accumulator=accumulator,
-    )
+    return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
+                         shape={"T": T, "d": d, "n": n, "E": E, "K": K}, w1=w1, w2=w2, transposed=transposed)
 
 
 def _stacked_params(experts: list[ExpertMLP], E: int) -> tuple[fx.Node, fx.Node | None, fx.Node, bool]:
