@@ -1,6 +1,11 @@
 """Named invariants shared by the tests: run eager vs compiled, compare with a reasoned tolerance."""
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import torch
 
 from moe_compiler.testing import closeness, rel_err  # noqa: F401  (the tolerance table lives there)
@@ -32,3 +37,21 @@ def profiled_op_names(fn) -> set[str]:
         fn()
     return {evt.name for evt in prof.events()}
 
+
+
+def run_interpreted_child(test_file: str, *pytest_args: str, timeout: int) -> dict[str, int]:
+    """Run `test_file`'s non-GPU tests in a child pytest with TRITON_INTERPRET=1 (Triton reads the
+    flag at import, so it cannot change in this process); assert it passed; return its counts
+    ({"passed": .., "skipped": .., "failed": ..} as the summary line gives them)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider", *pytest_args,
+         os.path.abspath(test_file)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    assert proc.returncode == 0, (
+        f"interpreted tests of {os.path.basename(test_file)} failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}")
+    return {word: int(num) for num, word in re.findall(r"(\d+) (passed|skipped|failed)", summary)}

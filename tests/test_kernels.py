@@ -14,7 +14,6 @@ capture, and no recompilation when only T changes.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -23,6 +22,8 @@ import torch
 
 from codegen.activations import ACTIVATIONS, GATED
 from codegen.reference import torch_moe_experts, torch_moe_experts_fwd, torch_route
+
+from .helpers import run_interpreted_child
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read once: this process is the child
 _FLAGS = dict(activation="swiglu", interleaved=False, transposed=False, alpha=1.702, limit=7.0)
@@ -45,18 +46,8 @@ def tm():
 
 @pytest.mark.skipif(_INTERPRETING, reason="this is the child process")
 def test_interpreted_kernels_in_child_process():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    summary = (proc.stdout.strip().splitlines() or [""])[-1]
-    assert proc.returncode == 0, (
-        f"interpreted kernel tests failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}")
-    counts = {word: int(num) for num, word in re.findall(r"(\d+) (passed|skipped|failed)", summary)}
-    assert counts.get("passed", 0) >= 20 and counts.get("skipped", 0) == 1, summary  # only the driver skips there
+    counts = run_interpreted_child(__file__, timeout=900)
+    assert counts.get("passed", 0) >= 20 and counts.get("skipped", 0) == 1, counts  # only the driver skips there
 
 
 # ------------------------------------------------------------------------------------------- helpers

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import types
 
 import pytest
@@ -28,6 +26,7 @@ from .helpers import (
     compile_sonic,
     loss_and_grads,
     profiled_op_names,
+    run_interpreted_child,
 )
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read once: this process is the child
@@ -157,18 +156,8 @@ def kernels():
 
 @pytest.mark.skipif(_INTERPRETING, reason="this is the child process")
 def test_router_kernels_in_child_process():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider", "-k", "interpreted",
-         os.path.abspath(__file__)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
-    summary = (proc.stdout.strip().splitlines() or [""])[-1]
-    assert proc.returncode == 0, f"interpreted router kernels failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    counts = {word: int(num) for num, word in re.findall(r"(\d+) (passed|skipped|failed)", summary)}
-    assert counts.get("passed", 0) >= 16, summary
+    counts = run_interpreted_child(__file__, "-k", "interpreted", timeout=600)
+    assert counts.get("passed", 0) >= 16, counts
 
 
 # fp32: summation order only. fp16: the kernel rounds where the model's fp16 tensors round, but
