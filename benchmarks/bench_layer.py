@@ -43,7 +43,7 @@ SHAPES = {
     "tiny": (2048, 512, 256, 16, 4),  # smoke test
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
-PROVIDERS = ("ours", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
+PROVIDERS = ("ours", "ours-ptr", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
 
@@ -120,7 +120,7 @@ def make_sonic(p, E, K, d, n):
 def build_provider(name, master, shape):
     T, d, n, E, K = shape
     params = {k: v.detach().clone().requires_grad_() for k, v in master.items()}
-    if name == "ours":
+    if name in ("ours", "ours-ptr"):  # ours-ptr: the same op with TMA off (bench_one flips it)
         return (lambda x: layer_ours(params, x, K)), params
     if name == "ours-list":  # each expert's weights in its own tensor, as nn.Linear holds them
         w1, w2 = master["w1"].detach(), master["w2"].detach()
@@ -164,6 +164,18 @@ def rel(a, b):
 
 
 def bench_one(name, master, shape, x, dy, ref, args):
+    """One provider's figures; ours-ptr runs our op with pointer loads instead of TMA."""
+    from codegen import triton_moe
+
+    saved = triton_moe.USE_TMA
+    triton_moe.USE_TMA = saved and name != "ours-ptr"
+    try:
+        return _bench_one(name, master, shape, x, dy, ref, args)
+    finally:
+        triton_moe.USE_TMA = saved
+
+
+def _bench_one(name, master, shape, x, dy, ref, args):
     from triton.testing import do_bench
 
     T, d, n, E, K = shape
@@ -237,13 +249,15 @@ def breakdown(master, shape, x, dy, steps=5):
     rows = [(e.key, e.count // steps, e.device_time_total / steps) for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r[2])
     flop = T * K * d * n
-    gemm_flop = {"_up_proj_kernel": 6 * flop}  # forward up-proj + backward dA' (same kernel)
+    gemm_flop = {"_up_proj_kernel": 6 * flop,  # forward up-proj + backward dA' (same kernel)
+                 "_scatter_gemm_kernel": 6 * flop, "_scatter_gemm_tma_kernel": 6 * flop,  # Y and dX~
+                 "_wgrad_kernel": 6 * flop}  # dW2 and dW1
     total = sum(r[2] for r in rows)
     print(f"  breakdown ({steps} fwd+bwd steps, us per step; total {total:.0f} us):")
     for name, calls, us in rows[:14]:
         extra = f"  {gemm_flop[name] / us * 1e-6:.0f} TFLOPS" if name in gemm_flop else ""
         print(f"    {us:8.1f} us  x{calls:<2} {name[:90]}{extra}")
-    for tname in ("_up", "_scatter", "_dact", "_wgrad"):
+    for tname in ("_up", "_scatter", "_dact", "_wgrad", "_up_tma", "_scatter_tma", "_dact_tma", "_wgrad_tma"):
         tuner = getattr(triton_moe, tname)
         timings = getattr(tuner, "configs_timings", None) or {}
         best = sorted(((t if isinstance(t, float) else t[0]), str(c)) for c, t in timings.items())[:4]

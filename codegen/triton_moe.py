@@ -15,6 +15,10 @@ Forward:  route (one Triton program for small batches, else a torch sort; no hos
 Backward: _up_proj_kernel as a gathered GEMM (dA' = gather(dO) W2) -> _act_grad_kernel (dS, dH,
           A' = s A) -> _wgrad_kernel x2 (dW2, dW1, biases) -> _scatter_gemm_kernel (dX~ = dH W1, slot
           order) -> _gather_sum_kernel (dX).
+On Hopper, 16-bit stacked weights with 16-byte rows go through TMA descriptors (see "TMA paths"
+below): the scatter GEMMs become the persistent `_scatter_gemm_tma_kernel`, the others keep their
+structure with the weight (or expert-ordered) operand landing by TMA. Gathered operands stay pointer
+loads. Per-expert tensors (the list form), interleaved gate/up and misaligned rows use pointers.
 
 Tuning. Each GEMM kernel autotunes over a small config set, keyed on the problem's (d, n, E, K)
 dims and the tensors' dtypes (Triton adds those), never on T: the row count TK is a runtime int
@@ -36,11 +40,16 @@ from typing import NamedTuple
 import torch
 import triton
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activations import ACTIVATIONS, GATED
 from .kernels.backward import _act_grad_kernel, _wgrad_kernel
 from .kernels.combine import _gather_sum_kernel
-from .kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel
+from .kernels.grouped_gemm import (
+    _scatter_gemm_kernel,
+    _scatter_gemm_tma_kernel,
+    _up_proj_kernel,
+)
 from .kernels.routing import _route_small_kernel
 from .reference import slot_tokens_ok, tokens_of_slots
 from .token_rounding import M_TILE
@@ -128,6 +137,94 @@ _up = triton.autotune(_configs("up"), key=["d", "n", "E", "top_k"])(_up_proj_ker
 _scatter = triton.autotune(_configs("scatter"), key=["k_dim", "n_dim", "E"])(_scatter_gemm_kernel)
 _dact = triton.autotune(_configs("dact"), key=["d", "n", "E", "top_k"])(_up_proj_kernel)  # dA' GEMM
 _wgrad = triton.autotune(_configs("wgrad"), key=["P", "Q", "E", "top_k"])(_wgrad_kernel)
+
+
+# ------------------------------------------------------------------------ TMA (the copy engine) paths
+# Stacked 16-bit weights whose rows meet the copy engine's alignment are read through TMA
+# descriptors: by the up-projection and dA' kernels (W_DESC), and by the persistent scatter GEMM
+# (`_scatter_gemm_tma_kernel`, its A operand too). Gathered operands stay pointer loads. `USE_TMA`
+# (env SONIC_MOE_TMA=0 turns it off at import; benchmarks flip it for A/B runs) selects them.
+USE_TMA = os.environ.get("SONIC_MOE_TMA", "1") != "0"
+
+
+def _w_block_hook(nargs):
+    """Autotune pre-hook: give the weight descriptor the config's tile (see kernels `_w_tile`)."""
+    bn, bk = nargs["BLOCK_N"], nargs["BLOCK_K"]
+    desc = nargs["w_desc"] if "w_desc" in nargs else nargs["w1_ptr"]
+    desc.block_shape = [1, bn, bk] if nargs["W_DESC"] == 1 else [1, bk, bn]
+    if "in_desc" in nargs:
+        nargs["in_desc"].block_shape = [nargs["BLOCK_M"], bk]
+
+
+def _wgrad_block_hook(nargs):
+    """Autotune pre-hook of the weight-gradient kernel: its expert-ordered operand's descriptor tile."""
+    bm = nargs["BLOCK_M"]
+    if nargs["LHS_DESC"]:
+        nargs["lhs_ptr"].block_shape = [bm, nargs["BLOCK_P"]]
+    if nargs["RHS_DESC"]:
+        nargs["rhs_ptr"].block_shape = [bm, nargs["BLOCK_Q"]]
+
+
+def _tma_configs(kernel: str) -> list[triton.Config]:
+    """The kernel's configs as TMA configs: the block-shape hook, no fused gate/up dot (the copy
+    engine lands gate and up tiles separately)."""
+    hook = _wgrad_block_hook if kernel == "wgrad" else _w_block_hook
+    configs, seen = [], set()
+    for c in _configs(kernel):
+        kw = dict(c.kwargs, **({"FUSED_GU": False} if "FUSED_GU" in c.kwargs else {}))
+        key = (tuple(sorted(kw.items())), c.num_warps, c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            configs.append(triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=hook))
+    return configs
+
+
+_up_tma = triton.autotune(_tma_configs("up"), key=["d", "n", "E", "top_k"])(_up_proj_kernel)
+_dact_tma = triton.autotune(_tma_configs("dact"), key=["d", "n", "E", "top_k"])(_up_proj_kernel)
+_scatter_tma = triton.autotune(_tma_configs("scatter"), key=["k_dim", "n_dim", "E"])(_scatter_gemm_tma_kernel)
+_wgrad_tma = triton.autotune(_tma_configs("wgrad"), key=["P", "Q", "E", "top_k"])(_wgrad_kernel)
+
+
+def _tma_operand(t: Tensor, dims: tuple[int, ...], strides: tuple[int, ...]) -> TensorDescriptor | None:
+    """A TMA descriptor over `t`'s storage read as `dims` through `strides` (the last one 1), or None
+    when the copy engine cannot address it (off CUDA and the interpreter, not 16-bit, misaligned,
+    a zero-sized dim). The block shape is the autotune hook's to set."""
+    if not USE_TMA or t.dtype not in (torch.float16, torch.bfloat16) or not (t.is_cuda or INTERPRETED):
+        return None
+    size = t.element_size()
+    if strides[-1] != 1 or any(s * size % 16 for s in strides[:-1]) or t.data_ptr() % 16 or min(dims) <= 0:
+        return None
+    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+        return None
+    return TensorDescriptor(t, list(dims), list(strides), [1] * (len(dims) - 1) + [16 // size])
+
+
+def _weight_desc(bank: Bank, E: int, n_out: int, k_in: int, s_out: int, s_in: int) -> tuple[TensorDescriptor | None, int]:
+    """(descriptor, W_DESC) for stacked weights read as B[e] [k_in, n_out] through (out, in) strides
+    s_out / s_in; (None, 0) for per-expert tensors or a layout TMA cannot read."""
+    if bank.table is not None:
+        return None, 0
+    se = bank.strides[0]
+    if s_in == 1:
+        desc = _tma_operand(bank.ptr, (E, n_out, k_in), (se, s_out, 1))
+        return desc, 1 if desc is not None else 0
+    if s_out == 1:
+        desc = _tma_operand(bank.ptr, (E, k_in, n_out), (se, s_in, 1))
+        return desc, 2 if desc is not None else 0
+    return None, 0
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _programs(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per SM (its tiles fill the SM's shared memory)."""
+    if INTERPRETED:
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -319,9 +416,11 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
         return h, a
     b1c = b1.contiguous() if b1 is not None else x
     w_ptr, w_table, has_table, align = w1.kernel_args()
+    desc, w_desc = (None, 0) if interleaved and gated else _weight_desc(w1, E, w1_out, d, *w1.strides[1:])
+    kernel = _up_tma if desc is not None else _up
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
-    _up[grid](
-        x, w_ptr, b1c, sorted_rows, _or(row_token, sorted_rows), offsets, h, a, w_table,
+    kernel[grid](
+        x, _or(desc, w_ptr), b1c, sorted_rows, _or(row_token, sorted_rows), offsets, h, a, w_table,
         TK, d, n, E, top_k,
         x.stride(0), x.stride(1),
         *w1.strides,
@@ -330,6 +429,7 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
         HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=_e_pow2(E),
         DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table, W_ALIGN=align,
+        W_DESC=w_desc,
     )
     return h, a
 
@@ -346,6 +446,18 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
     if TK == 0:
         return out
     biasc = bias.contiguous() if bias is not None else inp
+    if split == 0:
+        w_d, w_desc = _weight_desc(w, E, n_dim, k_dim, w_strides[2], w_strides[1])
+        in_d = _tma_operand(inp, tuple(inp.shape), tuple(inp.stride())) if w_d is not None else None
+        if in_d is not None:
+            upper = lambda META: (triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"])
+            grid = lambda META: (min(upper(META), _programs(inp.device)),)
+            _scatter_tma[grid](
+                in_d, w_d, biasc, sorted_rows, offsets, out,
+                TK, k_dim, n_dim, E, n_dim,
+                HAS_BIAS=bias is not None, E_POW2=_e_pow2(E), W_DESC=w_desc,
+            )
+            return out
     w_ptr, w_table, has_table, align = w.kernel_args()
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"]),)
     _scatter[grid](
@@ -399,9 +511,11 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     da = h.new_empty(TK, n)
     sw = w2.strides  # (e, d, n)
     w_ptr, w_table, has_table, align = w2.kernel_args()
+    desc, w_desc = _weight_desc(w2, E, n, d, sw[2], sw[1])
+    kernel = _dact_tma if desc is not None else _dact
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
-    _dact[grid](
-        grad_out, w_ptr, grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da, w_table,
+    kernel[grid](
+        grad_out, _or(desc, w_ptr), grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da, w_table,
         TK, d, n, E, top_k,
         grad_out.stride(0), grad_out.stride(1),
         sw[0], sw[2], sw[1],
@@ -410,6 +524,7 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
         ACTIVATION=_IDENTITY, GATED=False, INTERLEAVED=False,
         HAS_B1=False, STORE_H=False, STORE_A=True, E_POW2=_e_pow2(E),
         DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table, W_ALIGN=align,
+        W_DESC=w_desc,
     )
     block_c = min(256, triton.next_power_of_2(n))
     block_r = 4 if INTERPRETED else max(1, 2048 // block_c)
@@ -433,15 +548,19 @@ def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, 
     E = offsets.numel() - 1
     TK = sorted_rows.numel()
     grid = lambda META: (E * triton.cdiv(P, META["BLOCK_P"]) * triton.cdiv(Q, META["BLOCK_Q"]),)
-    _wgrad[grid](
-        lhs, rhs, _or(s_flat, lhs), sorted_rows, _or(row_token, sorted_rows), offsets, dw,
+    # the expert-ordered operand (never the gathered one) through TMA when it can be
+    lhs_d = None if gather_lhs else _tma_operand(lhs, tuple(lhs.shape), tuple(lhs.stride()))
+    rhs_d = None if gather_rhs else _tma_operand(rhs, tuple(rhs.shape), tuple(rhs.stride()))
+    kernel = _wgrad_tma if lhs_d is not None or rhs_d is not None else _wgrad
+    kernel[grid](
+        _or(lhs_d, lhs), _or(rhs_d, rhs), _or(s_flat, lhs), sorted_rows, _or(row_token, sorted_rows), offsets, dw,
         db if db is not None else dw,
         TK, P, Q, E, top_k,
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1),
         *dw_strides,
         GATHER_LHS=gather_lhs, GATHER_RHS=gather_rhs, BIAS_GRAD=db is not None,
         BIAS_SCALED=s_flat is not None, DOT_PRECISION=_dot_precision(lhs.dtype),
-        TOKEN_MAP=row_token is not None,
+        TOKEN_MAP=row_token is not None, LHS_DESC=lhs_d is not None, RHS_DESC=rhs_d is not None,
     )
     return dw
 

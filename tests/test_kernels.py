@@ -169,6 +169,58 @@ def test_two_dot_gate_up_path(tm):
         tm._up.configs = saved
 
 
+_TMA_TUNERS = ("_up_tma", "_dact_tma", "_scatter_tma", "_wgrad_tma")
+
+
+def _record_calls(tm, monkeypatch):
+    """The names of the TMA autotuners that launch from now on (the test's proof the path ran)."""
+    ran = []
+    for name in _TMA_TUNERS:
+        tuner = getattr(tm, name)
+
+        def run(*args, _name=name, _run=tuner.run, **kwargs):
+            ran.append(_name)
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(tuner, "run", run)
+    return ran
+
+
+@pytest.mark.parametrize("layout", ["gated", "plain_bias", "transposed_bias", "one_expert", "empty_experts"])
+def test_tma_paths_match_oracle(tm, layout, monkeypatch):
+    """fp16 with 16-byte rows: every GEMM reads its stacked weights (and the scatter GEMM and the
+    weight gradients their expert-ordered operand) through TMA descriptors, and each of the four
+    TMA kernels is seen to run. Row counts are not tile multiples, so the persistent scatter GEMM's
+    tiles run into the next expert and the weight gradients take their masked tail chunk."""
+    act = "relu2" if layout == "plain_bias" else "swiglu"
+    transposed = layout == "transposed_bias"
+    experts = {"one_expert": [2], "empty_experts": [0, 3]}.get(layout)
+    K = 1 if layout == "one_expert" else 2
+    inputs, go = _make(21, 40, 24, 4, K, torch.float16, activation=act, transposed=transposed,
+                       bias=layout in ("plain_bias", "transposed_bias"), experts=experts)
+    ran = _record_calls(tm, monkeypatch)
+    _check_against_oracle(tm, inputs, go, dict(_FLAGS, activation=act, transposed=transposed), _TOL[torch.float16])
+    assert sorted(set(ran)) == sorted(_TMA_TUNERS)
+
+
+def test_tma_off_for_what_it_cannot_read(tm, monkeypatch):
+    """fp32, rows not a multiple of 16 bytes, interleaved gate/up and USE_TMA=False take the
+    pointer kernels, with the same results against the oracle."""
+    ran = _record_calls(tm, monkeypatch)
+    inputs, go = _make(13, 36, 18, 3, 2, torch.float16)  # 72-, 36- and 72-byte rows (d, n, 2n)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
+    inputs, go = _make(13, 40, 24, 3, 2, torch.float32)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
+    assert ran == []
+    inputs, go = _make(13, 40, 24, 3, 2, torch.float16)
+    _check_against_oracle(tm, inputs, go, dict(_FLAGS, interleaved=True), _TOL[torch.float16])
+    assert "_up_tma" not in ran and "_scatter_tma" in ran  # interleaved W1: pointer up-projection only
+    ran.clear()
+    monkeypatch.setattr(tm, "USE_TMA", False)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
+    assert ran == []
+
+
 def test_empty_experts(tm):
     inputs, go = _make(10, 32, 16, 6, 2, torch.float32, experts=[1, 4])  # experts 0, 2, 3, 5 get no rows
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
@@ -394,7 +446,8 @@ def first_config_only():
     """
     from codegen import triton_moe
 
-    tuners = (triton_moe._up, triton_moe._scatter, triton_moe._dact, triton_moe._wgrad)
+    tuners = (triton_moe._up, triton_moe._scatter, triton_moe._dact, triton_moe._wgrad,
+              triton_moe._up_tma, triton_moe._scatter_tma, triton_moe._dact_tma, triton_moe._wgrad_tma)
     saved = [(t.configs, dict(t.cache)) for t in tuners]
     for t in tuners:
         t.configs = t.configs[:1]
@@ -456,6 +509,21 @@ _GPU_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(_GPU_CASES))
 def test_gpu_bf16_matches_oracle(case, first_config_only):
+    _check_gpu_case(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["moderate", "rounded_up", "empty_experts"])
+def test_gpu_pointer_loads_match_oracle(case, first_config_only, monkeypatch):
+    """The same cases with TMA off: the pointer-load kernels (what per-expert tensors, interleaved
+    gate/up and misaligned weights use) against the oracle."""
+    from codegen import triton_moe
+
+    monkeypatch.setattr(triton_moe, "USE_TMA", False)
+    _check_gpu_case(case)
+
+
+def _check_gpu_case(case):
     import codegen.ops as ops
 
     inputs, go = _gpu_case(**_GPU_CASES[case])

@@ -76,6 +76,56 @@ def _act_grad_kernel(
     tl.store(ds_ptr + slots, ds, mask=row_mask)
 
 
+@triton.jit
+def _wgrad_chunk(
+    acc, db, r0, hi, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k: tl.constexpr, pid_p, pid_q, P, Q,
+    stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c,
+    GATHER_LHS: tl.constexpr, GATHER_RHS: tl.constexpr, LHS_DESC: tl.constexpr, RHS_DESC: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, BIAS_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr, TOKEN_MAP: tl.constexpr,
+    TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """acc += Lhs[r0:r0+BLOCK_M, P tile]^T Rhs[r0:r0+BLOCK_M, Q tile] over the rows below `hi` (and
+    db += the weighted column sums of Lhs). A *_DESC operand arrives by TMA; its rows past `hi`
+    (the next expert's) are zeroed in registers on the TAIL chunk, the only one that has any."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < hi
+    ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    if GATHER_LHS or GATHER_RHS:
+        tokens = _row_tokens(rows, row_mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP)
+    if LHS_DESC:
+        lhs = lhs_ptr.load([r0, pid_p * BLOCK_P])  # [BM, BP]
+        if TAIL:
+            lhs = tl.where(row_mask[:, None], lhs, 0.0)
+        lhs_t = lhs.T
+    else:
+        lhs_rows = tokens if GATHER_LHS else rows.to(tl.int64)
+        lhs_t = tl.load(  # [BP, BM]: Lhs^T tile
+            lhs_ptr + lhs_rows[None, :] * stride_lhs_r + ps[:, None] * stride_lhs_c,
+            mask=(ps < P)[:, None] & row_mask[None, :], other=0.0,
+        )
+    if RHS_DESC:
+        rhs = rhs_ptr.load([r0, pid_q * BLOCK_Q])  # [BM, BQ]
+        if TAIL:
+            rhs = tl.where(row_mask[:, None], rhs, 0.0)
+    else:
+        rhs_rows = tokens if GATHER_RHS else rows.to(tl.int64)
+        rhs = tl.load(
+            rhs_ptr + rhs_rows[:, None] * stride_rhs_r + qs[None, :] * stride_rhs_c,
+            mask=row_mask[:, None] & (qs < Q)[None, :], other=0.0,
+        )
+    acc = tl.dot(lhs_t, rhs, acc, input_precision=DOT_PRECISION)
+    if BIAS_GRAD:
+        if pid_q == 0:
+            if BIAS_SCALED:
+                slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
+                s = tl.load(s_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+                db += tl.sum(lhs_t.to(tl.float32) * s[None, :], 1)
+            else:
+                db += tl.sum(lhs_t.to(tl.float32), 1)
+    return acc, db
+
+
 @triton.jit(do_not_specialize=["TK"])
 def _wgrad_kernel(
     lhs_ptr,  # rows -> dW's P axis, x.dtype: [T, P] read at token rows (GATHER_LHS) or [TK, P] expert order
@@ -86,17 +136,21 @@ def _wgrad_kernel(
     offsets_ptr,  # [E+1] int32
     dw_ptr,  # [E, P, Q] weight dtype through strides (e, p, q): transposed layouts swap them
     db_ptr,  # [E, P] contiguous, bias dtype; written when BIAS_GRAD
-    TK, P, Q, E, top_k,
+    TK, P, Q, E, top_k: tl.constexpr,
     stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c,
     stride_dw_e, stride_dw_p, stride_dw_q,
     GATHER_LHS: tl.constexpr, GATHER_RHS: tl.constexpr, BIAS_GRAD: tl.constexpr,
     BIAS_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr, TOKEN_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    LHS_DESC: tl.constexpr = False, RHS_DESC: tl.constexpr = False,
 ):
     """Grid: (E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q),). dW[e][p, q] = sum_{r in e} Lhs[r, p] Rhs[r, q].
 
     The reduction length is expert e's row count (read on the device); an empty expert writes zeros.
     The bias gradient rides on the programs with pid_q == 0: db[e][p] = sum_r (s_r) Lhs[r, p].
+    LHS_DESC / RHS_DESC: that (expert-ordered, never gathered) operand is a TMA descriptor over
+    [TK, P] / [TK, Q] with block [BLOCK_M, BLOCK_P] / [BLOCK_M, BLOCK_Q]; the whole chunks run
+    unmasked and the last partial chunk masks it in registers.
     """
     pid = tl.program_id(0)
     num_p = tl.cdiv(P, BLOCK_P)
@@ -108,43 +162,31 @@ def _wgrad_kernel(
     lo = tl.load(offsets_ptr + expert)
     hi = tl.load(offsets_ptr + expert + 1)
 
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    db = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    if LHS_DESC or RHS_DESC:
+        full_end = lo + ((hi - lo) // BLOCK_M) * BLOCK_M
+        for r0 in range(lo, full_end, BLOCK_M):
+            acc, db = _wgrad_chunk(
+                acc, db, r0, hi, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k, pid_p, pid_q, P, Q,
+                stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c, GATHER_LHS, GATHER_RHS, LHS_DESC, RHS_DESC,
+                BIAS_GRAD, BIAS_SCALED, DOT_PRECISION, TOKEN_MAP, False, BLOCK_M, BLOCK_P, BLOCK_Q)
+        if full_end < hi:
+            acc, db = _wgrad_chunk(
+                acc, db, full_end, hi, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k, pid_p, pid_q, P, Q,
+                stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c, GATHER_LHS, GATHER_RHS, LHS_DESC, RHS_DESC,
+                BIAS_GRAD, BIAS_SCALED, DOT_PRECISION, TOKEN_MAP, True, BLOCK_M, BLOCK_P, BLOCK_Q)
+    else:
+        for r0 in range(lo, hi, BLOCK_M):
+            acc, db = _wgrad_chunk(
+                acc, db, r0, hi, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k, pid_p, pid_q, P, Q,
+                stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c, GATHER_LHS, GATHER_RHS, LHS_DESC, RHS_DESC,
+                BIAS_GRAD, BIAS_SCALED, DOT_PRECISION, TOKEN_MAP, False, BLOCK_M, BLOCK_P, BLOCK_Q)
+
     ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     p_mask = ps < P
     q_mask = qs < Q
-    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    db = tl.zeros((BLOCK_P,), dtype=tl.float32)
-    for r0 in range(lo, hi, BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < hi
-        if GATHER_LHS or GATHER_RHS:
-            tokens = _row_tokens(rows, row_mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP)
-        if GATHER_LHS:
-            lhs_rows = tokens
-        else:
-            lhs_rows = rows.to(tl.int64)
-        if GATHER_RHS:
-            rhs_rows = tokens
-        else:
-            rhs_rows = rows.to(tl.int64)
-        lhs_t = tl.load(  # [BP, BM]: Lhs^T tile
-            lhs_ptr + lhs_rows[None, :] * stride_lhs_r + ps[:, None] * stride_lhs_c,
-            mask=p_mask[:, None] & row_mask[None, :], other=0.0,
-        )
-        rhs = tl.load(  # [BM, BQ]
-            rhs_ptr + rhs_rows[:, None] * stride_rhs_r + qs[None, :] * stride_rhs_c,
-            mask=row_mask[:, None] & q_mask[None, :], other=0.0,
-        )
-        acc = tl.dot(lhs_t, rhs, acc, input_precision=DOT_PRECISION)
-        if BIAS_GRAD:
-            if pid_q == 0:
-                if BIAS_SCALED:
-                    slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
-                    s = tl.load(s_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
-                    db += tl.sum(lhs_t.to(tl.float32) * s[None, :], 1)
-                else:
-                    db += tl.sum(lhs_t.to(tl.float32), 1)
-
     dw_ptrs = dw_ptr + expert.to(tl.int64) * stride_dw_e + ps[:, None] * stride_dw_p + qs[None, :] * stride_dw_q
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
     if BIAS_GRAD:

@@ -17,13 +17,15 @@ import triton
 import triton.language as tl
 
 from .activation import _act_fwd
-from .routing import _expert_tile
+from .routing import _expert_tile, _tile_lookup, _tile_schedule
 
 
 @triton.jit
-def _row_tokens(rows, mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP: tl.constexpr):
+def _row_tokens(rows, mask, sorted_rows_ptr, row_token_ptr, top_k: tl.constexpr, TOKEN_MAP: tl.constexpr):
     """int64 token of each expert-ordered row: slot // K for [T, K] routing; in the slot form the
-    launcher's precomputed row_token (one load either way, no dependent gather in the loop)."""
+    launcher's precomputed row_token (one load either way, no dependent gather in the loop).
+    K is a compile-time constant: a division by a run-time K cost the weight-gradient kernel, which
+    maps rows to tokens at every step of its reduction, 6-10% of its time (H200, 7b-256 shape)."""
     if TOKEN_MAP:
         return tl.load(row_token_ptr + rows, mask=mask, other=0).to(tl.int64)
     return (tl.load(sorted_rows_ptr + rows, mask=mask, other=0) // top_k).to(tl.int64)
@@ -41,15 +43,25 @@ def _table_offset(w_table_ptr, index, W_ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _grouped_order(pid, TK, E, num_n, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+def _w_tile(w_desc, expert, col0, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile B[e][k0:, col0:] of a stacked weight through its TMA descriptor
+    (out-of-range rows and columns read as zeros). W_DESC 1: the descriptor is over [E, N, K] (K
+    contiguous, nn.Linear's [out, in]); 2: over [E, K, N] (N contiguous)."""
+    if W_DESC == 1:
+        return w_desc.load([expert, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
+    return w_desc.load([expert, k0, col0]).reshape(BLOCK_K, BLOCK_N)
+
+
+@triton.jit
+def _grouped_order(pid, num_m, num_n, GROUP_M: tl.constexpr):
     """(M tile, N tile) of program `pid`, GROUP_M M tiles at a time for each N tile (L2 reuse).
 
     Row-major order (all N tiles of one M tile, then the next) keeps few M tiles in flight, so at a
     large n every program streams a different slice of the expert's weight from HBM once per M tile
     (Mixtral's n = 14336: ~112 N tiles per M tile). Walking GROUP_M M tiles down each N tile lets
-    the programs in flight share each weight tile. GROUP_M = 1 is row-major.
+    the programs in flight share each weight tile. GROUP_M = 1 is row-major. num_m: the M tiles
+    (the grid's upper bound cdiv(TK, BLOCK_M) + E, or a persistent kernel's exact count).
     """
-    num_m = tl.cdiv(TK, BLOCK_M) + E  # the grid's upper bound on M tiles
     in_group = GROUP_M * num_n
     first = (pid // in_group) * GROUP_M
     size = tl.minimum(num_m - first, GROUP_M)
@@ -68,7 +80,7 @@ def _up_proj_kernel(
     h_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order; written when STORE_H
     a_ptr,  # [TK, n] x.dtype, contiguous, expert order; written when STORE_A
     w_table_ptr,  # [2E] int64 element offsets from w1_ptr (gate rows, then up rows), read when W_TABLE
-    TK, d, n, E, top_k,
+    TK, d, n, E, top_k: tl.constexpr,
     stride_x_t, stride_x_d,
     stride_w1_e, stride_w1_o, stride_w1_i,
     stride_b1_e, stride_b1_o,
@@ -77,7 +89,7 @@ def _up_proj_kernel(
     STORE_H: tl.constexpr, STORE_A: tl.constexpr, E_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TOKEN_MAP: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED_GU: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, W_DESC: tl.constexpr = 0,
 ):
     """Grid: ((cdiv(TK, BLOCK_M) + E) * cdiv(n, BLOCK_N),). Program = (M tile of one expert, N tile),
     in `_grouped_order`.
@@ -87,8 +99,11 @@ def _up_proj_kernel(
     up rows of W1 as ONE [BLOCK_K, 2*BLOCK_N] tile, columns alternating gate/up, and issues one dot of
     width 2*BLOCK_N (the x tile is read from shared memory once per step instead of twice); the
     accumulator is split back into gate and up in the epilogue.
+
+    W_DESC (stacked weights, not interleaved): w1_ptr is a TMA descriptor over the weights (see
+    `_w_tile`) and each step issues two dots (gate, up) on the tiles as the copy engine lands them.
     """
-    tile, pid_n = _grouped_order(tl.program_id(0), TK, E, tl.cdiv(n, BLOCK_N), BLOCK_M, GROUP_M)
+    tile, pid_n = _grouped_order(tl.program_id(0), tl.cdiv(TK, BLOCK_M) + E, tl.cdiv(n, BLOCK_N), GROUP_M)
     expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
     if expert >= E:
         return
@@ -113,21 +128,34 @@ def _up_proj_kernel(
         gate_cols = cols
         up_cols = cols
         w_up_rows = cols
-    if W_TABLE:
-        gate_off = _table_offset(w_table_ptr, expert, W_ALIGN)
-        up_off = _table_offset(w_table_ptr, E + expert, W_ALIGN)
-    else:
-        gate_off = expert.to(tl.int64) * stride_w1_e
-        up_off = gate_off
-        if GATED and not INTERLEAVED:
-            up_off += n * stride_w1_o  # (gate_off is int64)
     ks = tl.arange(0, BLOCK_K)
-
     x_ptrs = x_ptr + tokens[:, None] * stride_x_t + ks[None, :] * stride_x_d  # [BM, BK]
-    wg_ptrs = w1_ptr + gate_off + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i  # [BK, BN]
-    wu_ptrs = w1_ptr + up_off + w_up_rows[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
+    if W_DESC == 0:
+        if W_TABLE:
+            gate_off = _table_offset(w_table_ptr, expert, W_ALIGN)
+            up_off = _table_offset(w_table_ptr, E + expert, W_ALIGN)
+        else:
+            gate_off = expert.to(tl.int64) * stride_w1_e
+            up_off = gate_off
+            if GATED and not INTERLEAVED:
+                up_off += n * stride_w1_o  # (gate_off is int64)
+        wg_ptrs = w1_ptr + gate_off + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
+        wu_ptrs = w1_ptr + up_off + w_up_rows[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
 
-    if FUSED_GU and GATED:
+    if W_DESC != 0:
+        col0 = pid_n * BLOCK_N
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            k_mask = (k0 + ks) < d
+            xa = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            wg = _w_tile(w1_ptr, expert, col0, k0, BLOCK_N, BLOCK_K, W_DESC)
+            acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PRECISION)
+            if GATED:  # concatenated: the up rows start n further on
+                wu = _w_tile(w1_ptr, expert, col0 + n, k0, BLOCK_N, BLOCK_K, W_DESC)
+                acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_x_d
+    elif FUSED_GU and GATED:
         c2 = tl.arange(0, 2 * BLOCK_N)
         j2 = pid_n * BLOCK_N + c2 // 2  # A column of each fused column; even: gate, odd: up
         is_up = (c2 % 2).to(tl.int64)
@@ -183,6 +211,18 @@ def _up_proj_kernel(
         tl.store(a_ptr + rows64[:, None] * n + cols[None, :], a.to(out_dtype), mask=mask)
 
 
+@triton.jit
+def _scatter_store(acc, expert, rows, row_mask, cols, col_mask, bias_ptr, stride_bias_e, sorted_rows_ptr, out_ptr,
+                   n_dim, HAS_BIAS: tl.constexpr):
+    """The scatter GEMMs' epilogue: + bias[e], then row r of the tile to its slot's row of out."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    out_ptrs = out_ptr + slots[:, None] * n_dim + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["TK"])
 def _scatter_gemm_kernel(
     in_ptr,  # [TK, k_dim] x.dtype, contiguous, expert order (A for the down-proj, dH for dX~)
@@ -205,7 +245,7 @@ def _scatter_gemm_kernel(
     with a gated W1 kept as separate gate and up tensors): rows k >= k_split of B[e] are the up
     tensor's rows k - k_split, counted from w_table[E + e].
     """
-    tile, pid_n = _grouped_order(tl.program_id(0), TK, E, tl.cdiv(n_dim, BLOCK_N), BLOCK_M, GROUP_M)
+    tile, pid_n = _grouped_order(tl.program_id(0), tl.cdiv(TK, BLOCK_M) + E, tl.cdiv(n_dim, BLOCK_N), GROUP_M)
     expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
     if expert >= E:
         return
@@ -237,10 +277,53 @@ def _scatter_gemm_kernel(
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_w_k
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + cols, mask=col_mask, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
+    _scatter_store(acc, expert, rows, row_mask, cols, col_mask, bias_ptr, stride_bias_e, sorted_rows_ptr, out_ptr,
+                   n_dim, HAS_BIAS)
 
-    slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    out_ptrs = out_ptr + slots[:, None] * n_dim + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+@triton.jit(do_not_specialize=["TK"])
+def _scatter_gemm_tma_kernel(
+    in_desc,  # TMA descriptor over in [TK, k_dim] x.dtype (contiguous, expert order), block [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor over the stacked weights (see `_w_tile`: W_DESC 1 [E, n_dim, k_dim], 2 [E, k_dim, n_dim])
+    bias_ptr,  # [E, n_dim] x.dtype, read when HAS_BIAS
+    sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
+    offsets_ptr,  # [E+1] int32
+    out_ptr,  # [TK, n_dim] x.dtype, contiguous, SLOT order
+    TK, k_dim, n_dim, E,
+    stride_bias_e,
+    HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, W_DESC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """`_scatter_gemm_kernel` for stacked weights as a persistent kernel: a few programs per SM walk
+    exactly the real (M tile, N tile) pairs, both operands arriving by TMA, and the tile loop is
+    flattened into the K loop so the next tile's loads are in flight during this tile's epilogue.
+    That overlap is the point: with fine-grained experts the reduction is short (k_dim = n = 256 in
+    the down-projection: four K steps), and one tile per program left the tensor cores idle through
+    every prologue and scattered store.
+
+    The A tile of an expert's last M tile may run into the next expert's rows (or past TK, read as
+    zeros); those rows are computed and never stored.
+    """
+    lo, hi, tiles, cum = _tile_schedule(offsets_ptr, E, BLOCK_M, E_POW2)
+    num_m = tl.sum(tiles, 0)
+    num_n = tl.cdiv(n_dim, BLOCK_N)
+    stride = tl.num_programs(0)
+    tile_c = tl.program_id(0) - stride  # the epilogue's own tile counter (kept apart for the pipeliner)
+    for tile_id in tl.range(tl.program_id(0), num_m * num_n, stride, flatten=True):
+        tile, pid_n = _grouped_order(tile_id, num_m, num_n, GROUP_M)
+        expert, row_start, row_end = _tile_lookup(lo, hi, tiles, cum, tile, BLOCK_M, E_POW2)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k_dim, BLOCK_K):
+            a = in_desc.load([row_start, k0])
+            w = _w_tile(w_desc, expert, pid_n * BLOCK_N, k0, BLOCK_N, BLOCK_K, W_DESC)
+            acc = tl.dot(a, w, acc)
+
+        tile_c += stride
+        tile, pid_n = _grouped_order(tile_c, num_m, num_n, GROUP_M)
+        expert, row_start, row_end = _tile_lookup(lo, hi, tiles, cum, tile, BLOCK_M, E_POW2)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_dim
+        _scatter_store(acc, expert, rows, row_mask, cols, col_mask, bias_ptr, stride_bias_e, sorted_rows_ptr,
+                       out_ptr, n_dim, HAS_BIAS)

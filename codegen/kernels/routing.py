@@ -4,7 +4,8 @@ one-program routing kernel of small batches (`_route_small_kernel`).
 Rows are in expert order: expert e owns rows [offsets[e], offsets[e+1]). With tiles of BLOCK_M rows,
 expert e needs cdiv(count_e, BLOCK_M) tiles, so sum_e cdiv(count_e, BLOCK_M) <= cdiv(TK, BLOCK_M) + E.
 The launchers size the grid from that upper bound (host integers only); a program whose tile index
-lies past the real total finds expert == E and exits. Computing the schedule in the program (an
+lies past the real total finds expert == E and exits. Persistent kernels (one program per SM)
+instead loop over exactly the real tiles, read from the same schedule. Computing the schedule in the program (an
 E-wide cumsum, E <= a few hundred) keeps BLOCK_M an autotuning parameter: no schedule tensor per tile
 size, and nothing for the host to wait on.
 """
@@ -13,24 +14,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _expert_tile(offsets_ptr, E, tile, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    """(expert, first row of this tile, end row of the expert) for M-tile number `tile`.
-
-    offsets_ptr: [E+1] int32, exclusive prefix of the per-expert row counts.
-    expert == E means `tile` is past the last real tile (the caller returns).
-    """
+def _tile_schedule(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """(first row, end row, M tiles, inclusive cumsum of the M tiles) of every expert, as E_POW2-wide
+    vectors (offsets_ptr: [E+1] int32, the exclusive prefix of the per-expert row counts)."""
     e_idx = tl.arange(0, E_POW2)
     in_range = e_idx < E
     lo = tl.load(offsets_ptr + e_idx, mask=in_range, other=0)
     hi = tl.load(offsets_ptr + e_idx + 1, mask=in_range, other=0)
     tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
-    cum = tl.cumsum(tiles, 0)  # inclusive: tiles of experts 0..e
+    return lo, hi, tiles, tl.cumsum(tiles, 0)
+
+
+@triton.jit
+def _tile_lookup(lo, hi, tiles, cum, tile, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """(expert, first row of this tile, end row of the expert) for M-tile number `tile` of the
+    schedule; expert == E when `tile` lies past the last real tile."""
+    e_idx = tl.arange(0, E_POW2)
     expert = tl.sum((cum <= tile).to(tl.int32), 0)
     this = e_idx == expert
     first_tile = tl.sum(tl.where(this, cum - tiles, 0), 0)
     row_lo = tl.sum(tl.where(this, lo, 0), 0)
     row_hi = tl.sum(tl.where(this, hi, 0), 0)
     return expert, row_lo + (tile - first_tile) * BLOCK_M, row_hi
+
+
+@triton.jit
+def _expert_tile(offsets_ptr, E, tile, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """(expert, first row of this tile, end row of the expert) for M-tile number `tile`; expert == E
+    means `tile` is past the last real tile (the caller returns)."""
+    lo, hi, tiles, cum = _tile_schedule(offsets_ptr, E, BLOCK_M, E_POW2)
+    return _tile_lookup(lo, hi, tiles, cum, tile, BLOCK_M, E_POW2)
 
 
 @triton.jit(do_not_specialize=["TK"], debug=True)
