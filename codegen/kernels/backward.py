@@ -77,8 +77,16 @@ def _act_grad_kernel(
 
 
 @triton.jit
+def _chunk_tokens(r0, hi, sorted_rows_ptr, row_token_ptr, top_k: tl.constexpr, TOKEN_MAP: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """The tokens of rows r0 .. r0 + BLOCK_M (0 past `hi`)."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    return _row_tokens(rows, rows < hi, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP)
+
+
+@triton.jit
 def _wgrad_chunk(
-    acc, db, r0, hi, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k: tl.constexpr, pid_p, pid_q, P, Q,
+    acc, db, r0, hi, tokens, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k: tl.constexpr, pid_p, pid_q, P, Q,
     stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c,
     GATHER_LHS: tl.constexpr, GATHER_RHS: tl.constexpr, LHS_DESC: tl.constexpr, RHS_DESC: tl.constexpr,
     BIAS_GRAD: tl.constexpr, BIAS_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr, TOKEN_MAP: tl.constexpr,
@@ -86,13 +94,12 @@ def _wgrad_chunk(
 ):
     """acc += Lhs[r0:r0+BLOCK_M, P tile]^T Rhs[r0:r0+BLOCK_M, Q tile] over the rows below `hi` (and
     db += the weighted column sums of Lhs). A *_DESC operand arrives by TMA; its rows past `hi`
-    (the next expert's) are zeroed in registers on the TAIL chunk, the only one that has any."""
+    (the next expert's) are zeroed in registers on the TAIL chunk, the only one that has any.
+    `tokens`: the token of each of the chunk's rows (`_chunk_tokens`), read when an operand is gathered."""
     rows = r0 + tl.arange(0, BLOCK_M)
     row_mask = rows < hi
     ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    if GATHER_LHS or GATHER_RHS:
-        tokens = _row_tokens(rows, row_mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP)
     if LHS_DESC:
         lhs = lhs_ptr.load([r0, pid_p * BLOCK_P])  # [BM, BP]
         if TAIL:
@@ -164,24 +171,26 @@ def _wgrad_kernel(
 
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     db = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    # the whole chunks (all of them without a descriptor: pointer loads mask their rows), then the
+    # descriptor's masked tail. Each chunk's tokens are loaded one chunk ahead, so the gathered rows'
+    # addresses never wait on an index load of the same step: dW1 926 -> 690 us, dW2 423 -> 382 us
+    # at the 7b-256 shape (H200), bit-identical results.
+    end = hi
     if LHS_DESC or RHS_DESC:
-        full_end = lo + ((hi - lo) // BLOCK_M) * BLOCK_M
-        for r0 in range(lo, full_end, BLOCK_M):
-            acc, db = _wgrad_chunk(
-                acc, db, r0, hi, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k, pid_p, pid_q, P, Q,
-                stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c, GATHER_LHS, GATHER_RHS, LHS_DESC, RHS_DESC,
-                BIAS_GRAD, BIAS_SCALED, DOT_PRECISION, TOKEN_MAP, False, BLOCK_M, BLOCK_P, BLOCK_Q)
-        if full_end < hi:
-            acc, db = _wgrad_chunk(
-                acc, db, full_end, hi, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k, pid_p, pid_q, P, Q,
-                stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c, GATHER_LHS, GATHER_RHS, LHS_DESC, RHS_DESC,
-                BIAS_GRAD, BIAS_SCALED, DOT_PRECISION, TOKEN_MAP, True, BLOCK_M, BLOCK_P, BLOCK_Q)
-    else:
-        for r0 in range(lo, hi, BLOCK_M):
-            acc, db = _wgrad_chunk(
-                acc, db, r0, hi, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k, pid_p, pid_q, P, Q,
-                stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c, GATHER_LHS, GATHER_RHS, LHS_DESC, RHS_DESC,
-                BIAS_GRAD, BIAS_SCALED, DOT_PRECISION, TOKEN_MAP, False, BLOCK_M, BLOCK_P, BLOCK_Q)
+        end = lo + ((hi - lo) // BLOCK_M) * BLOCK_M
+    tokens = _chunk_tokens(lo, hi, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP, BLOCK_M)
+    for r0 in range(lo, end, BLOCK_M):
+        next_tokens = _chunk_tokens(r0 + BLOCK_M, hi, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP, BLOCK_M)
+        acc, db = _wgrad_chunk(
+            acc, db, r0, hi, tokens, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k, pid_p, pid_q, P, Q,
+            stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c, GATHER_LHS, GATHER_RHS, LHS_DESC, RHS_DESC,
+            BIAS_GRAD, BIAS_SCALED, DOT_PRECISION, TOKEN_MAP, False, BLOCK_M, BLOCK_P, BLOCK_Q)
+        tokens = next_tokens
+    if end < hi:  # `tokens` holds this chunk's (loaded by the last whole chunk, or before the loop)
+        acc, db = _wgrad_chunk(
+            acc, db, end, hi, tokens, lhs_ptr, rhs_ptr, s_ptr, sorted_rows_ptr, row_token_ptr, top_k, pid_p, pid_q, P, Q,
+            stride_lhs_r, stride_lhs_c, stride_rhs_r, stride_rhs_c, GATHER_LHS, GATHER_RHS, LHS_DESC, RHS_DESC,
+            BIAS_GRAD, BIAS_SCALED, DOT_PRECISION, TOKEN_MAP, True, BLOCK_M, BLOCK_P, BLOCK_Q)
 
     ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
