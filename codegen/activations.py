@@ -22,6 +22,7 @@ GATED = {
     "relu2": False,  # relu(h)^2                                       (Nemotron-H)
     "gelu": False,  # gelu_erf(h)
     "silu": False,  # silu(h)
+    "swiglu_clamp": True,  # silu(min(g, limit)) * clamp(u, +-limit)       (DeepSeek-V4)
 }
 ACTIVATIONS = tuple(GATED)
 
@@ -115,6 +116,15 @@ def torch_activation_and_grad(
         # torch.clamp passes the gradient where the bound is not exceeded (bounds inclusive).
         dg = da * (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)) * (g <= limit)
         du = da * glu * ((u >= -limit) & (u <= limit))
+    elif activation == "swiglu_clamp":
+        gc = g.clamp(max=limit)
+        uc = u.clamp(min=-limit, max=limit)
+        act_g, dact_g = _silu_and_grad(gc)
+        a = act_g * uc
+        if da is None:
+            return a.to(out_dtype), None
+        dg = da * uc * dact_g * (g <= limit)
+        du = da * act_g * ((u >= -limit) & (u <= limit))
     else:
         act_g, dact_g = _unary_and_grad(activation, g)
         a = act_g * u

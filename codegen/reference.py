@@ -288,4 +288,6 @@ def _differentiable_activation(h: torch.Tensor, activation: str, flags: dict) ->
         g = g.clamp(max=limit)
         u = u.clamp(min=-limit, max=limit)
         return (u + 1) * (g * torch.sigmoid(g * alpha))
+    if activation == "swiglu_clamp":
+        return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
     return unary[activation](g) * u

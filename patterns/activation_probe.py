@@ -9,6 +9,7 @@ exact match (float64 round-off) names it; anything else is rejected with the rea
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 import torch.fx as fx
@@ -123,12 +124,16 @@ def identify_pair_activation(h_first: fx.Node, h_second: fx.Node, a: fx.Node) ->
 def name_activation(fn, w1_out: int, n: int, constants=(), tol: float = 1e-10, ops=()) -> dict | str:
     """Probe `fn: H [rows, w1_out] -> A [rows, n]` and name it among the op's activations.
 
-    `constants` are candidate (alpha, limit) values for gpt-oss's clamped SwiGLU (its defaults are
-    always tried). Returns a rejection reason when nothing matches to within `tol`.
+    `constants` (the numbers the sub-graph or module holds) are candidate (alpha, limit) values for
+    the clamped SwiGLUs (gpt-oss's defaults are always tried). Half the probe rows are scaled past
+    the largest of them, so a clamp or threshold anywhere in `fn` is crossed: a silu(min(g, 100)) * u
+    must not pass for a plain SwiGLU. Returns a rejection reason when nothing matches within `tol`.
     """
+    big = max((abs(c) for c in constants if math.isfinite(c)), default=0.0)
     try:
         gen = torch.Generator().manual_seed(0)
         probe = torch.randn(_PROBE_ROWS, w1_out, generator=gen, dtype=torch.float64) * 6.0
+        probe[_PROBE_ROWS // 2:] *= max(1.0, big / 3.0)  # past every constant, in float64 range
         got = fn(probe)
     except Exception as exc:  # an op that cannot run on a probe is not an activation we know
         return f"activation could not be evaluated on a probe ({type(exc).__name__}: {exc})"
@@ -143,6 +148,8 @@ def name_activation(fn, w1_out: int, n: int, constants=(), tol: float = 1e-10, o
         params = [_DEFAULT_OAI]
         if name == "swiglu_oai":
             params += [(al, li) for al in constants for li in constants if li > 0 and (al, li) != _DEFAULT_OAI]
+        elif name == "swiglu_clamp":  # no alpha: the limit alone
+            params = [(_DEFAULT_OAI[0], li) for li in dict.fromkeys([_DEFAULT_OAI[1], *constants]) if li > 0]
         for interleaved, (alpha, limit) in itertools.product(layouts, params):
             candidates.append((name, interleaved, alpha, limit))
     for name, interleaved, alpha, limit in candidates:

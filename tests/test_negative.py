@@ -97,6 +97,29 @@ def test_unsupported_activation_rejected(caplog):
     assert_close_to_eager(got, eager, what="logits")
 
 
+def test_probe_crosses_every_clamp_it_sees():
+    """An activation with a clamp beyond the usual probe range is not taken for its unclamped twin
+    (that would compute wrong values once H passes the bound); DeepSeek-V4's form is named with its
+    limit; a clamp with a bound it cannot name is rejected."""
+    from patterns.activation_probe import name_activation
+
+    n = 8
+
+    def gated(fn):
+        return lambda h: fn(h[:, :n], h[:, n:])
+
+    far = name_activation(gated(lambda g, u: nn.functional.silu(g.clamp(max=100.0)) * u), 2 * n, n, constants=[100.0])
+    assert isinstance(far, str) and "unsupported activation" in far, far
+    v4 = name_activation(gated(lambda g, u: nn.functional.silu(g.clamp(max=10.0)) * u.clamp(-10.0, 10.0)),
+                         2 * n, n, constants=[10.0])
+    assert v4 == {"activation": "swiglu_clamp", "interleaved": False, "alpha": 1.702, "limit": 10.0}
+    skew = name_activation(gated(lambda g, u: nn.functional.silu(g.clamp(max=10.0)) * u.clamp(-9.0, 9.0)),
+                           2 * n, n, constants=[10.0, 9.0])
+    assert isinstance(skew, str), skew
+    plain = name_activation(gated(lambda g, u: nn.functional.silu(g) * u), 2 * n, n, constants=[2048.0])
+    assert plain["activation"] == "swiglu"  # large unrelated constants only widen the probe
+
+
 def test_gelu_experts_are_geglu():
     """Not a negative: a different activation is probed and named, not assumed to be SwiGLU."""
     model = tiny_moe_model("qwen3_moe", hidden_act="gelu")

@@ -10,7 +10,8 @@ order of `codegen.activations.ACTIVATIONS`):
     4 relu2       relu(h)^2           (non-gated: `u` is ignored)
     5 gelu        gelu_erf(h)
     6 silu        silu(h)
-    7 identity    h               (internal: lets the up-projection kernel serve as a plain gathered GEMM)
+    7 swiglu_clamp  silu(g') * u',  g' = min(g, limit), u' = clamp(u, +-limit)   (DeepSeek-V4)
+    8 identity    h               (internal: lets the up-projection kernel serve as a plain gathered GEMM)
 
 Everything here is float32 math on float32 tiles; the callers upcast H and downcast the results.
 The formulas mirror `codegen.activations.torch_activation_and_grad` term by term.
@@ -84,6 +85,9 @@ def _act_fwd(g, u, alpha, limit, ACTIVATION: tl.constexpr):
         a = _unary_fwd(g, 1)
     elif ACTIVATION == 6:
         a = _unary_fwd(g, 0)
+    elif ACTIVATION == 7:
+        gc = tl.minimum(g, limit)
+        a = gc * tl.sigmoid(gc) * tl.minimum(tl.maximum(u, -limit), limit)
     else:
         a = g
     return a
@@ -107,6 +111,12 @@ def _act_bwd(g, u, da, alpha, limit, ACTIVATION: tl.constexpr):
         a = act_g * u
         dg = da * u * (s * (1.0 + g * (1.0 - s)))
         du = da * act_g
+    elif ACTIVATION == 7:
+        act_g, dact_g = _unary_fwd_and_grad(tl.minimum(g, limit), 0)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        a = act_g * uc
+        dg = tl.where(g <= limit, da * uc * dact_g, 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), da * act_g, 0.0)
     elif ACTIVATION == 1:
         act_g, dact_g = _unary_fwd_and_grad(g, 1)
         a = act_g * u
