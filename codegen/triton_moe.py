@@ -188,11 +188,11 @@ _wgrad_tma = triton.autotune(_tma_configs("wgrad"), key=["P", "Q", "E", "top_k"]
 def _tma_operand(t: Tensor, dims: tuple[int, ...], strides: tuple[int, ...]) -> TensorDescriptor | None:
     """A TMA descriptor over `t`'s storage read as `dims` through `strides` (the last one 1), or None
     when the copy engine cannot address it (off CUDA and the interpreter, not 16-bit, misaligned,
-    a zero-sized dim). The block shape is the autotune hook's to set."""
+    a zero-sized dim, a broadcast (stride 0) dim). The block shape is the autotune hook's to set."""
     if not USE_TMA or t.dtype not in (torch.float16, torch.bfloat16) or not (t.is_cuda or INTERPRETED):
         return None
     size = t.element_size()
-    if strides[-1] != 1 or any(s * size % 16 for s in strides[:-1]) or t.data_ptr() % 16 or min(dims) <= 0:
+    if strides[-1] != 1 or any(s <= 0 or s * size % 16 for s in strides[:-1]) or t.data_ptr() % 16 or min(dims) <= 0:
         return None
     if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
         return None

@@ -294,7 +294,7 @@ def _scatter_gemm_tma_kernel(
     HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, W_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """`_scatter_gemm_kernel` for stacked weights as a persistent kernel: a few programs per SM walk
+    """`_scatter_gemm_kernel` for stacked weights as a persistent kernel: one program per SM walks
     exactly the real (M tile, N tile) pairs, both operands arriving by TMA, and the tile loop is
     flattened into the K loop so the next tile's loads are in flight during this tile's epilogue.
     That overlap is the point: with fine-grained experts the reduction is short (k_dim = n = 256 in
