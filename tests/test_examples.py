@@ -41,3 +41,13 @@ def test_sweep_hf_families_runs(capsys):
     assert sweep_hf_families.main(["mixtral"]) == 0
     out = capsys.readouterr().out
     assert "mixtral" in out and "equal" in out and "rewritten 2" in out and "fused (MixtralExperts)" in out, out
+
+
+def test_sweep_rewrites_deepseek_v4_clamped_swiglu():
+    """DeepSeek-V4's experts (silu(min(g, limit)) * clamp(u, +-limit)) are named swiglu_clamp and
+    rewritten, one hash-routed and one top-k layer, loss and every gradient equal to eager."""
+    sys.path.insert(0, str(EXAMPLES.parent / "scripts"))
+    import sweep_hf_families
+
+    result = sweep_hf_families.run("deepseek_v4")
+    assert result["status"] == "equal" and result["rewritten"] == 2, result
