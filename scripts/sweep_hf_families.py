@@ -107,24 +107,27 @@ def run(family: str, enabled: bool = True) -> dict:
     return json.loads(lines[-1])
 
 
+# A step that fails with the rewrite on is re-run with it off: (its label when that run fails the
+# same way, its label when it does not: the rewrite's fault)
+_RECHECK = {
+    "DIFFERS": ("differs without the rewrite too (model not repeatable)", "WRONG REWRITE"),
+    "compiled step failed": ("torch.compile fails without the rewrite too",
+                             "BACKEND FAILS (the compiled step runs without the rewrite)"),
+}
+
+
 def main(argv=None) -> int:
     families = (argv if argv is not None else sys.argv[1:]) or FAMILIES
     wrong = []
     for family in families:
         result = run(family)
-        if result["status"] == "DIFFERS" and result["rewritten"]:
-            plain = run(family, enabled=False)
-            if plain["status"] == "DIFFERS":
-                result["status"] = "differs without the rewrite too (model not repeatable)"
+        status = result["status"]
+        if status in _RECHECK and (status != "DIFFERS" or result["rewritten"]):
+            also, blame = _RECHECK[status]
+            if run(family, enabled=False)["status"] == status:
+                result["status"] = also
             else:
-                result["status"] = "WRONG REWRITE"
-                wrong.append(family)
-        elif result["status"] == "compiled step failed":
-            plain = run(family, enabled=False)
-            if plain["status"] == "compiled step failed":
-                result["status"] = "torch.compile fails without the rewrite too"
-            else:
-                result["status"] = "BACKEND FAILS (the compiled step runs without the rewrite)"
+                result["status"] = blame
                 wrong.append(family)
         if "rewritten" in result:
             print(f"{family:18s} {result['status']:10s} rewritten {result['rewritten']}  loss {result['loss_rel']:.1e}  "
