@@ -78,13 +78,12 @@ def routing(x, wr, K, mode, keep_every_token=True):
 
 
 # --compiled-routing (the default on the GPU): the router and rounding compiled by Inductor, as
-# backend="sonic" compiles them in a model; the experts op is the same extern call either way.
-_compiled_routing = torch.compile(routing, dynamic=False)
-
-
-def layer(params, x, K, mode, keep_every_token=True, compiled=False):
+# backend="sonic" compiles them in a model; the experts op is the same extern call either way. One
+# compiled function per (shape, provider): a single shared one reaches Dynamo's recompile limit (8)
+# after a few providers and silently runs the rest eagerly.
+def layer(params, x, K, mode, keep_every_token=True, routing_fn=routing):
     """(out [T, d], expert id of every routed slot): the MoE layer with plain or rounded routing."""
-    ids, weights, slot_token = (_compiled_routing if compiled else routing)(x, params["wr"], K, mode, keep_every_token)
+    ids, weights, slot_token = routing_fn(x, params["wr"], K, mode, keep_every_token)
     out = moe_experts(x, ids, weights, params["w1"], params["w2"], slot_token=slot_token)
     return out, ids.reshape(-1)
 
@@ -154,9 +153,10 @@ def bench_provider(name, params, x, dy, shape, args):
             t.grad = None
 
     keep = not args.drop_orphans
+    routing_fn = torch.compile(routing, dynamic=False) if args.compiled_routing else routing
 
     def step():
-        out, _ = layer(params, xg, K, mode, keep, args.compiled_routing)
+        out, _ = layer(params, xg, K, mode, keep, routing_fn)
         out.backward(dy)
 
     sync(args.device)
@@ -166,7 +166,7 @@ def bench_provider(name, params, x, dy, shape, args):
     first_call_s = time.perf_counter() - t0
     zero()
     with torch.no_grad():
-        _, slot_ids = layer(params, xg, K, mode, keep, args.compiled_routing)
+        _, slot_ids = layer(params, xg, K, mode, keep, routing_fn)
     counts = expert_counts(slot_ids, E)
     pairs = int(counts.sum())
     pad = padded_rows(counts)
@@ -177,7 +177,7 @@ def bench_provider(name, params, x, dy, shape, args):
             step()
             sync(args.device)
         print(f"\n{name}: the GPU kernels of one step\n"
-              + prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+              + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
     times = time_steps(step, zero, args.iters, args.warmup, args.device)
     zero()
     ms = statistics.median(times)
