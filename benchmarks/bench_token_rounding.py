@@ -78,9 +78,9 @@ def routing(x, wr, K, mode, keep_every_token=True):
 
 
 # --compiled-routing (the default on the GPU): the router and rounding compiled by Inductor, as
-# backend="sonic" compiles them in a model; the experts op is the same extern call either way. One
-# compiled function per (shape, provider): a single shared one reaches Dynamo's recompile limit (8)
-# after a few providers and silently runs the rest eagerly.
+# backend="sonic" compiles them in a model; the experts op is the same extern call either way. Each
+# (shape, provider, grad mode) is a compiled entry of the same code object: past Dynamo's default
+# limit of 8 the rest would silently run eagerly, so main() raises it.
 def layer(params, x, K, mode, keep_every_token=True, routing_fn=routing):
     """(out [T, d], expert id of every routed slot): the MoE layer with plain or rounded routing."""
     ids, weights, slot_token = routing_fn(x, params["wr"], K, mode, keep_every_token)
@@ -237,6 +237,7 @@ def main(argv=None):
     command = [sys.executable, sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     print("command:", " ".join(shlex.quote(a) for a in command), flush=True)
     args.device = torch.device(args.device)
+    torch._dynamo.config.recompile_limit = 64  # see layer(): one compiled routing per shape and provider
     if args.compiled_routing is None:
         args.compiled_routing = args.device.type == "cuda"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)

@@ -8,8 +8,10 @@ Plain top-k first. Expert e receives c_e tokens; the grouped GEMM pads its last 
              (capped at T: an expert cannot take a token twice)
     nearest: per expert, whichever of the two is closer (a remainder of exactly M/2 rounds up)
 
-Everything runs on the device with fixed shapes (two [E, T] top-k selections of width tile - 1), no
-host sync, so it can be captured in a CUDA graph. The result is a dense assignment: `mask` [T, E]
+Everything runs on the device with fixed shapes, no host sync, so it can be captured in a CUDA
+graph. This module's torch functions are the reference (CPU, and the test oracle: two [E, T] top-k
+selections of width tile - 1 per expert); on CUDA, `codegen.kernels.rounding` does the same in three
+Triton kernels (a per-expert radix select instead of the top-k selections). The result is a dense assignment: `mask` [T, E]
 (token t goes to expert e) and `weights` [T, E] (its combine weight: the top-k weight where the pair
 was in the top-k, the router probability where rounding up added it, 0 elsewhere).
 
@@ -22,13 +24,14 @@ layer output, as a capacity-limited router would do).
 
 `round_routing` turns the result into the slot form that `sonic::moe_experts` takes (flat ids with
 -1 padding, weights, and the token of each slot), with a static number of slots, so the rounded
-layer runs on the same kernels. It is the composite op `sonic::round_routing_slots` (torch ops
-underneath, which Inductor fuses under torch.compile), differentiable in the weights: the gradient
-of a kept top-k pair goes to its top-k weight, that of a pair added by rounding up to the router
-probability. The compiler option `sonic.token_rounding` inserts it in
+layer runs on the same kernels. It is the op `sonic::round_routing_slots`, differentiable in the
+weights: the gradient of a kept top-k pair goes to its top-k weight, that of a pair added by
+rounding up to the router probability (torch ops, which Inductor fuses under torch.compile). The compiler option `sonic.token_rounding` inserts it in
 front of every rewritten MoE whose router scores it can see (see the README).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -123,22 +126,9 @@ def slot_capacity(T, E, K, tile: int, mode: str):
     return torch.sym_min(T * K + E * extra, T * E)
 
 
-# A composite op: one node in the graph (AOTAutograd's cache wants op targets), and under
-# torch.compile it decomposes into the torch ops below, which Inductor fuses; autograd follows them.
-_LIB = torch.library.Library("sonic", "FRAGMENT")
-_LIB.define(
-    "round_routing_slots(Tensor router_probs, Tensor topk_ids, Tensor topk_weights, int tile, str mode, "
-    "bool keep_every_token) -> (Tensor, Tensor, Tensor)"
-)
-
-
-@torch.library.impl(_LIB, "round_routing_slots", "CompositeImplicitAutograd")
-def _round_routing_slots(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
-    """(slot_ids int32 [S] (-1: padding), slot_weights [S], slot_token int32 [S]), token-major."""
-    T, E = router_probs.shape
-    S = slot_capacity(T, E, topk_ids.shape[1], tile, mode)
-    mask, weights = token_rounding(router_probs, topk_ids, topk_weights, tile=tile, mode=mode,
-                                   keep_every_token=keep_every_token)
+def _slots_of_mask(mask: Tensor, weights: Tensor, S) -> tuple[Tensor, Tensor, Tensor]:
+    """The slot form of a [T, E] assignment: its pairs token-major (experts ascending), then padding."""
+    T, E = mask.shape
     flat = mask.reshape(-1)
     position = torch.cumsum(flat, 0) - 1  # row-major [T, E]: token-major, experts ascending
     target = torch.where(flat & (position < S), position, S)
@@ -149,6 +139,124 @@ def _round_routing_slots(router_probs, topk_ids, topk_weights, tile, mode, keep_
     slot_token = (pair // E).to(torch.int32)  # padding slots carry T: they sort after every token
     padded = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
     return slot_ids, padded[pair], slot_token
+
+
+def _restore(assign: Tensor, best: Tensor, best_pair: Tensor, tokens: Tensor) -> None:
+    """assign[best[t], t] = best_pair[t] + 1 for the tokens flagged (in place, no host sync)."""
+    T = assign.shape[1]
+    where = best * T + torch.arange(T, device=assign.device)
+    flat = assign.view(-1)
+    flat.scatter_(0, where, torch.where(tokens, (best_pair + 1).to(torch.int8), flat[where]))
+
+
+def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
+    """`round_routing` by the Triton kernels of `codegen.kernels.rounding` (same result as the
+    reference where no two candidates of an expert tie in probability; ties go to the lower token)."""
+    import triton
+
+    from .kernels import rounding as kr
+
+    T, E = router_probs.shape
+    K = topk_ids.shape[1]
+    S = slot_capacity(T, E, K, tile, mode)
+    device = router_probs.device
+    slot_ids = torch.full((S,), -1, dtype=torch.int32, device=device)
+    slot_w = torch.zeros(S, dtype=topk_weights.dtype, device=device)
+    slot_token = torch.full((S,), T, dtype=torch.int32, device=device)
+    if T == 0 or S == 0:
+        return slot_ids, slot_w, slot_token
+    probs_t = torch.empty(E, T, dtype=torch.float32, device=device)
+    assign = torch.empty(E, T, dtype=torch.int8, device=device)
+    kr._transpose_kernel[(triton.cdiv(T, 64), triton.cdiv(E, 64))](
+        router_probs, topk_ids, probs_t, assign, T, E, *router_probs.stride(), *topk_ids.stride(),
+        K=K, BLOCK_T=64, BLOCK_E=64)
+    block = min(triton.next_power_of_2(T), 1024)
+    counts = (assign != 0).sum(1, dtype=torch.int32)
+    kr._select_kernel[(E,)](probs_t, assign, counts, counts, T, tile, MODE=kr.MODES[mode], BLOCK_T=block,
+                            num_warps=16)
+    per_token = (assign != 0).sum(0, dtype=torch.int32)
+    if keep_every_token:
+        best_pair = topk_weights.float().argmax(1, keepdim=True)
+        best = topk_ids.gather(1, best_pair).long()  # [T, 1]
+        best_pair = (topk_ids == best).int().argmax(1)  # its first pair (a token may list it twice)
+        best = best[:, 0]
+        orphans = per_token == 0
+        n_swap = torch.zeros(E, dtype=torch.int32, device=device).scatter_add_(0, best, orphans.int())
+        kr._select_kernel[(E,)](probs_t, assign, n_swap, per_token, T, tile, MODE=kr.MODES["swap"], BLOCK_T=block,
+                                num_warps=16)
+        _restore(assign, best, best_pair, orphans)
+        per_token = (assign != 0).sum(0, dtype=torch.int32)
+        orphans = per_token == 0  # swapped out by two experts at once: back to the best one
+        _restore(assign, best, best_pair, orphans)
+        per_token = per_token + orphans.int()
+    first_slot = torch.cumsum(per_token, 0, dtype=torch.int32) - per_token
+    block_t = max(1, 8192 // triton.next_power_of_2(E))
+    kr._emit_slots_kernel[(triton.cdiv(T, block_t),)](
+        assign, router_probs, topk_weights, first_slot, slot_ids, slot_w, slot_token, T, E, S,
+        *router_probs.stride(), *topk_weights.stride(), BLOCK_T=block_t, E_POW2=triton.next_power_of_2(E))
+    return slot_ids, slot_w, slot_token
+
+
+def _use_triton(router_probs: Tensor) -> bool:
+    if router_probs.device.type != "cuda" or os.environ.get("SONIC_MOE_KERNEL", "auto") == "reference":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# One op in the graph (AOTAutograd's cache wants op targets). Forward: the Triton kernels on CUDA,
+# the torch reference elsewhere; backward (torch ops, so Inductor fuses it): each slot's weight
+# gradient goes to the top-k weight it came from, or to the router probability of an added pair.
+@torch.library.custom_op("sonic::round_routing_slots", mutates_args=())
+def _round_routing_slots(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor, tile: int, mode: str,
+                         keep_every_token: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(slot_ids int32 [S] (-1: padding), slot_weights [S], slot_token int32 [S]), token-major."""
+    if _use_triton(router_probs):
+        return _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token)
+    T, E = router_probs.shape
+    with torch.no_grad():
+        mask, weights = token_rounding(router_probs, topk_ids, topk_weights, tile=tile, mode=mode,
+                                       keep_every_token=keep_every_token)
+        return _slots_of_mask(mask, weights, slot_capacity(T, E, topk_ids.shape[1], tile, mode))
+
+
+@_round_routing_slots.register_fake
+def _(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
+    T, E = router_probs.shape
+    S = slot_capacity(T, E, topk_ids.shape[1], tile, mode)
+    return (topk_ids.new_empty(S, dtype=torch.int32), topk_weights.new_empty(S),
+            topk_ids.new_empty(S, dtype=torch.int32))
+
+
+def _setup_rounding_context(ctx, inputs, output):
+    router_probs, topk_ids, topk_weights = inputs[:3]
+    slot_ids, _, slot_token = output
+    ctx.save_for_backward(topk_ids, slot_ids, slot_token)
+    ctx.shapes = (router_probs.shape, router_probs.dtype, topk_weights.dtype)
+
+
+def _rounding_backward(ctx, _grad_ids, grad_w, _grad_token):
+    topk_ids, slot_ids, slot_token = ctx.saved_tensors
+    (T, E), probs_dtype, weights_dtype = ctx.shapes
+    K = topk_ids.shape[1]
+    if grad_w is None or T == 0:
+        return None, None, None, None, None, None
+    token = slot_token.long().clamp(max=T - 1)  # padding slots carry T (and id -1, weight 0)
+    expert = slot_ids.long()
+    pairs = topk_ids[token] == expert[:, None]  # [S, K]: the top-k pair a slot came from, if any
+    from_topk = pairs.any(1)
+    grad_w = torch.where(expert >= 0, grad_w, 0)
+    d_weights = torch.zeros(T * K, dtype=weights_dtype, device=grad_w.device).scatter_add_(
+        0, token * K + pairs.int().argmax(1), torch.where(from_topk, grad_w, 0))
+    d_probs = torch.zeros(T * E, dtype=probs_dtype, device=grad_w.device).scatter_add_(
+        0, token * E + expert.clamp(min=0), torch.where(from_topk, 0, grad_w).to(probs_dtype))
+    return d_probs.view(T, E), None, d_weights.view(T, K), None, None, None
+
+
+_round_routing_slots.register_autograd(_rounding_backward, setup_context=_setup_rounding_context)
 
 
 def round_routing(

@@ -291,6 +291,63 @@ def test_slot_form_token_rounding(tm, mode, dtype):
     _check_against_oracle(tm, slots, go, _FLAGS, _TOL[dtype])
 
 
+def _rounding_case(T, E, K, seed, skew=False):
+    """Router probabilities with no two equal in a column (fp64 softmax), top-k ids, fp16 weights."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=gen, dtype=torch.float64) * 3
+    if skew:
+        logits[:, 0] += 8  # expert 0 takes nearly every token
+    probs = logits.softmax(-1).float()
+    top, ids = probs.topk(K, dim=-1)
+    return probs, ids, (top / top.sum(-1, keepdim=True)).half()
+
+
+def _reference_slots(probs, ids, weights, tile, mode, keep):
+    from codegen.token_rounding import _slots_of_mask, slot_capacity, token_rounding
+
+    mask, w = token_rounding(probs, ids, weights, tile=tile, mode=mode, keep_every_token=keep)
+    return _slots_of_mask(mask, w, slot_capacity(*probs.shape, ids.shape[1], tile, mode))
+
+
+@pytest.mark.parametrize("T,E,K,tile,skew", [(37, 5, 2, 4, False), (300, 8, 2, 16, False), (64, 3, 3, 8, True),
+                                             (129, 6, 1, 32, False), (150, 7, 7, 8, False), (1, 4, 1, 4, False)])
+@pytest.mark.parametrize("keep", [True, False])
+def test_rounding_kernels_match_reference(tm, T, E, K, tile, skew, keep):
+    """The Triton rounding (CUDA's path) picks the same pairs and weights as the torch reference, in
+    every mode; K=1 with 32-row tiles and the skewed case make orphans that keep_every_token keeps."""
+    from codegen.token_rounding import MODES, _round_routing_triton
+
+    probs, ids, weights = _rounding_case(T, E, K, seed=T + E)
+    for mode in MODES:
+        got = _round_routing_triton(probs, ids, weights, tile, mode, keep)
+        for name, a, b in zip(("ids", "weights", "tokens"), got, _reference_slots(probs, ids, weights, tile, mode, keep)):
+            assert torch.equal(a, b), (mode, name)
+
+
+def test_rounding_kernels_layouts_ties_and_no_tokens(tm):
+    from codegen.token_rounding import _round_routing_triton, round_token_counts
+
+    probs, ids, weights = _rounding_case(90, 6, 2, seed=3)
+    want = _round_routing_triton(probs, ids, weights, 8, "nearest", True)
+    strided = _round_routing_triton(probs.t().contiguous().t(), ids.int(), weights.t().contiguous().t(), 8,
+                                    "nearest", True)  # column-major probs and weights, int32 ids
+    assert all(torch.equal(a, b) for a, b in zip(strided, want))
+    # all probabilities equal: ties go to the lower token, so each expert drops its first members
+    T, E, tile = 45, 4, 4
+    ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:2] for t in range(T)])
+    flat = torch.full((T, E), 1.0 / E)
+    slot_ids, _, slot_token = _round_routing_triton(flat, ids, torch.full((T, 2), 0.5), tile, "down", False)
+    counts = torch.zeros(T, E, dtype=torch.bool).scatter_(1, ids, True)
+    for e in range(E):
+        members = counts[:, e].nonzero()[:, 0]
+        kept = slot_token[slot_ids == e].long()
+        n_keep = int(round_token_counts(counts[:, e].sum()[None], tile, "down", T))
+        assert torch.equal(kept, members[len(members) - n_keep:]), e
+    empty = _round_routing_triton(torch.empty(0, 4), torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2), 4,
+                                  "up", True)
+    assert [t.numel() for t in empty] == [0, 0, 0]
+
+
 def test_slot_form_padding_anywhere(tm):
     # padding inside a token's slots, and token 3 with no expert at all (its output and dx are 0)
     inputs, go = _make(9, 32, 16, 4, 2, torch.float32, bias=True, seed=2)
@@ -663,6 +720,29 @@ def test_gpu_token_rounding_is_sync_free_and_capturable(first_config_only):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, step())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["down", "up", "nearest"])
+def test_gpu_rounding_kernels_match_reference(mode):
+    """round_routing on CUDA (the Triton kernels) against the torch reference on the CPU, at 128-row
+    tiles: the same slots and weights, and the same gradients of the probabilities and weights."""
+    from codegen.token_rounding import round_routing
+
+    probs, ids, weights = _rounding_case(4096, 64, 4, seed=7)
+    weights = weights.bfloat16()
+    coef = None
+    results = {}
+    for device in ("cpu", "cuda"):
+        p = probs.detach().to(device).requires_grad_()
+        w = weights.detach().to(device).requires_grad_()
+        slot_ids, slot_w, slot_token = round_routing(p, ids.to(device), w, mode=mode)
+        if coef is None:
+            coef = torch.randn(slot_w.shape, generator=torch.Generator().manual_seed(1))
+        (slot_w.float() * coef.to(device)).sum().backward()
+        results[device] = [t.cpu() for t in (slot_ids, slot_w, slot_token, p.grad, w.grad)]
+    for name, a, b in zip(("ids", "weights", "tokens", "d probs", "d weights"), results["cuda"], results["cpu"]):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

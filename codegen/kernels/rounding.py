@@ -1,0 +1,148 @@
+"""Token rounding on the device in three Triton kernels (the launcher is `codegen.token_rounding`).
+
+The state is one int8 matrix `assign` [E, T], expert-major: 0 = token t is not routed to expert e,
+j + 1 = it is, as its top-k pair j (the first j where a token lists e twice), -1 = it is, added by
+rounding up. `probs_t` [E, T] fp32 holds the router probabilities in the same layout, so a program
+owning one expert reads both rows contiguously.
+
+    _transpose_kernel   probs [T, E], ids [T, K] -> probs_t, assign (the plain top-k)
+    _select_kernel      per expert: pick the n smallest candidates by (key, token) and flip them
+    _emit_slots_kernel  assign -> the token-major slot form (ids, weights, tokens)
+
+The selection is a radix select on an order-preserving 32-bit key of the probability (descending
+selections flip it): eight passes, each counting the candidates of every value of the next four bits
+under the prefix found so far, fix the n-th smallest key v; the last pass takes every candidate
+below v and the first n - #(below v) candidates equal to v in token order. No sort, no host sync.
+"""
+import triton
+import triton.language as tl
+
+ADDED = tl.constexpr(-1)  # `assign` value of a pair added by rounding up
+
+# _select_kernel MODE: how an expert's n and candidates are found (MODES: the launcher's codes)
+DOWN = tl.constexpr(0)
+UP = tl.constexpr(1)
+NEAREST = tl.constexpr(2)
+SWAP = tl.constexpr(3)
+MODES = {"down": 0, "up": 1, "nearest": 2, "swap": 3}
+
+
+@triton.jit
+def _transpose_kernel(probs_ptr, ids_ptr, probs_t_ptr, assign_ptr, T, E, stride_pt, stride_pe,
+                      stride_it, stride_ik, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    live = (t[:, None] < T) & (e[None, :] < E)
+    p = tl.load(probs_ptr + t[:, None] * stride_pt + e[None, :] * stride_pe, mask=live, other=0.0)
+    slot = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+    for jj in tl.static_range(K):  # last j first, so a duplicated expert keeps its first pair
+        j = K - 1 - jj
+        ids = tl.load(ids_ptr + t * stride_it + j * stride_ik, mask=t < T, other=-1)
+        slot = tl.where(ids[:, None] == e[None, :], j + 1, slot)
+    out = e[None, :].to(tl.int64) * T + t[:, None]
+    tl.store(probs_t_ptr + out, p.to(tl.float32), mask=live)
+    tl.store(assign_ptr + out, slot.to(tl.int8), mask=live)
+
+
+@triton.jit
+def _ordered_key(p, member, candidates_are_members):
+    """uint32 keys whose unsigned order is the float order of p, reversed for outsiders (an expert
+    adds its most probable outsiders: the smallest keys of the reversed order)."""
+    bits = p.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+    return tl.where(candidates_are_members, key, ~key)
+
+
+@triton.jit
+def _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MODE: tl.constexpr):
+    """(candidate flags, keys) of tokens t in one expert's row."""
+    live = t < T
+    a = tl.load(assign_ptr + row + t, mask=live, other=0)
+    cand = live & ((a != 0) == members)
+    if MODE == SWAP:
+        cand = cand & (tl.load(token_count_ptr + t, mask=live, other=0) >= 2)
+    key = _ordered_key(tl.load(probs_t_ptr + row + t, mask=live, other=0.0), a != 0, members)
+    return cand, key
+
+
+@triton.jit
+def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, T, tile,
+                   MODE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program per expert. DOWN/UP/NEAREST: n_ptr holds the expert's plain top-k count; the
+    expert moves to its rounded count by dropping its weakest members or adding its most probable
+    outsiders. SWAP: n_ptr holds how many of its weakest spare members (tokens routed to another
+    expert too, per token_count_ptr) the expert drops. The digit counts of a pass accumulate per
+    thread ([BLOCK_T, 16]) and are reduced once at its end."""
+    expert = tl.program_id(0)
+    row = expert.to(tl.int64) * T
+    count = tl.load(n_ptr + expert)
+    if MODE == SWAP:
+        n = count
+        members = count >= 0  # candidates are members (that keep another expert)
+    else:
+        down = (count // tile) * tile
+        up = tl.minimum(down + tl.where(count > down, tile, 0), T)
+        if MODE == DOWN:
+            target = down
+        elif MODE == UP:
+            target = up
+        else:
+            target = tl.where(2 * (count - down) >= tile, up, down)
+        members = count > target
+        n = tl.where(members, count - target, target - count)
+    if n > 0:
+        bins = tl.arange(0, 16)
+        prefix = tl.zeros((), dtype=tl.uint32)
+        rank = n  # the rank (from 1) of the wanted key among the keys under `prefix`
+        take_all = n < 0
+        for p in tl.static_range(8):
+            shift = 28 - 4 * p
+            acc = tl.zeros((BLOCK_T, 16), dtype=tl.int32)
+            for start in range(0, T, BLOCK_T):
+                cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, start + tl.arange(0, BLOCK_T),
+                                        T, members, MODE)
+                if shift < 28:
+                    cand = cand & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
+                digit = ((key >> shift) & 15).to(tl.int32)
+                acc += ((digit[:, None] == bins[None, :]) & cand[:, None]).to(tl.int32)
+            hist = tl.sum(acc, 0)
+            if shift == 28:  # n or fewer candidates: take them all (the search below is moot)
+                take_all = tl.sum(hist, 0) <= n
+            cum = tl.cumsum(hist, 0)
+            d = tl.minimum(tl.sum((cum < rank).to(tl.int32), 0), 15)
+            rank -= tl.sum(tl.where(bins < d, hist, 0), 0)
+            prefix = prefix | (d.to(tl.uint32) << shift)
+        # take every candidate below `prefix` and the first `rank` equal to it
+        taken = tl.zeros((), dtype=tl.int32)
+        new = tl.where(members, 0, ADDED).to(tl.int8)
+        for start in range(0, T, BLOCK_T):
+            t = start + tl.arange(0, BLOCK_T)
+            cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MODE)
+            tie = cand & (key == prefix)
+            tie_rank = taken + tl.cumsum(tie.to(tl.int32), 0) - tie.to(tl.int32)
+            pick = tl.where(take_all, cand, cand & ((key < prefix) | (tie & (tie_rank < rank))))
+            taken += tl.sum(tie.to(tl.int32), 0)
+            tl.store(assign_ptr + row + t, new, mask=pick)
+
+
+@triton.jit
+def _emit_slots_kernel(assign_ptr, probs_ptr, weights_ptr, first_slot_ptr, slot_ids_ptr, slot_w_ptr,
+                       slot_token_ptr, T, E, S, stride_pt, stride_pe, stride_wt, stride_wk,
+                       BLOCK_T: tl.constexpr, E_POW2: tl.constexpr):
+    """The slots of BLOCK_T tokens: each token's experts in ascending order from its first slot;
+    weight = the top-k weight of a top-k pair, the router probability of an added pair."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_POW2)
+    live = (t[:, None] < T) & (e[None, :] < E)
+    a = tl.load(assign_ptr + e[None, :].to(tl.int64) * T + t[:, None], mask=live, other=0).to(tl.int32)
+    routed = a != 0
+    rank = tl.cumsum(routed.to(tl.int32), 1) - routed.to(tl.int32)
+    slot = tl.load(first_slot_ptr + t, mask=t < T, other=0)[:, None] + rank
+    keep = routed & (slot < S)
+    topk = a > 0
+    w_topk = tl.load(weights_ptr + t[:, None] * stride_wt + (a - 1) * stride_wk, mask=keep & topk, other=0.0)
+    w_added = tl.load(probs_ptr + t[:, None] * stride_pt + e[None, :] * stride_pe, mask=keep & ~topk, other=0.0)
+    w = tl.where(topk, w_topk, w_added.to(w_topk.dtype))
+    tl.store(slot_ids_ptr + slot, tl.broadcast_to(e[None, :], (BLOCK_T, E_POW2)), mask=keep)
+    tl.store(slot_token_ptr + slot, tl.broadcast_to(t[:, None], (BLOCK_T, E_POW2)), mask=keep)
+    tl.store(slot_w_ptr + slot, w, mask=keep)
