@@ -141,14 +141,6 @@ def _slots_of_mask(mask: Tensor, weights: Tensor, S) -> tuple[Tensor, Tensor, Te
     return slot_ids, padded[pair], slot_token
 
 
-def _restore(assign: Tensor, best: Tensor, best_pair: Tensor, tokens: Tensor) -> None:
-    """assign[best[t], t] = best_pair[t] + 1 for the tokens flagged (in place, no host sync)."""
-    T = assign.shape[1]
-    where = best * T + torch.arange(T, device=assign.device)
-    flat = assign.view(-1)
-    flat.scatter_(0, where, torch.where(tokens, (best_pair + 1).to(torch.int8), flat[where]))
-
-
 def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
     """`round_routing` by the Triton kernels of `codegen.kernels.rounding` (same result as the
     reference where no two candidates of an expert tie in probability; ties go to the lower token)."""
@@ -167,33 +159,29 @@ def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep
         return slot_ids, slot_w, slot_token
     probs_t = torch.empty(E, T, dtype=torch.float32, device=device)
     assign = torch.empty(E, T, dtype=torch.int8, device=device)
+    per_token = torch.empty(T, dtype=torch.int32, device=device)
+    n_swap = torch.zeros(E, dtype=torch.int32, device=device)
     kr._transpose_kernel[(triton.cdiv(T, 64), triton.cdiv(E, 64))](
         router_probs, topk_ids, probs_t, assign, T, E, *router_probs.stride(), *topk_ids.stride(),
         K=K, BLOCK_T=64, BLOCK_E=64)
+    e_pow2 = triton.next_power_of_2(E)
     block = min(triton.next_power_of_2(T), 1024)
-    counts = (assign != 0).sum(1, dtype=torch.int32)
-    kr._select_kernel[(E,)](probs_t, assign, counts, counts, T, tile, MODE=kr.MODES[mode], BLOCK_T=block,
+    block_t = max(1, 8192 // e_pow2)
+    token_grid = (triton.cdiv(T, block_t),)
+    token_args = (assign, topk_ids, topk_weights, per_token, n_swap, T, E, *topk_ids.stride(), *topk_weights.stride(),
+                  K)
+    token_meta = dict(K_POW2=triton.next_power_of_2(K), BLOCK_T=block_t, E_POW2=e_pow2)
+    kr._select_kernel[(E,)](probs_t, assign, n_swap, per_token, T, tile, MODE=kr.MODES[mode], BLOCK_T=block,
                             num_warps=16)
-    per_token = (assign != 0).sum(0, dtype=torch.int32)
+    kr._token_pass_kernel[token_grid](*token_args, KEEP=keep_every_token, FIRST=True, **token_meta)
     if keep_every_token:
-        best_pair = topk_weights.float().argmax(1, keepdim=True)
-        best = topk_ids.gather(1, best_pair).long()  # [T, 1]
-        best_pair = (topk_ids == best).int().argmax(1)  # its first pair (a token may list it twice)
-        best = best[:, 0]
-        orphans = per_token == 0
-        n_swap = torch.zeros(E, dtype=torch.int32, device=device).scatter_add_(0, best, orphans.int())
         kr._select_kernel[(E,)](probs_t, assign, n_swap, per_token, T, tile, MODE=kr.MODES["swap"], BLOCK_T=block,
                                 num_warps=16)
-        _restore(assign, best, best_pair, orphans)
-        per_token = (assign != 0).sum(0, dtype=torch.int32)
-        orphans = per_token == 0  # swapped out by two experts at once: back to the best one
-        _restore(assign, best, best_pair, orphans)
-        per_token = per_token + orphans.int()
+        kr._token_pass_kernel[token_grid](*token_args, KEEP=True, FIRST=False, **token_meta)
     first_slot = torch.cumsum(per_token, 0, dtype=torch.int32) - per_token
-    block_t = max(1, 8192 // triton.next_power_of_2(E))
-    kr._emit_slots_kernel[(triton.cdiv(T, block_t),)](
+    kr._emit_slots_kernel[token_grid](
         assign, router_probs, topk_weights, first_slot, slot_ids, slot_w, slot_token, T, E, S,
-        *router_probs.stride(), *topk_weights.stride(), BLOCK_T=block_t, E_POW2=triton.next_power_of_2(E))
+        *router_probs.stride(), *topk_weights.stride(), BLOCK_T=block_t, E_POW2=e_pow2, num_warps=8)
     return slot_ids, slot_w, slot_token
 
 

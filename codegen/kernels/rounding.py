@@ -1,4 +1,4 @@
-"""Token rounding on the device in three Triton kernels (the launcher is `codegen.token_rounding`).
+"""Token rounding on the device in four Triton kernels (the launcher is `codegen.token_rounding`).
 
 The state is one int8 matrix `assign` [E, T], expert-major: 0 = token t is not routed to expert e,
 j + 1 = it is, as its top-k pair j (the first j where a token lists e twice), -1 = it is, added by
@@ -7,7 +7,11 @@ owning one expert reads both rows contiguously.
 
     _transpose_kernel   probs [T, E], ids [T, K] -> probs_t, assign (the plain top-k)
     _select_kernel      per expert: pick the n smallest candidates by (key, token) and flip them
+    _token_pass_kernel  per token: its expert count; keep_every_token's return of orphans
     _emit_slots_kernel  assign -> the token-major slot form (ids, weights, tokens)
+
+In order: transpose, select (the rounding), then with keep_every_token a token pass, a select that
+swaps out spare members, a second token pass; without it one token pass; a cumsum; emit.
 
 The selection is a radix select on an order-preserving 32-bit key of the probability (descending
 selections flip it): eight passes, each counting the candidates of every value of the next four bits
@@ -68,18 +72,22 @@ def _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MO
 @triton.jit
 def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, T, tile,
                    MODE: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One program per expert. DOWN/UP/NEAREST: n_ptr holds the expert's plain top-k count; the
-    expert moves to its rounded count by dropping its weakest members or adding its most probable
-    outsiders. SWAP: n_ptr holds how many of its weakest spare members (tokens routed to another
-    expert too, per token_count_ptr) the expert drops. The digit counts of a pass accumulate per
-    thread ([BLOCK_T, 16]) and are reduced once at its end."""
+    """One program per expert. DOWN/UP/NEAREST: the expert moves from its plain top-k count to its
+    rounded count by dropping its weakest members or adding its most probable outsiders. SWAP:
+    n_ptr holds how many of its weakest spare members (tokens routed to another expert too, per
+    token_count_ptr) the expert drops. A pass counts per thread ([BLOCK_T, 16]) and reduces once at
+    its end; each chunk's loads are issued one chunk ahead. (Measured on an H100: counting the whole
+    row at once, with one reduction per digit value, was slower.)"""
     expert = tl.program_id(0)
     row = expert.to(tl.int64) * T
-    count = tl.load(n_ptr + expert)
     if MODE == SWAP:
-        n = count
-        members = count >= 0  # candidates are members (that keep another expert)
+        n = tl.load(n_ptr + expert)
+        members = n >= 0  # candidates are members (that keep another expert)
     else:
+        count = tl.zeros((), dtype=tl.int32)
+        for start in range(0, T, BLOCK_T):
+            t = start + tl.arange(0, BLOCK_T)
+            count += tl.sum((tl.load(assign_ptr + row + t, mask=t < T, other=0) != 0).to(tl.int32), 0)
         down = (count // tile) * tile
         up = tl.minimum(down + tl.where(count > down, tile, 0), T)
         if MODE == DOWN:
@@ -98,13 +106,17 @@ def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, T, tile,
         for p in tl.static_range(8):
             shift = 28 - 4 * p
             acc = tl.zeros((BLOCK_T, 16), dtype=tl.int32)
+            cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, tl.arange(0, BLOCK_T), T, members,
+                                    MODE)
             for start in range(0, T, BLOCK_T):
-                cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, start + tl.arange(0, BLOCK_T),
-                                        T, members, MODE)
+                # the next chunk's loads are issued before this chunk's counting (past T: masked)
+                next_cand, next_key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row,
+                                                  start + BLOCK_T + tl.arange(0, BLOCK_T), T, members, MODE)
                 if shift < 28:
                     cand = cand & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
                 digit = ((key >> shift) & 15).to(tl.int32)
                 acc += ((digit[:, None] == bins[None, :]) & cand[:, None]).to(tl.int32)
+                cand, key = next_cand, next_key
             hist = tl.sum(acc, 0)
             if shift == 28:  # n or fewer candidates: take them all (the search below is moot)
                 take_all = tl.sum(hist, 0) <= n
@@ -126,6 +138,37 @@ def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, T, tile,
 
 
 @triton.jit
+def _token_pass_kernel(assign_ptr, ids_ptr, weights_ptr, per_token_ptr, n_swap_ptr, T, E, stride_it, stride_ik,
+                       stride_wt, stride_wk, K, KEEP: tl.constexpr, FIRST: tl.constexpr, K_POW2: tl.constexpr,
+                       BLOCK_T: tl.constexpr, E_POW2: tl.constexpr):
+    """Per token: how many experts it has (per_token). KEEP: a token with none goes back to its best
+    top-k expert (largest weight, first pair listing it). FIRST (after the rounding): per_token keeps
+    the count before that, and n_swap counts each expert's returning tokens (the members it swaps
+    out next); the second pass (after the swap) catches a token swapped out by two experts."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_POW2)
+    live = t < T
+    a = tl.load(assign_ptr + e[:, None].to(tl.int64) * T + t[None, :], mask=(e[:, None] < E) & live[None, :],
+                other=0)
+    count = tl.sum((a != 0).to(tl.int32), 0)
+    if KEEP:
+        j = tl.arange(0, K_POW2)
+        pair = live[:, None] & (j[None, :] < K)
+        w = tl.load(weights_ptr + t[:, None] * stride_wt + j[None, :] * stride_wk, mask=pair, other=float("-inf"))
+        ids = tl.load(ids_ptr + t[:, None] * stride_it + j[None, :] * stride_ik, mask=pair, other=-1)
+        top = tl.argmax(w.to(tl.float32), 1, tie_break_left=True)
+        best = tl.sum(tl.where(j[None, :] == top[:, None], ids, 0), 1)
+        best_pair = tl.min(tl.where(ids == best[:, None], j[None, :], K_POW2), 1)
+        orphan = live & (count == 0)
+        tl.store(assign_ptr + best.to(tl.int64) * T + t, (best_pair + 1).to(tl.int8), mask=orphan)
+        if FIRST:
+            tl.atomic_add(n_swap_ptr + best, tl.full((BLOCK_T,), 1, tl.int32), mask=orphan)
+        else:
+            count = tl.where(orphan, 1, count)
+    tl.store(per_token_ptr + t, count, mask=live)
+
+
+@triton.jit
 def _emit_slots_kernel(assign_ptr, probs_ptr, weights_ptr, first_slot_ptr, slot_ids_ptr, slot_w_ptr,
                        slot_token_ptr, T, E, S, stride_pt, stride_pe, stride_wt, stride_wk,
                        BLOCK_T: tl.constexpr, E_POW2: tl.constexpr):
@@ -133,16 +176,16 @@ def _emit_slots_kernel(assign_ptr, probs_ptr, weights_ptr, first_slot_ptr, slot_
     weight = the top-k weight of a top-k pair, the router probability of an added pair."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_POW2)
-    live = (t[:, None] < T) & (e[None, :] < E)
-    a = tl.load(assign_ptr + e[None, :].to(tl.int64) * T + t[:, None], mask=live, other=0).to(tl.int32)
+    live = (e[:, None] < E) & (t[None, :] < T)
+    a = tl.load(assign_ptr + e[:, None].to(tl.int64) * T + t[None, :], mask=live, other=0).to(tl.int32)
     routed = a != 0
-    rank = tl.cumsum(routed.to(tl.int32), 1) - routed.to(tl.int32)
-    slot = tl.load(first_slot_ptr + t, mask=t < T, other=0)[:, None] + rank
+    rank = tl.cumsum(routed.to(tl.int32), 0) - routed.to(tl.int32)
+    slot = tl.load(first_slot_ptr + t, mask=t < T, other=0)[None, :] + rank
     keep = routed & (slot < S)
     topk = a > 0
-    w_topk = tl.load(weights_ptr + t[:, None] * stride_wt + (a - 1) * stride_wk, mask=keep & topk, other=0.0)
-    w_added = tl.load(probs_ptr + t[:, None] * stride_pt + e[None, :] * stride_pe, mask=keep & ~topk, other=0.0)
+    w_topk = tl.load(weights_ptr + t[None, :] * stride_wt + (a - 1) * stride_wk, mask=keep & topk, other=0.0)
+    w_added = tl.load(probs_ptr + t[None, :] * stride_pt + e[:, None] * stride_pe, mask=keep & ~topk, other=0.0)
     w = tl.where(topk, w_topk, w_added.to(w_topk.dtype))
-    tl.store(slot_ids_ptr + slot, tl.broadcast_to(e[None, :], (BLOCK_T, E_POW2)), mask=keep)
-    tl.store(slot_token_ptr + slot, tl.broadcast_to(t[:, None], (BLOCK_T, E_POW2)), mask=keep)
+    tl.store(slot_ids_ptr + slot, tl.broadcast_to(e[:, None], (E_POW2, BLOCK_T)), mask=keep)
+    tl.store(slot_token_ptr + slot, tl.broadcast_to(t[None, :], (E_POW2, BLOCK_T)), mask=keep)
     tl.store(slot_w_ptr + slot, w, mask=keep)
