@@ -185,8 +185,11 @@ def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep
     return slot_ids, slot_w, slot_token
 
 
-def _use_triton(router_probs: Tensor) -> bool:
+def _use_triton(router_probs: Tensor, topk_ids: Tensor) -> bool:
+    """The kernels on CUDA; their int8 state holds a top-k pair index + 1, so K <= 126."""
     if router_probs.device.type != "cuda" or os.environ.get("SONIC_MOE_KERNEL", "auto") == "reference":
+        return False
+    if topk_ids.shape[1] > 126:
         return False
     try:
         import triton  # noqa: F401
@@ -202,7 +205,9 @@ def _use_triton(router_probs: Tensor) -> bool:
 def _round_routing_slots(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor, tile: int, mode: str,
                          keep_every_token: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(slot_ids int32 [S] (-1: padding), slot_weights [S], slot_token int32 [S]), token-major."""
-    if _use_triton(router_probs):
+    if mode not in MODES:
+        raise ValueError(f"token rounding mode must be one of {MODES}, got {mode!r}")
+    if _use_triton(router_probs, topk_ids):
         return _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token)
     T, E = router_probs.shape
     with torch.no_grad():
