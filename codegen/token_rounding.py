@@ -10,10 +10,11 @@ Plain top-k first. Expert e receives c_e tokens; the grouped GEMM pads its last 
 
 Everything runs on the device with fixed shapes, no host sync, so it can be captured in a CUDA
 graph. This module's torch functions are the reference (CPU, and the test oracle: two [E, T] top-k
-selections of width tile - 1 per expert); on CUDA, `codegen.kernels.rounding` does the same in three
-Triton kernels (a per-expert radix select instead of the top-k selections). The result is a dense assignment: `mask` [T, E]
-(token t goes to expert e) and `weights` [T, E] (its combine weight: the top-k weight where the pair
-was in the top-k, the router probability where rounding up added it, 0 elsewhere).
+selections of width tile - 1 per expert); on CUDA, `codegen.kernels.rounding` does the same in four
+Triton kernels (a per-expert radix select instead of the top-k selections). The result is a dense
+assignment: `mask` [T, E] (token t goes to expert e) and `weights` [T, E] (its combine weight: the
+top-k weight where the pair was in the top-k, the router probability where rounding up added it, 0
+elsewhere).
 
 A token can lose every expert when its only experts all round down. With `keep_every_token=True`
 (the default) such a token goes back to its best top-k expert, and that expert drops as many more of
@@ -26,8 +27,9 @@ layer output, as a capacity-limited router would do).
 -1 padding, weights, and the token of each slot), with a static number of slots, so the rounded
 layer runs on the same kernels. It is the op `sonic::round_routing_slots`, differentiable in the
 weights: the gradient of a kept top-k pair goes to its top-k weight, that of a pair added by
-rounding up to the router probability (torch ops, which Inductor fuses under torch.compile). The compiler option `sonic.token_rounding` inserts it in
-front of every rewritten MoE whose router scores it can see (see the README).
+rounding up to the router probability (torch ops, which Inductor fuses under torch.compile). The
+compiler option `sonic.token_rounding` inserts it in front of every rewritten MoE whose router
+scores it can see (see the README).
 """
 from __future__ import annotations
 
