@@ -188,10 +188,10 @@ def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep
 
 
 def _use_triton(router_probs: Tensor, topk_ids: Tensor) -> bool:
-    """The kernels on CUDA; their int8 state holds a top-k pair index + 1, so K <= 126."""
+    """The kernels on CUDA; their int8 state holds a top-k pair index + 1, so 1 <= K <= 126."""
     if router_probs.device.type != "cuda" or os.environ.get("SONIC_MOE_KERNEL", "auto") == "reference":
         return False
-    if topk_ids.shape[1] > 126:
+    if not 1 <= topk_ids.shape[1] <= 126:
         return False
     try:
         import triton  # noqa: F401

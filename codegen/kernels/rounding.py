@@ -49,7 +49,7 @@ def _transpose_kernel(probs_ptr, ids_ptr, probs_t_ptr, assign_ptr, T, E, stride_
 
 
 @triton.jit
-def _ordered_key(p, member, candidates_are_members):
+def _ordered_key(p, candidates_are_members):
     """uint32 keys whose unsigned order is the float order of p, reversed for outsiders (an expert
     adds its most probable outsiders: the smallest keys of the reversed order)."""
     bits = p.to(tl.uint32, bitcast=True)
@@ -65,7 +65,7 @@ def _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MO
     cand = live & ((a != 0) == members)
     if MODE == SWAP:
         cand = cand & (tl.load(token_count_ptr + t, mask=live, other=0) >= 2)
-    key = _ordered_key(tl.load(probs_t_ptr + row + t, mask=live, other=0.0), a != 0, members)
+    key = _ordered_key(tl.load(probs_t_ptr + row + t, mask=live, other=0.0), members)
     return cand, key
 
 
