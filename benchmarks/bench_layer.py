@@ -282,6 +282,9 @@ def main():
     for p in providers:
         assert p in PROVIDERS, f"unknown provider {p}"
     os.makedirs(args.out, exist_ok=True)
+    # the compiled providers (compile, sonic) add one Dynamo entry per shape to the same code object:
+    # past the default limit of 8 the remaining shapes would silently run eagerly
+    torch._dynamo.config.recompile_limit = 64
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}", flush=True)
 
