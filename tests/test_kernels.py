@@ -304,26 +304,31 @@ def _rounding_case(T, E, K, seed, skew=False):
     return probs, ids, (top / top.sum(-1, keepdim=True)).half()
 
 
-def _reference_slots(probs, ids, weights, tile, mode, keep):
-    from codegen.token_rounding import _slots_of_mask, slot_capacity, token_rounding
+def _assert_rounding_kernels_match_reference(probs, ids, weights, tile, keep):
+    """The kernels' slots (ids, weights, tokens) equal the torch reference's, in every mode."""
+    from codegen.token_rounding import (
+        MODES,
+        _round_routing_triton,
+        _slots_of_mask,
+        slot_capacity,
+        token_rounding,
+    )
 
-    mask, w = token_rounding(probs, ids, weights, tile=tile, mode=mode, keep_every_token=keep)
-    return _slots_of_mask(mask, w, slot_capacity(*probs.shape, ids.shape[1], tile, mode))
+    for mode in MODES:
+        mask, w = token_rounding(probs, ids, weights, tile=tile, mode=mode, keep_every_token=keep)
+        want = _slots_of_mask(mask, w, slot_capacity(*probs.shape, ids.shape[1], tile, mode))
+        got = _round_routing_triton(probs, ids, weights, tile, mode, keep)
+        for name, a, b in zip(("ids", "weights", "tokens"), got, want):
+            assert torch.equal(a, b), (mode, name)
 
 
 @pytest.mark.parametrize("T,E,K,tile,skew", [(37, 5, 2, 4, False), (300, 8, 2, 16, False), (64, 3, 3, 8, True),
                                              (129, 6, 1, 32, False), (150, 7, 7, 8, False), (1, 4, 1, 4, False)])
 @pytest.mark.parametrize("keep", [True, False])
 def test_rounding_kernels_match_reference(tm, T, E, K, tile, skew, keep):
-    """The Triton rounding (CUDA's path) picks the same pairs and weights as the torch reference, in
-    every mode; K=1 with 32-row tiles and the skewed case make orphans that keep_every_token keeps."""
-    from codegen.token_rounding import MODES, _round_routing_triton
-
-    probs, ids, weights = _rounding_case(T, E, K, seed=T + E)
-    for mode in MODES:
-        got = _round_routing_triton(probs, ids, weights, tile, mode, keep)
-        for name, a, b in zip(("ids", "weights", "tokens"), got, _reference_slots(probs, ids, weights, tile, mode, keep)):
-            assert torch.equal(a, b), (mode, name)
+    """The Triton rounding (CUDA's path) picks the same pairs and weights as the torch reference;
+    K=1 with 32-row tiles and the skewed case make orphans that keep_every_token keeps."""
+    _assert_rounding_kernels_match_reference(*_rounding_case(T, E, K, seed=T + E), tile, keep)
 
 
 @pytest.mark.skipif(not _INTERPRETING, reason="interpreted kernels run in the child process")
@@ -331,14 +336,8 @@ def test_rounding_kernels_match_reference(tm, T, E, K, tile, skew, keep):
 @given(T=st.integers(1, 150), E=st.integers(2, 10), K=st.integers(1, 10), tile=st.sampled_from([2, 4, 8, 16, 32]),
        seed=st.integers(0, 2**16), skew=st.booleans(), keep=st.booleans())
 def test_rounding_kernels_match_reference_anywhere(T, E, K, tile, seed, skew, keep):
-    """Random shapes, tiles and skews: the kernels' slots equal the reference's in every mode."""
-    from codegen.token_rounding import MODES, _round_routing_triton
-
-    probs, ids, weights = _rounding_case(T, E, min(K, E), seed=seed, skew=skew)
-    for mode in MODES:
-        got = _round_routing_triton(probs, ids, weights, tile, mode, keep)
-        for name, a, b in zip(("ids", "weights", "tokens"), got, _reference_slots(probs, ids, weights, tile, mode, keep)):
-            assert torch.equal(a, b), (mode, name)
+    """Random shapes, tiles and skews."""
+    _assert_rounding_kernels_match_reference(*_rounding_case(T, E, min(K, E), seed=seed, skew=skew), tile, keep)
 
 
 def test_rounding_kernels_layouts_ties_and_no_tokens(tm):
