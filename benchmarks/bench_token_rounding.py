@@ -79,11 +79,14 @@ def routing(x, wr, K, mode, keep_every_token=True):
 
 # --compiled-routing (the default on the GPU): the router and rounding compiled by Inductor, as
 # backend="sonic" compiles them in a model; the experts op is the same extern call either way. Each
-# (shape, provider, grad mode) is a compiled entry of the same code object: past Dynamo's default
+# (shape, provider, grad mode) is a compiled entry of this one code object: past Dynamo's default
 # limit of 8 the rest would silently run eagerly, so main() raises it.
-def layer(params, x, K, mode, keep_every_token=True, routing_fn=routing):
+_compiled_routing = torch.compile(routing, dynamic=False)
+
+
+def layer(params, x, K, mode, keep_every_token=True, compiled=False):
     """(out [T, d], expert id of every routed slot): the MoE layer with plain or rounded routing."""
-    ids, weights, slot_token = routing_fn(x, params["wr"], K, mode, keep_every_token)
+    ids, weights, slot_token = (_compiled_routing if compiled else routing)(x, params["wr"], K, mode, keep_every_token)
     out = moe_experts(x, ids, weights, params["w1"], params["w2"], slot_token=slot_token)
     return out, ids.reshape(-1)
 
@@ -153,10 +156,9 @@ def bench_provider(name, params, x, dy, shape, args):
             t.grad = None
 
     keep = not args.drop_orphans
-    routing_fn = torch.compile(routing, dynamic=False) if args.compiled_routing else routing
 
     def step():
-        out, _ = layer(params, xg, K, mode, keep, routing_fn)
+        out, _ = layer(params, xg, K, mode, keep, args.compiled_routing)
         out.backward(dy)
 
     sync(args.device)
@@ -166,7 +168,7 @@ def bench_provider(name, params, x, dy, shape, args):
     first_call_s = time.perf_counter() - t0
     zero()
     with torch.no_grad():
-        _, slot_ids = layer(params, xg, K, mode, keep, routing_fn)
+        _, slot_ids = layer(params, xg, K, mode, keep, args.compiled_routing)
     counts = expert_counts(slot_ids, E)
     pairs = int(counts.sum())
     pad = padded_rows(counts)
@@ -237,7 +239,7 @@ def main(argv=None):
     command = [sys.executable, sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     print("command:", " ".join(shlex.quote(a) for a in command), flush=True)
     args.device = torch.device(args.device)
-    torch._dynamo.config.recompile_limit = 64  # see layer(): one compiled routing per shape and provider
+    torch._dynamo.config.recompile_limit = 64  # see _compiled_routing: one entry per shape and provider
     if args.compiled_routing is None:
         args.compiled_routing = args.device.type == "cuda"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)

@@ -33,8 +33,6 @@ scores it can see (see the README).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -188,16 +186,11 @@ def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep
 
 
 def _use_triton(router_probs: Tensor, topk_ids: Tensor) -> bool:
-    """The kernels on CUDA; their int8 state holds a top-k pair index + 1, so 1 <= K <= 126."""
-    if router_probs.device.type != "cuda" or os.environ.get("SONIC_MOE_KERNEL", "auto") == "reference":
-        return False
-    if not 1 <= topk_ids.shape[1] <= 126:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Where the experts op runs its Triton kernels (CUDA, SONIC_MOE_KERNEL not "reference"); their
+    int8 state holds a top-k pair index + 1, so 1 <= K <= 126."""
+    from .ops import _triton_backend
+
+    return 1 <= topk_ids.shape[1] <= 126 and _triton_backend(router_probs) is not None
 
 
 # One op in the graph (AOTAutograd's cache wants op targets). Forward: the Triton kernels on CUDA,
