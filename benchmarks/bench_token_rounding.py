@@ -18,7 +18,9 @@ fp32), top-k, weights renormalized over the k and cast to x's dtype; SwiGLU expe
 The timed step is router + (rounding) + experts, forward and backward (dx, dWr, dW1, dW2, through
 the router and the rounding): the router work is identical in every provider. Per provider: median
 step ms over --iters steps after --warmup steps (a CUDA event pair per step, one sync after the
-last; perf_counter around each step on the CPU), speedup vs topk, routed pairs (real slots) vs T*K,
+last; perf_counter around each step on the CPU: a step whose launches take the host longer than the
+GPU's work times the host), with --cuda-graph the same for the step replayed from a CUDA graph (the
+GPU's time alone), speedup vs topk, routed pairs (real slots) vs T*K,
 slots (the static capacity `slot_capacity` the kernels are launched over), the padded-tile rows
 sum_e (ceil(c_e / M) * M - c_e) as a fraction of the rows the GEMMs compute, host syncs seen in one
 step (torch.cuda sync debug mode), and the first call's time (compile + autotune in this process:
@@ -131,6 +133,23 @@ def time_steps(step, zero, iters, warmup, device):
     return times
 
 
+def graphed(step, zero):
+    """`step` captured in a CUDA graph (after warm-up steps on a side stream), as its replay: the
+    step's GPU time without the host's launch cost. The grads are the graph's own tensors."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            zero()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def count_host_syncs(step, device):
     """Synchronizing CUDA calls made by one step (torch.cuda.set_sync_debug_mode), or None on the CPU."""
     if device.type != "cuda":
@@ -183,8 +202,13 @@ def bench_provider(name, params, x, dy, shape, args):
     times = time_steps(step, zero, args.iters, args.warmup, args.device)
     zero()
     ms = statistics.median(times)
+    graph_ms = None
+    if args.cuda_graph and args.device.type == "cuda":
+        graph_ms = statistics.median(time_steps(graphed(step, zero), lambda: None, args.iters, args.warmup,
+                                                args.device))
+        zero()
     return dict(
-        provider=name, mode=mode, fwdbwd_ms=ms, min_ms=min(times), iters=len(times),
+        provider=name, mode=mode, fwdbwd_ms=ms, min_ms=min(times), iters=len(times), graph_ms=graph_ms,
         fwdbwd_tflops=18 * T * K * d * n / ms * 1e-9,
         pairs=pairs, topk_pairs=T * K, slots=slot_ids.numel(),
         capacity=T * K if mode in (None, "slots") else slot_capacity(T, E, K, M_TILE, mode),
@@ -209,11 +233,13 @@ def make_inputs(shape, device, dtype, seed):
 
 
 def print_table(results):
-    print("\n| shape | provider | fwd+bwd ms | x topk | pairs / T*K | slots | padded rows | off-tile experts "
-          "| host syncs | first call s |")
-    print("|" + "---|" * 10)
+    print("\n| shape | provider | fwd+bwd ms | x topk | CUDA graph ms | x topk | pairs / T*K | slots | padded rows "
+          "| off-tile experts | host syncs | first call s |")
+    print("|" + "---|" * 12)
     for r in results:
-        print(f"| {r['shape']} | {r['provider']} | {r['fwdbwd_ms']:.3f} | {r['speedup_vs_topk']:.3f} "
+        graph = ("- | -" if r["graph_ms"] is None else
+                 f"{r['graph_ms']:.3f} | {r.get('graph_speedup_vs_topk', float('nan')):.3f}")
+        print(f"| {r['shape']} | {r['provider']} | {r['fwdbwd_ms']:.3f} | {r['speedup_vs_topk']:.3f} | {graph} "
               f"| {r['pairs']} / {r['topk_pairs']} ({r['pairs'] / r['topk_pairs'] - 1:+.2%}) | {r['slots']} "
               f"| {r['pad_rows']} ({r['pad_fraction']:.2%}) | {r['counts_off_tile']}/{r['E']} "
               f"| {'-' if r['host_syncs'] is None else r['host_syncs']} | {r['first_call_s']:.1f} |")
@@ -233,6 +259,8 @@ def main(argv=None):
                          "instead of kept by its best expert (whose count then leaves the tile multiple)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--profile", action="store_true", help="print each provider's GPU kernel times for one step")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also time each provider's step replayed from a CUDA graph (GPU time, no launch cost)")
     ap.add_argument("--compiled-routing", action=argparse.BooleanOptionalAction, default=None,
                     help="compile router + rounding with Inductor (default: on for cuda, off for cpu)")
     args = ap.parse_args(argv)
@@ -262,7 +290,8 @@ def main(argv=None):
             r = bench_provider(prov, params, x, dy, shape, args)
             r.update(shape=sname, T=T, d=d, n=n, E=E, K=K, dtype=str(dtype))
             results.append(r)
-            print(f"{sname:>11} {prov:>13}: {r['fwdbwd_ms']:8.3f} ms  pairs {r['pairs']} / {T * K}  "
+            graph = "" if r["graph_ms"] is None else f" (graph {r['graph_ms']:.3f} ms)"
+            print(f"{sname:>11} {prov:>13}: {r['fwdbwd_ms']:8.3f} ms{graph}  pairs {r['pairs']} / {T * K}  "
                   f"padded rows {r['pad_rows']} ({r['pad_fraction']:.2%})  first {r['first_call_s']:.1f}s", flush=True)
         del params, x, dy
         if args.device.type == "cuda":
@@ -270,6 +299,8 @@ def main(argv=None):
     for r in results:
         base = next((b for b in results if b["shape"] == r["shape"] and b["provider"] == "topk"), None)
         r["speedup_vs_topk"] = base["fwdbwd_ms"] / r["fwdbwd_ms"] if base else float("nan")
+        if base and r["graph_ms"] is not None:
+            r["graph_speedup_vs_topk"] = base["graph_ms"] / r["graph_ms"]
 
     print_table(results)
     os.makedirs(args.out, exist_ok=True)

@@ -141,6 +141,12 @@ def _slots_of_mask(mask: Tensor, weights: Tensor, S) -> tuple[Tensor, Tensor, Te
     return slot_ids, padded[pair], slot_token
 
 
+# The select kernel's chunk of a row, and how many candidates on the radix prefix it lists to finish
+# on them instead of the whole row (tests shrink both to reach every branch at small T).
+_SELECT_BLOCK = 1024
+_SELECT_CAP = 4096
+
+
 def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
     """`round_routing` by the Triton kernels of `codegen.kernels.rounding` (same result as the
     reference where no two candidates of an expert tie in probability; ties go to the lower token)."""
@@ -165,18 +171,19 @@ def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep
         router_probs, topk_ids, probs_t, assign, T, E, *router_probs.stride(), *topk_ids.stride(),
         K=K, BLOCK_T=64, BLOCK_E=64)
     e_pow2 = triton.next_power_of_2(E)
-    block = min(triton.next_power_of_2(T), 1024)
+    block = min(triton.next_power_of_2(T), _SELECT_BLOCK)
     block_t = max(1, 8192 // e_pow2)
     token_grid = (triton.cdiv(T, block_t),)
     token_args = (assign, topk_ids, topk_weights, per_token, n_swap, T, E, *topk_ids.stride(), *topk_weights.stride(),
                   K)
     token_meta = dict(K_POW2=triton.next_power_of_2(K), BLOCK_T=block_t, E_POW2=e_pow2)
-    kr._select_kernel[(E,)](probs_t, assign, n_swap, per_token, T, tile, MODE=kr.MODES[mode], BLOCK_T=block,
-                            num_warps=16)
+    cap = min(T, _SELECT_CAP)
+    scratch = torch.empty(E, cap, dtype=torch.int32, device=device)
+    select_args = (probs_t, assign, n_swap, per_token, scratch, T, tile, cap)
+    kr._select_kernel[(E,)](*select_args, MODE=kr.MODES[mode], BLOCK_T=block, num_warps=16)
     kr._token_pass_kernel[token_grid](*token_args, KEEP=keep_every_token, FIRST=True, **token_meta)
     if keep_every_token:
-        kr._select_kernel[(E,)](probs_t, assign, n_swap, per_token, T, tile, MODE=kr.MODES["swap"], BLOCK_T=block,
-                                num_warps=16)
+        kr._select_kernel[(E,)](*select_args, MODE=kr.MODES["swap"], BLOCK_T=block, num_warps=16)
         kr._token_pass_kernel[token_grid](*token_args, KEEP=True, FIRST=False, **token_meta)
     first_slot = torch.cumsum(per_token, 0, dtype=torch.int32) - per_token
     kr._emit_slots_kernel[token_grid](

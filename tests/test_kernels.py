@@ -13,9 +13,12 @@ capture, and no recompilation when only T changes.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -322,10 +325,33 @@ def _assert_rounding_kernels_match_reference(probs, ids, weights, tile, keep):
             assert torch.equal(a, b), (mode, name)
 
 
+# (row chunk, list cap) of the select kernel: the defaults (at these T every expert's candidates are
+# listed before the first radix pass), whole-row passes then a list of one chunk, and a list of
+# several chunks
+_SELECT_SIZES = [None, (16, 8), (8, 32)]
+
+
+@contextlib.contextmanager
+def _select_sizes(sizes):
+    # the module (codegen's namespace binds its name to the function token_rounding)
+    token_rounding = importlib.import_module("codegen.token_rounding")
+    if sizes is None:
+        yield
+    else:
+        with mock.patch.multiple(token_rounding, _SELECT_BLOCK=sizes[0], _SELECT_CAP=sizes[1]):
+            yield
+
+
+@pytest.fixture(params=_SELECT_SIZES, ids=["default-select", "row-passes", "long-list"])
+def select_sizes(request):
+    with _select_sizes(request.param):
+        yield
+
+
 @pytest.mark.parametrize("T,E,K,tile,skew", [(37, 5, 2, 4, False), (300, 8, 2, 16, False), (64, 3, 3, 8, True),
                                              (129, 6, 1, 32, False), (150, 7, 7, 8, False), (1, 4, 1, 4, False)])
 @pytest.mark.parametrize("keep", [True, False])
-def test_rounding_kernels_match_reference(tm, T, E, K, tile, skew, keep):
+def test_rounding_kernels_match_reference(tm, select_sizes, T, E, K, tile, skew, keep):
     """The Triton rounding (CUDA's path) picks the same pairs and weights as the torch reference;
     K=1 with 32-row tiles and the skewed case make orphans that keep_every_token keeps."""
     _assert_rounding_kernels_match_reference(*_rounding_case(T, E, K, seed=T + E), tile, keep)
@@ -334,13 +360,14 @@ def test_rounding_kernels_match_reference(tm, T, E, K, tile, skew, keep):
 @pytest.mark.skipif(not _INTERPRETING, reason="interpreted kernels run in the child process")
 @settings(max_examples=15)
 @given(T=st.integers(1, 150), E=st.integers(2, 10), K=st.integers(1, 10), tile=st.sampled_from([2, 4, 8, 16, 32]),
-       seed=st.integers(0, 2**16), skew=st.booleans(), keep=st.booleans())
-def test_rounding_kernels_match_reference_anywhere(T, E, K, tile, seed, skew, keep):
-    """Random shapes, tiles and skews."""
-    _assert_rounding_kernels_match_reference(*_rounding_case(T, E, min(K, E), seed=seed, skew=skew), tile, keep)
+       seed=st.integers(0, 2**16), skew=st.booleans(), keep=st.booleans(), select=st.sampled_from(_SELECT_SIZES))
+def test_rounding_kernels_match_reference_anywhere(T, E, K, tile, seed, skew, keep, select):
+    """Random shapes, tiles, skews and select-kernel sizes."""
+    with _select_sizes(select):
+        _assert_rounding_kernels_match_reference(*_rounding_case(T, E, min(K, E), seed=seed, skew=skew), tile, keep)
 
 
-def test_rounding_kernels_layouts_ties_and_no_tokens(tm):
+def test_rounding_kernels_layouts_ties_and_no_tokens(tm, select_sizes):
     from codegen.token_rounding import _round_routing_triton, round_token_counts
 
     probs, ids, weights = _rounding_case(90, 6, 2, seed=3)

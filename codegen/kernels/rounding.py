@@ -70,23 +70,52 @@ def _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MO
 
 
 @triton.jit
-def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, T, tile,
+def _digit_counts(acc, cand, key, prefix, shift):
+    """acc [BLOCK, 16] += one-hot of the 4-bit digit at `shift` of the candidates whose higher bits
+    equal prefix's (two shifts, so shift = 28 never shifts by 32)."""
+    ks = key >> shift
+    cand = cand & ((ks >> 4) == ((prefix >> shift) >> 4))
+    digit = (ks & 15).to(tl.int32)
+    return acc + ((digit[:, None] == tl.arange(0, 16)[None, :]) & cand[:, None]).to(tl.int32)
+
+
+@triton.jit
+def _next_digit(acc, rank):
+    """(digit, rank within it, candidates with it) of the rank-th smallest key, from a pass's counts."""
+    hist = tl.sum(acc, 0)
+    bins = tl.arange(0, 16)
+    d = tl.minimum(tl.sum((tl.cumsum(hist, 0) < rank).to(tl.int32), 0), 15)
+    return d, rank - tl.sum(tl.where(bins < d, hist, 0), 0), tl.sum(tl.where(bins == d, hist, 0), 0)
+
+
+@triton.jit
+def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, scratch_ptr, T, tile, cap,
                    MODE: tl.constexpr, BLOCK_T: tl.constexpr):
     """One program per expert. DOWN/UP/NEAREST: the expert moves from its plain top-k count to its
     rounded count by dropping its weakest members or adding its most probable outsiders. SWAP:
     n_ptr holds how many of its weakest spare members (tokens routed to another expert too, per
-    token_count_ptr) the expert drops. A pass counts per thread ([BLOCK_T, 16]) and reduces once at
-    its end; each chunk's loads are issued one chunk ahead. (Measured on an H100: counting the whole
-    row at once, with one reduction per digit value, was slower.)"""
+    token_count_ptr) the expert drops.
+
+    The radix passes scan the whole row only while more than `cap` candidates share the prefix
+    found so far; then one scan takes the candidates below it and writes the tokens of those on it
+    to the expert's row of `scratch_ptr` ([E, cap] int32, token order), and the remaining passes and
+    the pick read those few. A pass counts per element ([BLOCK_T, 16]) and reduces once at its end;
+    a whole-row scan issues each chunk's loads one chunk ahead."""
     expert = tl.program_id(0)
     row = expert.to(tl.int64) * T
+    lanes = tl.arange(0, BLOCK_T)
     if MODE == SWAP:
         n = tl.load(n_ptr + expert)
         members = n >= 0  # candidates are members (that keep another expert)
+        n_cand = tl.zeros((), dtype=tl.int32)
+        if n > 0:
+            for start in range(0, T, BLOCK_T):
+                cand, _ = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, start + lanes, T, members, MODE)
+                n_cand += tl.sum(cand.to(tl.int32), 0)
     else:
         count = tl.zeros((), dtype=tl.int32)
         for start in range(0, T, BLOCK_T):
-            t = start + tl.arange(0, BLOCK_T)
+            t = start + lanes
             count += tl.sum((tl.load(assign_ptr + row + t, mask=t < T, other=0) != 0).to(tl.int32), 0)
         down = (count // tile) * tile
         up = tl.minimum(down + tl.where(count > down, tile, 0), T)
@@ -98,43 +127,77 @@ def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, T, tile,
             target = tl.where(2 * (count - down) >= tile, up, down)
         members = count > target
         n = tl.where(members, count - target, target - count)
-    if n > 0:
-        bins = tl.arange(0, 16)
-        prefix = tl.zeros((), dtype=tl.uint32)
-        rank = n  # the rank (from 1) of the wanted key among the keys under `prefix`
-        take_all = n < 0
-        for p in tl.static_range(8):
-            shift = 28 - 4 * p
-            acc = tl.zeros((BLOCK_T, 16), dtype=tl.int32)
-            cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, tl.arange(0, BLOCK_T), T, members,
-                                    MODE)
-            for start in range(0, T, BLOCK_T):
-                # the next chunk's loads are issued before this chunk's counting (past T: masked)
-                next_cand, next_key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row,
-                                                  start + BLOCK_T + tl.arange(0, BLOCK_T), T, members, MODE)
-                if shift < 28:
-                    cand = cand & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
-                digit = ((key >> shift) & 15).to(tl.int32)
-                acc += ((digit[:, None] == bins[None, :]) & cand[:, None]).to(tl.int32)
-                cand, key = next_cand, next_key
-            hist = tl.sum(acc, 0)
-            if shift == 28:  # n or fewer candidates: take them all (the search below is moot)
-                take_all = tl.sum(hist, 0) <= n
-            cum = tl.cumsum(hist, 0)
-            d = tl.minimum(tl.sum((cum < rank).to(tl.int32), 0), 15)
-            rank -= tl.sum(tl.where(bins < d, hist, 0), 0)
-            prefix = prefix | (d.to(tl.uint32) << shift)
-        # take every candidate below `prefix` and the first `rank` equal to it
-        taken = tl.zeros((), dtype=tl.int32)
-        new = tl.where(members, 0, ADDED).to(tl.int8)
+        n_cand = tl.where(members, count, T - count)
+    new = tl.where(members, 0, ADDED).to(tl.int8)
+    if (n > 0) & (n >= n_cand):  # every candidate goes
         for start in range(0, T, BLOCK_T):
-            t = start + tl.arange(0, BLOCK_T)
-            cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MODE)
-            tie = cand & (key == prefix)
-            tie_rank = taken + tl.cumsum(tie.to(tl.int32), 0) - tie.to(tl.int32)
-            pick = tl.where(take_all, cand, cand & ((key < prefix) | (tie & (tie_rank < rank))))
-            taken += tl.sum(tie.to(tl.int32), 0)
-            tl.store(assign_ptr + row + t, new, mask=pick)
+            t = start + lanes
+            cand, _ = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MODE)
+            tl.store(assign_ptr + row + t, new, mask=cand)
+    if (n > 0) & (n < n_cand):
+        prefix = tl.zeros((), dtype=tl.uint32)
+        rank = n  # the rank (from 1) of the wanted key among the candidates on `prefix`
+        on_prefix = n_cand
+        p = tl.zeros((), dtype=tl.int32)  # passes done: the top 4p bits of `prefix` are fixed
+        while (p < 8) & (on_prefix > cap):
+            shift = (28 - 4 * p).to(tl.uint32)
+            acc = tl.zeros((BLOCK_T, 16), dtype=tl.int32)
+            cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, lanes, T, members, MODE)
+            for start in range(0, T, BLOCK_T):
+                next_cand, next_key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row,
+                                                  start + BLOCK_T + lanes, T, members, MODE)
+                acc = _digit_counts(acc, cand, key, prefix, shift)
+                cand, key = next_cand, next_key
+            d, rank, on_prefix = _next_digit(acc, rank)
+            prefix = prefix | (d.to(tl.uint32) << shift)
+            p += 1
+        if p < 8:
+            # take the candidates below the prefix; list those on it (on_prefix <= cap of them)
+            shift = (28 - 4 * p).to(tl.uint32)
+            base = scratch_ptr + expert.to(tl.int64) * cap
+            listed = tl.zeros((), dtype=tl.int32)
+            for start in range(0, T, BLOCK_T):
+                t = start + lanes
+                cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MODE)
+                high, prefix_high = (key >> shift) >> 4, (prefix >> shift) >> 4
+                tl.store(assign_ptr + row + t, new, mask=cand & (high < prefix_high))
+                on = cand & (high == prefix_high)
+                tl.store(base + listed + tl.cumsum(on.to(tl.int32), 0) - on.to(tl.int32), t, mask=on)
+                listed += tl.sum(on.to(tl.int32), 0)
+            tl.debug_barrier()  # the list's stores before its loads, by other threads
+            while p < 8:
+                shift = (28 - 4 * p).to(tl.uint32)
+                acc = tl.zeros((BLOCK_T, 16), dtype=tl.int32)
+                for start in range(0, listed, BLOCK_T):
+                    i = start + lanes
+                    on = i < listed
+                    t = tl.load(base + i, mask=on, other=0)
+                    key = _ordered_key(tl.load(probs_t_ptr + row + t, mask=on, other=0.0), members)
+                    acc = _digit_counts(acc, on, key, prefix, shift)
+                d, rank, on_prefix = _next_digit(acc, rank)
+                prefix = prefix | (d.to(tl.uint32) << shift)
+                p += 1
+            # the listed keys below the prefix, and the first `rank` equal to it
+            taken = tl.zeros((), dtype=tl.int32)
+            for start in range(0, listed, BLOCK_T):
+                i = start + lanes
+                on = i < listed
+                t = tl.load(base + i, mask=on, other=0)
+                key = _ordered_key(tl.load(probs_t_ptr + row + t, mask=on, other=0.0), members)
+                tie = on & (key == prefix)
+                tie_rank = taken + tl.cumsum(tie.to(tl.int32), 0) - tie.to(tl.int32)
+                taken += tl.sum(tie.to(tl.int32), 0)
+                tl.store(assign_ptr + row + t, new, mask=on & ((key < prefix) | (tie & (tie_rank < rank))))
+        else:
+            # more than `cap` candidates on the full key: the whole row, ties in token order
+            taken = tl.zeros((), dtype=tl.int32)
+            for start in range(0, T, BLOCK_T):
+                t = start + lanes
+                cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MODE)
+                tie = cand & (key == prefix)
+                tie_rank = taken + tl.cumsum(tie.to(tl.int32), 0) - tie.to(tl.int32)
+                taken += tl.sum(tie.to(tl.int32), 0)
+                tl.store(assign_ptr + row + t, new, mask=cand & ((key < prefix) | (tie & (tie_rank < rank))))
 
 
 @triton.jit
