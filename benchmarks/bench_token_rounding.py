@@ -79,16 +79,30 @@ def routing(x, wr, K, mode, keep_every_token=True):
     return round_routing(probs, ids, weights, tile=M_TILE, mode=mode, keep_every_token=keep_every_token)
 
 
-# --compiled-routing (the default on the GPU): the router and rounding compiled by Inductor, as
-# backend="sonic" compiles them in a model; the experts op is the same extern call either way. Each
-# (shape, provider, grad mode) is a compiled entry of this one code object: past Dynamo's default
-# limit of 8 the rest would silently run eagerly, so main() raises it.
+def _layer(params, x, K, mode, keep_every_token=True):
+    ids, weights, slot_token = routing(x, params["wr"], K, mode, keep_every_token)
+    out = moe_experts(x, ids, weights, params["w1"], params["w2"], slot_token=slot_token)
+    return out, ids.reshape(-1)
+
+
+# --compile: what torch.compile (Inductor) covers. "layer" (the default on the GPU): router,
+# rounding and the experts op in one graph, as backend="sonic" leaves them in a model, so the op's
+# forward and backward run as extern calls of the compiled graphs. "routing": the router and
+# rounding only, the op called eagerly through its autograd wrapper (more host work per step: the
+# setting of the tables before the seventh session). "none": all eager (the CPU default). Each
+# (shape, provider, grad mode) is a compiled entry of one code object: past Dynamo's default limit
+# of 8 the rest would silently run eagerly, so main() raises it.
 _compiled_routing = torch.compile(routing, dynamic=False)
+_compiled_layer = torch.compile(_layer, dynamic=False)
+COMPILE_SCOPES = ("layer", "routing", "none")
 
 
-def layer(params, x, K, mode, keep_every_token=True, compiled=False):
+def layer(params, x, K, mode, keep_every_token=True, compile_scope="none"):
     """(out [T, d], expert id of every routed slot): the MoE layer with plain or rounded routing."""
-    ids, weights, slot_token = (_compiled_routing if compiled else routing)(x, params["wr"], K, mode, keep_every_token)
+    if compile_scope == "layer":
+        return _compiled_layer(params, x, K, mode, keep_every_token)
+    route = _compiled_routing if compile_scope == "routing" else routing
+    ids, weights, slot_token = route(x, params["wr"], K, mode, keep_every_token)
     out = moe_experts(x, ids, weights, params["w1"], params["w2"], slot_token=slot_token)
     return out, ids.reshape(-1)
 
@@ -179,7 +193,7 @@ def bench_provider(name, params, x, dy, shape, args):
     keep = not args.drop_orphans
 
     def step():
-        out, _ = layer(params, xg, K, mode, keep, args.compiled_routing)
+        out, _ = layer(params, xg, K, mode, keep, args.compile)
         out.backward(dy)
 
     sync(args.device)
@@ -189,7 +203,7 @@ def bench_provider(name, params, x, dy, shape, args):
     first_call_s = time.perf_counter() - t0
     zero()
     with torch.no_grad():
-        _, slot_ids = layer(params, xg, K, mode, keep, args.compiled_routing)
+        _, slot_ids = layer(params, xg, K, mode, keep, args.compile)
     counts = expert_counts(slot_ids, E)
     pairs = int(counts.sum())
     pad = padded_rows(counts)
@@ -263,15 +277,16 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="print each provider's GPU kernel times for one step")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time each provider's step replayed from a CUDA graph (GPU time, no launch cost)")
-    ap.add_argument("--compiled-routing", action=argparse.BooleanOptionalAction, default=None,
-                    help="compile router + rounding with Inductor (default: on for cuda, off for cpu)")
+    ap.add_argument("--compile", choices=COMPILE_SCOPES, default=None,
+                    help="what Inductor compiles: the whole layer, the routing only, or nothing "
+                         "(default: layer on cuda, none on cpu)")
     args = ap.parse_args(argv)
     command = [sys.executable, sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     print("command:", " ".join(shlex.quote(a) for a in command), flush=True)
     args.device = torch.device(args.device)
-    torch._dynamo.config.recompile_limit = 64  # see _compiled_routing: one entry per shape and provider
-    if args.compiled_routing is None:
-        args.compiled_routing = args.device.type == "cuda"
+    torch._dynamo.config.recompile_limit = 64  # see COMPILE_SCOPES: one entry per shape and provider
+    if args.compile is None:
+        args.compile = "layer" if args.device.type == "cuda" else "none"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)
     shapes = [s for s in args.shapes.split(",") if s]
     providers = list(dict.fromkeys(p for p in args.providers.split(",") if p))
@@ -309,7 +324,7 @@ def main(argv=None):
     path = os.path.join(args.out, "token_rounding.json")
     with open(path, "w") as f:
         json.dump(dict(device=device_name, torch=torch.__version__, command=command, tile=M_TILE,
-                       compiled_routing=args.compiled_routing,
+                       compile=args.compile,
                        keep_every_token=not args.drop_orphans, results=results), f, indent=1)
     plot(results, args.out)
     print(f"\nwrote {path} (+ tflops.png if matplotlib is installed)")
