@@ -158,11 +158,13 @@ def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep
     K = topk_ids.shape[1]
     S = slot_capacity(T, E, K, tile, mode)
     device = router_probs.device
-    slot_ids = torch.full((S,), -1, dtype=torch.int32, device=device)
-    slot_w = torch.zeros(S, dtype=topk_weights.dtype, device=device)
-    slot_token = torch.full((S,), T, dtype=torch.int32, device=device)
     if T == 0 or S == 0:
-        return slot_ids, slot_w, slot_token
+        return (torch.full((S,), -1, dtype=torch.int32, device=device),
+                torch.zeros(S, dtype=topk_weights.dtype, device=device),
+                torch.full((S,), T, dtype=torch.int32, device=device))
+    slot_ids = torch.empty(S, dtype=torch.int32, device=device)  # every slot written by the emit kernel
+    slot_w = torch.empty(S, dtype=topk_weights.dtype, device=device)
+    slot_token = torch.empty(S, dtype=torch.int32, device=device)
     probs_t = torch.empty(E, T, dtype=torch.float32, device=device)
     assign = torch.empty(E, T, dtype=torch.int8, device=device)
     per_token = torch.empty(T, dtype=torch.int32, device=device)
@@ -185,10 +187,11 @@ def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep
     if keep_every_token:
         kr._select_kernel[(E,)](*select_args, MODE=kr.MODES["swap"], BLOCK_T=block, num_warps=16)
         kr._token_pass_kernel[token_grid](*token_args, KEEP=True, FIRST=False, **token_meta)
-    first_slot = torch.cumsum(per_token, 0, dtype=torch.int32) - per_token
+    slot_end = torch.cumsum(per_token, 0, dtype=torch.int32)
     kr._emit_slots_kernel[token_grid](
-        assign, router_probs, topk_weights, first_slot, slot_ids, slot_w, slot_token, T, E, S,
-        *router_probs.stride(), *topk_weights.stride(), BLOCK_T=block_t, E_POW2=e_pow2, num_warps=8)
+        assign, router_probs, topk_weights, slot_end, per_token, slot_ids, slot_w, slot_token, T, E, S,
+        *router_probs.stride(), *topk_weights.stride(), BLOCK_T=block_t, E_POW2=e_pow2, BLOCK_PAD=256,
+        num_warps=8)
     return slot_ids, slot_w, slot_token
 
 

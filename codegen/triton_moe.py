@@ -50,8 +50,8 @@ from .kernels.grouped_gemm import (
     _scatter_gemm_tma_kernel,
     _up_proj_kernel,
 )
-from .kernels.routing import _route_small_kernel
-from .reference import slot_tokens_ok, tokens_of_slots
+from .kernels.routing import _route_small_kernel, _slot_check_kernel
+from .reference import PAD, tokens_of_slots
 from .token_rounding import M_TILE
 
 # activation name -> the constexpr code of codegen/kernels/activation.py
@@ -573,13 +573,18 @@ def _or(t: Tensor | None, other: Tensor) -> Tensor:
     return other if t is None else t
 
 
-def _slot_routing(topk_ids, slot_token, T):
-    """(K or 1, gather-sum slots argument or None) for [T, K] routing or the slot form."""
+def _slot_routing(topk_ids, slot_token, T, check=True):
+    """(K or 1, gather-sum slots argument or None) for [T, K] routing or the slot form. `check`
+    (the forward; the backward gets the same tensors back): a device-side assert, no host sync, so
+    unsorted or out-of-range tokens fail loudly, never silently."""
     if slot_token is None:
         return topk_ids.shape[1], None
-    # a device-side assert (no host sync): unsorted or out-of-range tokens fail loudly, never silently
-    torch._assert_async(slot_tokens_ok(topk_ids, slot_token, T), "sonic.moe_experts: slot_token must be "
-                        "nondecreasing with real slots' tokens in [0, T)")
+    if check and slot_token.numel():
+        ok = torch.empty(1, dtype=torch.int32, device=slot_token.device)
+        _slot_check_kernel[(1,)](topk_ids.reshape(-1).contiguous(), slot_token.reshape(-1).contiguous(), ok,
+                                 slot_token.numel(), T, PAD=PAD, BLOCK=1024, num_warps=4)
+        torch._assert_async(ok, "sonic.moe_experts: slot_token must be nondecreasing with real slots' tokens in "
+                            "[0, T)")
     return 1, (topk_ids, token_offsets(slot_token, T))
 
 
@@ -656,7 +661,7 @@ def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h
     """(dx, d_topk_weights, db1, db2); the weight gradients go into dw1 / dw2 = (tensor, (e, out, in) strides)."""
     T, d = x.shape
     E = expert_offsets.numel() - 1
-    K, slots = _slot_routing(topk_ids, slot_token, T)
+    K, slots = _slot_routing(topk_ids, slot_token, T, check=False)  # checked by the forward
     TK = topk_ids.numel()
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     row_token = _row_token(slot_token, sorted_rows)

@@ -415,6 +415,30 @@ def test_slot_form_bad_tokens_raise(tm, bad):
         tm.triton_moe_experts_fwd(**dict(slots, slot_token=tok), save_h=True, **_FLAGS)
 
 
+def test_slot_check_kernel_equals_reference(tm):
+    """The one-launch check of the slot form's tokens agrees with `slot_tokens_ok` on valid and bad
+    tokens, across the kernel's 1024-slot chunks."""
+    from codegen.kernels.routing import _slot_check_kernel
+    from codegen.reference import PAD, slot_tokens_ok
+
+    T, S = 700, 2500
+    ids = torch.randint(0, 8, (S,))
+    ids[-40:] = PAD
+    tok = torch.sort(torch.randint(0, T, (S,))).values
+    tok[-40:] = T  # padding may carry T
+    cases = {"valid": (ids, tok)}
+    for name, where, value in [("unsorted at a chunk edge", 1024, 0), ("negative", 0, -1),
+                               ("real past T", S - 41, T), ("padding past T", S - 1, T + 5)]:
+        bad = tok.clone()
+        bad[where] = value
+        cases[name] = (ids, bad)
+    for name, (i, t) in cases.items():
+        ok = torch.empty(1, dtype=torch.int32)
+        _slot_check_kernel[(1,)](i, t, ok, S, T, PAD=PAD, BLOCK=1024)
+        assert bool(ok[0]) == bool(slot_tokens_ok(i, t, T)), name
+    assert not bool(slot_tokens_ok(*cases["negative"], T)) and bool(slot_tokens_ok(*cases["padding past T"], T))
+
+
 def test_backward_recomputes_h_without_save_h(tm):
     inputs, go = _make(9, 32, 16, 4, 2, torch.float32, bias=True, seed=5)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32], save_h=False)

@@ -232,18 +232,21 @@ def _token_pass_kernel(assign_ptr, ids_ptr, weights_ptr, per_token_ptr, n_swap_p
 
 
 @triton.jit
-def _emit_slots_kernel(assign_ptr, probs_ptr, weights_ptr, first_slot_ptr, slot_ids_ptr, slot_w_ptr,
+def _emit_slots_kernel(assign_ptr, probs_ptr, weights_ptr, slot_end_ptr, per_token_ptr, slot_ids_ptr, slot_w_ptr,
                        slot_token_ptr, T, E, S, stride_pt, stride_pe, stride_wt, stride_wk,
-                       BLOCK_T: tl.constexpr, E_POW2: tl.constexpr):
-    """The slots of BLOCK_T tokens: each token's experts in ascending order from its first slot;
-    weight = the top-k weight of a top-k pair, the router probability of an added pair."""
+                       BLOCK_T: tl.constexpr, E_POW2: tl.constexpr, BLOCK_PAD: tl.constexpr):
+    """The slots of BLOCK_T tokens: each token's experts in ascending order from its first slot
+    (slot_end: the inclusive cumsum of per_token); weight = the top-k weight of a top-k pair, the
+    router probability of an added pair. The programs also write the padding slots past the last
+    routed one (id -1, weight 0, token T), so the outputs need no fill beforehand."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_POW2)
     live = (e[:, None] < E) & (t[None, :] < T)
     a = tl.load(assign_ptr + e[:, None].to(tl.int64) * T + t[None, :], mask=live, other=0).to(tl.int32)
     routed = a != 0
     rank = tl.cumsum(routed.to(tl.int32), 0) - routed.to(tl.int32)
-    slot = tl.load(first_slot_ptr + t, mask=t < T, other=0)[None, :] + rank
+    first = tl.load(slot_end_ptr + t, mask=t < T, other=0) - tl.load(per_token_ptr + t, mask=t < T, other=0)
+    slot = first[None, :] + rank
     keep = routed & (slot < S)
     topk = a > 0
     w_topk = tl.load(weights_ptr + t[None, :] * stride_wt + (a - 1) * stride_wk, mask=keep & topk, other=0.0)
@@ -252,3 +255,11 @@ def _emit_slots_kernel(assign_ptr, probs_ptr, weights_ptr, first_slot_ptr, slot_
     tl.store(slot_ids_ptr + slot, tl.broadcast_to(e[:, None], (E_POW2, BLOCK_T)), mask=keep)
     tl.store(slot_token_ptr + slot, tl.broadcast_to(t[None, :], (E_POW2, BLOCK_T)), mask=keep)
     tl.store(slot_w_ptr + slot, w, mask=keep)
+    # padding: slots [routed total, S), strided over the programs
+    total = tl.load(slot_end_ptr + T - 1)
+    for start in range(total + tl.program_id(0) * BLOCK_PAD, S, tl.num_programs(0) * BLOCK_PAD):
+        pad = start + tl.arange(0, BLOCK_PAD)
+        fill = pad < S
+        tl.store(slot_ids_ptr + pad, tl.full((BLOCK_PAD,), -1, tl.int32), mask=fill)
+        tl.store(slot_token_ptr + pad, tl.full((BLOCK_PAD,), 0, tl.int32) + T, mask=fill)
+        tl.store(slot_w_ptr + pad, tl.zeros((BLOCK_PAD,), dtype=slot_w_ptr.dtype.element_ty), mask=fill)
