@@ -367,7 +367,7 @@ def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tenso
     slot, sorted after every expert and not counted. Any other id outside [0, E) fails a device-side
     assert (an IndexError-like RuntimeError on the CPU): never a silent wrong expert.
     """
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids.reshape(-1).contiguous()  # the kernels index it densely
     TK = flat.numel()
     buckets = triton.next_power_of_2(E + 1)  # E + 1 >= the buckets, and offsets has E + 1 entries
     if TK * buckets <= _SMALL_ROUTE_WORK:
@@ -581,7 +581,7 @@ def _slot_routing(topk_ids, slot_token, T, check=True):
         return topk_ids.shape[1], None
     if check and slot_token.numel():
         ok = torch.empty(1, dtype=torch.int32, device=slot_token.device)
-        _slot_check_kernel[(1,)](topk_ids.reshape(-1).contiguous(), slot_token.reshape(-1).contiguous(), ok,
+        _slot_check_kernel[(1,)](topk_ids.reshape(-1), slot_token.reshape(-1), ok,
                                  slot_token.numel(), T, PAD=PAD, BLOCK=1024, num_warps=4)
         torch._assert_async(ok, "sonic.moe_experts: slot_token must be nondecreasing with real slots' tokens in "
                             "[0, T)")
@@ -640,8 +640,15 @@ def triton_moe_experts_list_bwd(grad_out, x, topk_ids, topk_weights, w_gate, w_u
     return dx, ds, dw1, dw2
 
 
+def _dense_routing(topk_ids, topk_weights, slot_token):
+    """The routing tensors with contiguous storage: the kernels read them through flat views, and
+    a column sliced from a wider tensor (K = 1) has a strided one."""
+    return topk_ids.contiguous(), topk_weights.contiguous(), None if slot_token is None else slot_token.contiguous()
+
+
 def _forward(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, activation, interleaved, alpha, limit,
              save_h, slot_token):
+    topk_ids, topk_weights, slot_token = _dense_routing(topk_ids, topk_weights, slot_token)
     T, d = x.shape
     E = W1.table.numel() // 2 if W1.table is not None else W1.ptr.shape[0]
     K, slots = _slot_routing(topk_ids, slot_token, T)
@@ -659,6 +666,7 @@ def _forward(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, activa
 def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h, sorted_rows, expert_offsets, *,
               dw1, dw2, n, activation, interleaved, alpha, limit, slot_token):
     """(dx, d_topk_weights, db1, db2); the weight gradients go into dw1 / dw2 = (tensor, (e, out, in) strides)."""
+    topk_ids, topk_weights, slot_token = _dense_routing(topk_ids, topk_weights, slot_token)
     T, d = x.shape
     E = expert_offsets.numel() - 1
     K, slots = _slot_routing(topk_ids, slot_token, T, check=False)  # checked by the forward

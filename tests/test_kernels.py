@@ -268,6 +268,21 @@ def test_non_contiguous_inputs(tm):
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
 
 
+def test_k1_routing_sliced_from_wider_tensors(tm):
+    """K = 1 ids and weights taken as a column of [T, 2] tensors: their flat views are strided
+    (reshape(-1) keeps stride 2), which the kernels must not read as contiguous."""
+    inputs, go = _make(12, 32, 16, 4, 1, torch.float32, seed=4)
+    for name, other in (("topk_ids", torch.zeros_like(inputs["topk_ids"])),
+                        ("topk_weights", torch.full_like(inputs["topk_weights"], 7.0))):
+        inputs[name] = torch.cat([inputs[name], other], 1)[:, :1]
+        assert inputs[name].reshape(-1).stride() == (2,)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
+    slots = dict(inputs, topk_ids=inputs["topk_ids"].reshape(-1), topk_weights=inputs["topk_weights"].reshape(-1),
+                 slot_token=torch.stack([torch.arange(12), torch.zeros(12, dtype=torch.long)], 1)[:, 0])
+    assert slots["slot_token"].stride() == (2,)
+    _check_against_oracle(tm, slots, go, _FLAGS, _TOL[torch.float32])
+
+
 def _slot_form(inputs, *, drop=(), mode=None, tile=4, seed=0):
     """The [T, K] routing of `inputs` as slots: rounded (`mode`), or flattened with slots `drop` padded."""
     from codegen.token_rounding import round_routing
