@@ -50,7 +50,13 @@ from .kernels.grouped_gemm import (
     _scatter_gemm_tma_kernel,
     _up_proj_kernel,
 )
-from .kernels.routing import _route_small_kernel, _slot_check_kernel
+from .kernels.routing import (
+    _route_count_kernel,
+    _route_place_kernel,
+    _route_prefix_kernel,
+    _route_small_kernel,
+    _slot_check_kernel,
+)
 from .reference import PAD, tokens_of_slots
 from .token_rounding import M_TILE
 
@@ -360,6 +366,30 @@ def _offset_table(first: list[Tensor], second: list[Tensor] | None, second_shift
 _SMALL_ROUTE_WORK = 2**18
 
 
+# Up to this many buckets (E < 512), larger batches route in three launches over pieces of the
+# slots (`_route_pieces`); beyond, the [BLOCK, buckets] tiles grow too wide and the torch sort runs.
+_PIECES_MAX_BUCKETS = 512
+_MAX_PIECES = 256
+
+
+def _route_pieces(flat: Tensor, E: int, padded: bool, buckets: int) -> tuple[Tensor, Tensor]:
+    """`route` by the three piece kernels of `kernels.routing`: bucket counts per piece of the
+    slots, their prefix over the pieces (one program), each slot's row."""
+    TK = flat.numel()
+    block = max(16, min(1024, 8192 // buckets))
+    chunk = block * triton.cdiv(triton.cdiv(TK, _MAX_PIECES), block)
+    pieces = triton.cdiv(TK, chunk)
+    counts = torch.empty(pieces, buckets, dtype=torch.int32, device=flat.device)
+    sorted_rows = torch.empty(TK, dtype=torch.int32, device=flat.device)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
+    meta = dict(PADDED=padded, B_POW2=buckets, CHUNK=chunk, BLOCK=block, num_warps=4)
+    _route_count_kernel[(pieces,)](flat, counts, TK, E, **meta)
+    _route_prefix_kernel[(1,)](counts, offsets, pieces, E, B_POW2=buckets, BLOCK_P=max(1, 8192 // buckets),
+                               num_warps=4)
+    _route_place_kernel[(pieces,)](flat, counts, offsets, sorted_rows, TK, E, **meta)
+    return sorted_rows, offsets
+
+
 def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tensor]:
     """(sorted_rows int32 [TK], expert_offsets int32 [E+1]) on the device, with no host sync.
 
@@ -370,17 +400,21 @@ def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tenso
     flat = topk_ids.reshape(-1).contiguous()  # the kernels index it densely
     TK = flat.numel()
     buckets = triton.next_power_of_2(E + 1)  # E + 1 >= the buckets, and offsets has E + 1 entries
-    if TK * buckets <= _SMALL_ROUTE_WORK:
-        if flat.device.type == "cpu" and TK:  # the interpreter skips device asserts; a CPU check costs no sync
-            valid = (flat >= 0) & (flat < E) | ((flat == -1) if padded else False)
-            if not bool(valid.all()):
-                raise IndexError(f"expert id out of range [0, {E}) in topk_ids")
+    small = TK * buckets <= _SMALL_ROUTE_WORK
+    if (small or buckets <= _PIECES_MAX_BUCKETS) and flat.device.type == "cpu" and TK:
+        # the interpreter skips the kernels' device asserts; a CPU check costs no sync
+        valid = (flat >= 0) & (flat < E) | ((flat == -1) if padded else False)
+        if not bool(valid.all()):
+            raise IndexError(f"expert id out of range [0, {E}) in topk_ids")
+    if small:
         sorted_rows = torch.empty(TK, dtype=torch.int32, device=flat.device)
         offsets = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
         block = max(16, min(1024, 8192 // buckets))
         _route_small_kernel[(1,)](flat, sorted_rows, offsets, TK, E, PADDED=padded, B_POW2=buckets,
                                   BLOCK=block, num_warps=4)
         return sorted_rows, offsets
+    if buckets <= _PIECES_MAX_BUCKETS:
+        return _route_pieces(flat, E, padded, buckets)
     if padded:
         flat = torch.where(flat == -1, E, flat)
     # 16-bit keys: the radix sort makes 2 passes instead of 8 (59 -> ~15 us at TK = 196608 on the H100)

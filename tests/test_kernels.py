@@ -472,13 +472,20 @@ def test_out_of_range_expert_id_raises(tm):
     inputs["topk_ids"][1, 0] = 4
     with pytest.raises((RuntimeError, IndexError)):
         tm.triton_moe_experts_fwd(**inputs, save_h=True, **_FLAGS)
+    ids = torch.zeros(9000, 1, dtype=torch.long)  # the pieces path
+    for bad in (64, -1):
+        ids[4321] = bad
+        with pytest.raises(IndexError):
+            tm.route(ids, 64)
 
 
-@pytest.mark.parametrize("E,TK", [(1, 5), (6, 0), (6, 37), (64, 300), (200, 1024), (256, 1024), (256, 1025)])
+@pytest.mark.parametrize("E,TK", [(1, 5), (6, 0), (6, 37), (64, 300), (200, 1024), (256, 1024), (256, 1025),
+                                  (64, 9000), (1, 140000), (600, 700)])
 @pytest.mark.parametrize("padded", [False, True])
 def test_route_matches_torch_route(tm, E, TK, padded):
-    """Both routing paths (one program up to 2**18 slot x bucket pairs, the sort beyond) give the
-    reference's stable order and offsets; padding slots (-1) sort last, uncounted."""
+    """The three routing paths (one program up to 2**18 slot x bucket pairs; beyond, pieces of the
+    slots in three launches up to 511 experts, else the torch sort) give the reference's stable
+    order and offsets; padding slots (-1) sort last, uncounted."""
     gen = torch.Generator().manual_seed(E * 1000 + TK)
     ids = torch.randint(0, E, (TK,), generator=gen)
     if padded:
@@ -721,7 +728,8 @@ def test_gpu_fp16_fp32(dtype, activation, first_config_only):
 def test_gpu_route_paths_match_and_bad_ids_assert():
     from codegen import triton_moe
 
-    for E, TK, padded in [(8, 4, False), (128, 32, False), (256, 1024, True), (128, 2048, False), (64, 9000, True)]:
+    for E, TK, padded in [(8, 4, False), (128, 32, False), (256, 1024, True), (128, 2048, False), (64, 9000, True),
+                          (128, 196608, False), (256, 131072, True), (1, 300000, False), (600, 50000, True)]:
         ids = torch.randint(0, E, (TK,), device="cuda")
         if padded:
             ids[torch.rand(TK, device="cuda") < 0.3] = -1
@@ -730,11 +738,13 @@ def test_gpu_route_paths_match_and_bad_ids_assert():
         assert torch.equal(rows, ref_rows) and torch.equal(offs, ref_offs), (E, TK, padded)
     # an out-of-range id in the one-program path: a device-side assert, never a silent wrong expert
     # (it poisons the CUDA context, hence a child process)
-    code = ("import torch; from codegen import triton_moe; "
-            "triton_moe.route(torch.tensor([[0, 8]], device='cuda'), 8); torch.cuda.synchronize()")
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert child.returncode != 0 and "out of range" in child.stderr + child.stdout, child.stderr[-2000:]
+    for ids in ("torch.tensor([[0, 8]], device='cuda')",  # one program
+                "torch.arange(9000, device='cuda').view(-1, 1) % 9"):  # pieces
+        code = ("import torch; from codegen import triton_moe; "
+                f"triton_moe.route({ids}, 8); torch.cuda.synchronize()")
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert child.returncode != 0 and "out of range" in child.stderr + child.stdout, child.stderr[-2000:]
 
 
 @pytest.mark.gpu

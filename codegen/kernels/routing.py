@@ -101,3 +101,66 @@ def _slot_check_kernel(ids_ptr, token_ptr, ok_ptr, S, T, PAD: tl.constexpr, BLOC
         bad = live & ((tok < 0) | (real & (tok >= T)) | ((s > 0) & (tok < prev)))
         wrong += tl.sum(bad.to(tl.int32), 0)
     tl.store(ok_ptr, (wrong == 0).to(tl.int32))
+
+
+# The routing of larger batches: the same stable counting sort over CHUNK-slot pieces, one program
+# each, in three launches (counts per piece, their prefix, placement) instead of the torch path's
+# sort, scatter and cumsum (about a dozen launches, each a host round trip on the step).
+
+
+@triton.jit(do_not_specialize=["TK"], debug=True)
+def _route_count_kernel(ids_ptr, counts_ptr, TK, E, PADDED: tl.constexpr, B_POW2: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b: counts[b, :] = the bucket counts of slots [b CHUNK, (b + 1) CHUNK)."""
+    piece = tl.program_id(0)
+    bucket = tl.arange(0, B_POW2)
+    n_buckets = E + 1 if PADDED else E
+    end = tl.minimum((piece + 1) * CHUNK, TK)
+    counts = tl.zeros([B_POW2], dtype=tl.int32)
+    for start in range(piece * CHUNK, end, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        live = slot < end
+        ids = tl.load(ids_ptr + slot, mask=live, other=0)
+        if PADDED:
+            ids = tl.where(ids == -1, E, ids)
+        tl.device_assert(((ids >= 0) & (ids < n_buckets)) | ~live, "expert id out of range")
+        counts += tl.sum(((ids.to(tl.int32)[:, None] == bucket[None, :]) & live[:, None]).to(tl.int32), 0)
+    tl.store(counts_ptr + piece * B_POW2 + bucket, counts)
+
+
+@triton.jit
+def _route_prefix_kernel(counts_ptr, offsets_ptr, n_pieces, E, B_POW2: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program: counts[b, e] becomes the number of bucket-e slots in the pieces before b (in
+    place), and offsets [E+1] the exclusive prefix of the buckets' totals."""
+    bucket = tl.arange(0, B_POW2)
+    carry = tl.zeros([B_POW2], dtype=tl.int32)
+    for p0 in range(0, n_pieces, BLOCK_P):
+        piece = p0 + tl.arange(0, BLOCK_P)
+        ptrs = counts_ptr + piece[:, None] * B_POW2 + bucket[None, :]
+        live = (piece < n_pieces)[:, None]
+        c = tl.load(ptrs, mask=live, other=0)
+        tl.store(ptrs, carry[None, :] + tl.cumsum(c, 0) - c, mask=live)
+        carry += tl.sum(c, 0)
+    tl.store(offsets_ptr + bucket, tl.cumsum(carry, 0) - carry, mask=bucket <= E)
+
+
+@triton.jit(do_not_specialize=["TK"])
+def _route_place_kernel(ids_ptr, before_ptr, offsets_ptr, sorted_rows_ptr, TK, E, PADDED: tl.constexpr,
+                        B_POW2: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b: each slot of piece b goes to row offsets[e] + (bucket-e slots of earlier pieces)
+    + (its rank among this piece's bucket-e slots), e its bucket (padding: E, after every expert)."""
+    piece = tl.program_id(0)
+    bucket = tl.arange(0, B_POW2)
+    end = tl.minimum((piece + 1) * CHUNK, TK)
+    placed = (tl.load(before_ptr + piece * B_POW2 + bucket)
+              + tl.load(offsets_ptr + bucket, mask=bucket <= E, other=0))
+    for start in range(piece * CHUNK, end, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        live = slot < end
+        ids = tl.load(ids_ptr + slot, mask=live, other=0)
+        if PADDED:
+            ids = tl.where(ids == -1, E, ids)
+        hit = ((ids.to(tl.int32)[:, None] == bucket[None, :]) & live[:, None]).to(tl.int32)
+        row = tl.sum(hit * (tl.cumsum(hit, 0) - 1 + placed[None, :]), 1)
+        tl.store(sorted_rows_ptr + row, slot.to(tl.int32), mask=live)
+        placed += tl.sum(hit, 0)
