@@ -10,7 +10,8 @@ Notation as in `codegen.activations`. Rows r = 0..TK-1 are in expert order (stab
 inside an expert); `sorted_rows[r]` is the flat slot t*K + k of row r; `expert_offsets` [E+1] is the
 exclusive prefix of the per-expert counts. H (saved for the backward) is in expert order.
 
-Forward:  route (one Triton program for small batches, else a torch sort; no host sync) -> _up_proj_kernel (gather x, H and A = act(H))
+Forward:  route (a Triton counting sort: one program for small batches, three launches over pieces of the
+          slots for larger ones up to 511 experts, else a torch sort; no host sync) -> _up_proj_kernel (gather x, H and A = act(H))
           -> _scatter_gemm_kernel (Y = A W2^T + b2, stored in slot order) -> _gather_sum_kernel (out).
 Backward: _up_proj_kernel as a gathered GEMM (dA' = gather(dO) W2) -> _act_grad_kernel (dS, dH,
           A' = s A) -> _wgrad_kernel x2 (dW2, dW1, biases) -> _scatter_gemm_kernel (dX~ = dH W1, slot
