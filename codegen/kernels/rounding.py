@@ -89,6 +89,17 @@ def _next_digit(acc, rank):
 
 
 @triton.jit
+def _pick(ptrs, new, cand, key, prefix, rank, taken):
+    """Write `new` at the candidates with key below `prefix`, and at those equal to it whose rank
+    among all ties so far (`taken` of them in earlier chunks) is below `rank`; -> `taken` plus this
+    chunk's ties."""
+    tie = cand & (key == prefix)
+    tie_rank = taken + tl.cumsum(tie.to(tl.int32), 0) - tie.to(tl.int32)
+    tl.store(ptrs, new, mask=cand & ((key < prefix) | (tie & (tie_rank < rank))))
+    return taken + tl.sum(tie.to(tl.int32), 0)
+
+
+@triton.jit
 def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, scratch_ptr, T, tile, cap,
                    MODE: tl.constexpr, BLOCK_T: tl.constexpr):
     """One program per expert. DOWN/UP/NEAREST: the expert moves from its plain top-k count to its
@@ -184,20 +195,14 @@ def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, scratch_ptr,
                 on = i < listed
                 t = tl.load(base + i, mask=on, other=0)
                 key = _ordered_key(tl.load(probs_t_ptr + row + t, mask=on, other=0.0), members)
-                tie = on & (key == prefix)
-                tie_rank = taken + tl.cumsum(tie.to(tl.int32), 0) - tie.to(tl.int32)
-                taken += tl.sum(tie.to(tl.int32), 0)
-                tl.store(assign_ptr + row + t, new, mask=on & ((key < prefix) | (tie & (tie_rank < rank))))
+                taken = _pick(assign_ptr + row + t, new, on, key, prefix, rank, taken)
         else:
             # more than `cap` candidates on the full key: the whole row, ties in token order
             taken = tl.zeros((), dtype=tl.int32)
             for start in range(0, T, BLOCK_T):
                 t = start + lanes
                 cand, key = _candidates(probs_t_ptr, assign_ptr, token_count_ptr, row, t, T, members, MODE)
-                tie = cand & (key == prefix)
-                tie_rank = taken + tl.cumsum(tie.to(tl.int32), 0) - tie.to(tl.int32)
-                taken += tl.sum(tie.to(tl.int32), 0)
-                tl.store(assign_ptr + row + t, new, mask=cand & ((key < prefix) | (tie & (tie_rank < rank))))
+                taken = _pick(assign_ptr + row + t, new, cand, key, prefix, rank, taken)
 
 
 @triton.jit

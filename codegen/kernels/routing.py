@@ -46,6 +46,35 @@ def _expert_tile(offsets_ptr, E, tile, BLOCK_M: tl.constexpr, E_POW2: tl.constex
     return _tile_lookup(lo, hi, tiles, cum, tile, BLOCK_M, E_POW2)
 
 
+@triton.jit
+def _chunk_ids(ids_ptr, start, end, E, PADDED: tl.constexpr, BLOCK: tl.constexpr):
+    """(slots, live, bucket of each slot) for the BLOCK slots from `start` below `end`; PADDED: a
+    padding slot (id -1) is bucket E."""
+    slot = start + tl.arange(0, BLOCK)
+    live = slot < end
+    ids = tl.load(ids_ptr + slot, mask=live, other=0)
+    if PADDED:
+        ids = tl.where(ids == -1, E, ids)
+    return slot, live, ids.to(tl.int32)
+
+
+@triton.jit
+def _chunk_counts(live, ids, bucket, n_buckets):
+    """The chunk's bucket counts; an id out of range fails the device assert (kernels with debug=True)."""
+    tl.device_assert(((ids >= 0) & (ids < n_buckets)) | ~live, "expert id out of range")
+    return tl.sum(((ids[:, None] == bucket[None, :]) & live[:, None]).to(tl.int32), 0)
+
+
+@triton.jit
+def _place_chunk(slot, live, ids, bucket, placed, sorted_rows_ptr):
+    """Each slot to row placed[bucket] + its rank among the chunk's slots of that bucket; -> the
+    buckets' next free rows."""
+    hit = ((ids[:, None] == bucket[None, :]) & live[:, None]).to(tl.int32)
+    row = tl.sum(hit * (tl.cumsum(hit, 0) - 1 + placed[None, :]), 1)  # inclusive rank - 1, per bucket
+    tl.store(sorted_rows_ptr + row, slot.to(tl.int32), mask=live)
+    return placed + tl.sum(hit, 0)
+
+
 @triton.jit(do_not_specialize=["TK"], debug=True)
 def _route_small_kernel(ids_ptr, sorted_rows_ptr, offsets_ptr, TK, E,
                         PADDED: tl.constexpr, B_POW2: tl.constexpr, BLOCK: tl.constexpr):
@@ -63,27 +92,13 @@ def _route_small_kernel(ids_ptr, sorted_rows_ptr, offsets_ptr, TK, E,
     n_buckets = E + 1 if PADDED else E
     counts = tl.zeros([B_POW2], dtype=tl.int32)
     for start in range(0, TK, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        live = slot < TK
-        ids = tl.load(ids_ptr + slot, mask=live, other=0)
-        if PADDED:
-            ids = tl.where(ids == -1, E, ids)
-        tl.device_assert(((ids >= 0) & (ids < n_buckets)) | ~live, "expert id out of range")
-        hit = (ids.to(tl.int32)[:, None] == bucket[None, :]) & live[:, None]
-        counts += tl.sum(hit.to(tl.int32), 0)
+        _, live, ids = _chunk_ids(ids_ptr, start, TK, E, PADDED, BLOCK)
+        counts += _chunk_counts(live, ids, bucket, n_buckets)
     placed = tl.cumsum(counts, 0) - counts  # exclusive prefix: the first row of each bucket
     tl.store(offsets_ptr + bucket, placed, mask=bucket <= E)
     for start in range(0, TK, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        live = slot < TK
-        ids = tl.load(ids_ptr + slot, mask=live, other=0)
-        if PADDED:
-            ids = tl.where(ids == -1, E, ids)
-        hit = ((ids.to(tl.int32)[:, None] == bucket[None, :]) & live[:, None]).to(tl.int32)
-        rank = tl.cumsum(hit, 0)  # inclusive, per bucket, down the chunk
-        row = tl.sum(hit * (rank - 1 + placed[None, :]), 1)
-        tl.store(sorted_rows_ptr + row, slot.to(tl.int32), mask=live)
-        placed += tl.sum(hit, 0)
+        slot, live, ids = _chunk_ids(ids_ptr, start, TK, E, PADDED, BLOCK)
+        placed = _place_chunk(slot, live, ids, bucket, placed, sorted_rows_ptr)
 
 
 @triton.jit
@@ -118,13 +133,8 @@ def _route_count_kernel(ids_ptr, counts_ptr, TK, E, PADDED: tl.constexpr, B_POW2
     end = tl.minimum((piece + 1) * CHUNK, TK)
     counts = tl.zeros([B_POW2], dtype=tl.int32)
     for start in range(piece * CHUNK, end, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        live = slot < end
-        ids = tl.load(ids_ptr + slot, mask=live, other=0)
-        if PADDED:
-            ids = tl.where(ids == -1, E, ids)
-        tl.device_assert(((ids >= 0) & (ids < n_buckets)) | ~live, "expert id out of range")
-        counts += tl.sum(((ids.to(tl.int32)[:, None] == bucket[None, :]) & live[:, None]).to(tl.int32), 0)
+        _, live, ids = _chunk_ids(ids_ptr, start, end, E, PADDED, BLOCK)
+        counts += _chunk_counts(live, ids, bucket, n_buckets)
     tl.store(counts_ptr + piece * B_POW2 + bucket, counts)
 
 
@@ -155,12 +165,5 @@ def _route_place_kernel(ids_ptr, before_ptr, offsets_ptr, sorted_rows_ptr, TK, E
     placed = (tl.load(before_ptr + piece * B_POW2 + bucket)
               + tl.load(offsets_ptr + bucket, mask=bucket <= E, other=0))
     for start in range(piece * CHUNK, end, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        live = slot < end
-        ids = tl.load(ids_ptr + slot, mask=live, other=0)
-        if PADDED:
-            ids = tl.where(ids == -1, E, ids)
-        hit = ((ids.to(tl.int32)[:, None] == bucket[None, :]) & live[:, None]).to(tl.int32)
-        row = tl.sum(hit * (tl.cumsum(hit, 0) - 1 + placed[None, :]), 1)
-        tl.store(sorted_rows_ptr + row, slot.to(tl.int32), mask=live)
-        placed += tl.sum(hit, 0)
+        slot, live, ids = _chunk_ids(ids_ptr, start, end, E, PADDED, BLOCK)
+        placed = _place_chunk(slot, live, ids, bucket, placed, sorted_rows_ptr)
