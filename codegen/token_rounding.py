@@ -13,8 +13,9 @@ graph. This module's torch functions are the reference (CPU, and the test oracle
 selections of width tile - 1 per expert); on CUDA, `codegen.kernels.rounding` does the same in four
 Triton kernels (a per-expert radix select instead of the top-k selections). The result is a dense
 assignment: `mask` [T, E] (token t goes to expert e) and `weights` [T, E] (its combine weight: the
-top-k weight where the pair was in the top-k, the router probability where rounding up added it, 0
-elsewhere).
+top-k weight where the pair was in the top-k, where rounding up added it the router probability scaled
+as the token's top-k weights are (`added_pair_scale`: renormalised top-k weights give an added pair its
+probability over the top-k probabilities' sum), 0 elsewhere).
 
 A token can lose every expert when its only experts all round down. With `keep_every_token=True`
 (the default) such a token goes back to its best top-k expert, and that expert drops as many more of
@@ -27,7 +28,8 @@ layer output, as a capacity-limited router would do).
 -1 padding, weights, and the token of each slot), with a static number of slots, so the rounded
 layer runs on the same kernels. It is the op `sonic::round_routing_slots`, differentiable in the
 weights: the gradient of a kept top-k pair goes to its top-k weight, that of a pair added by
-rounding up to the router probability (torch ops, which Inductor fuses under torch.compile). The
+rounding up to its router probability and, through the scale, to the token's top-k weights and
+probabilities (torch ops, which Inductor fuses under torch.compile). The
 compiler option `sonic.token_rounding` inserts it in front of every rewritten MoE whose router
 scores it can see (see the README).
 """
@@ -110,9 +112,36 @@ def token_rounding(
         # two experts may swap out the same token: it goes back to its best expert (rare; that
         # expert ends one over its multiple)
         mask = mask | (best_pair & (~mask.any(1) & in_topk.any(1))[:, None])
-    weights = torch.where(in_topk, topk_w, router_probs.to(topk_weights.dtype))
+    scale = added_pair_scale(router_probs, topk_ids, topk_weights)
+    added = router_probs.to(scale.dtype) * scale[:, None]
+    weights = torch.where(in_topk, topk_w, added.to(topk_weights.dtype))
     weights = torch.where(mask, weights, torch.zeros((), dtype=weights.dtype, device=device))
     return mask, weights
+
+
+def added_pair_scale(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+    """Per token [T] (fp32, fp64 for fp64 inputs): W / P, its top-k weights' sum over their
+    probabilities' sum.
+
+    A pair added by rounding up weighs its router probability times this: the factor by which the
+    model's router turned the token's top-k probabilities into weights (1 without renormalisation or
+    scaling; 1 / P with it, as `softmax` over the top-k logits gives too), so an added expert counts on
+    the same scale as the token's top-k experts. 1 where P = 0. The sums run over k in order, as the
+    Triton emit kernel's do, so both paths give the same bits.
+    """
+    T = topk_ids.shape[0]
+    dtype = _scale_dtype(router_probs, topk_weights)
+    W = torch.zeros(T, dtype=dtype, device=router_probs.device)
+    P = torch.zeros_like(W)
+    probs = router_probs.to(dtype).gather(1, topk_ids.long())
+    for k in range(topk_ids.shape[1]):
+        W = W + topk_weights[:, k].to(dtype)
+        P = P + probs[:, k]
+    return torch.where(P > 0, W / torch.where(P > 0, P, 1.0), 1.0)
+
+
+def _scale_dtype(router_probs: Tensor, topk_weights: Tensor) -> torch.dtype:
+    return torch.promote_types(torch.float32, torch.promote_types(router_probs.dtype, topk_weights.dtype))
 
 
 def slot_capacity(T, E, K, tile: int, mode: str):
@@ -189,18 +218,20 @@ def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep
         kr._token_pass_kernel[token_grid](*token_args, KEEP=True, FIRST=False, **token_meta)
     slot_end = torch.cumsum(per_token, 0, dtype=torch.int32)
     kr._emit_slots_kernel[token_grid](
-        assign, router_probs, topk_weights, slot_end, per_token, slot_ids, slot_w, slot_token, T, E, S,
-        *router_probs.stride(), *topk_weights.stride(), BLOCK_T=block_t, E_POW2=e_pow2, BLOCK_PAD=256,
-        num_warps=8)
+        assign, router_probs, topk_ids, topk_weights, slot_end, per_token, slot_ids, slot_w, slot_token, T, E, S, K,
+        *router_probs.stride(), *topk_ids.stride(), *topk_weights.stride(), BLOCK_T=block_t, E_POW2=e_pow2,
+        BLOCK_PAD=256, num_warps=8)
     return slot_ids, slot_w, slot_token
 
 
-def _use_triton(router_probs: Tensor, topk_ids: Tensor) -> bool:
+def _use_triton(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> bool:
     """Where the experts op runs its Triton kernels (CUDA, SONIC_MOE_KERNEL not "reference"); their
-    int8 state holds a top-k pair index + 1, so 1 <= K <= 126."""
+    int8 state holds a top-k pair index + 1, so 1 <= K <= 126; they scale added pairs in fp32, so
+    fp64 routing takes the reference."""
     from .ops import _triton_backend
 
-    return 1 <= topk_ids.shape[1] <= 126 and _triton_backend(router_probs) is not None
+    return (1 <= topk_ids.shape[1] <= 126 and _scale_dtype(router_probs, topk_weights) == torch.float32
+            and _triton_backend(router_probs) is not None)
 
 
 # One op in the graph (AOTAutograd's cache wants op targets). Forward: the Triton kernels on CUDA,
@@ -212,7 +243,7 @@ def _round_routing_slots(router_probs: Tensor, topk_ids: Tensor, topk_weights: T
     """(slot_ids int32 [S] (-1: padding), slot_weights [S], slot_token int32 [S]), token-major."""
     if mode not in MODES:
         raise ValueError(f"token rounding mode must be one of {MODES}, got {mode!r}")
-    if _use_triton(router_probs, topk_ids):
+    if _use_triton(router_probs, topk_ids, topk_weights):
         return _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token)
     T, E = router_probs.shape
     with torch.no_grad():
@@ -230,14 +261,15 @@ def _(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
 
 
 def _setup_rounding_context(ctx, inputs, output):
-    router_probs, topk_ids, topk_weights = inputs[:3]
+    router_probs, topk_ids, topk_weights, _tile, mode = inputs[:5]
     slot_ids, _, slot_token = output
-    ctx.save_for_backward(topk_ids, slot_ids, slot_token)
+    ctx.adds = mode != "down"  # only up and nearest add pairs (whose weights read the scale)
+    ctx.save_for_backward(topk_ids, slot_ids, slot_token, *((router_probs, topk_weights) if ctx.adds else ()))
     ctx.shapes = (router_probs.shape, router_probs.dtype, topk_weights.dtype)
 
 
 def _rounding_backward(ctx, _grad_ids, grad_w, _grad_token):
-    topk_ids, slot_ids, slot_token = ctx.saved_tensors
+    topk_ids, slot_ids, slot_token = ctx.saved_tensors[:3]
     (T, E), probs_dtype, weights_dtype = ctx.shapes
     K = topk_ids.shape[1]
     if grad_w is None or T == 0:
@@ -247,11 +279,32 @@ def _rounding_backward(ctx, _grad_ids, grad_w, _grad_token):
     pairs = topk_ids[token] == expert[:, None]  # [S, K]: the top-k pair a slot came from, if any
     from_topk = pairs.any(1)
     grad_w = torch.where(expert >= 0, grad_w, 0)
-    d_weights = torch.zeros(T * K, dtype=weights_dtype, device=grad_w.device).scatter_add_(
-        0, token * K + pairs.int().argmax(1), torch.where(from_topk, grad_w, 0))
-    d_probs = torch.zeros(T * E, dtype=probs_dtype, device=grad_w.device).scatter_add_(
-        0, token * E + expert.clamp(min=0), torch.where(from_topk, 0, grad_w).to(probs_dtype))
-    return d_probs.view(T, E), None, d_weights.view(T, K), None, None, None
+    acc = torch.promote_types(torch.float32, torch.promote_types(probs_dtype, weights_dtype))
+    d_weights = torch.zeros(T * K, dtype=acc, device=grad_w.device).scatter_add_(
+        0, token * K + pairs.int().argmax(1), torch.where(from_topk, grad_w, 0).to(acc))
+    pair = token * E + expert.clamp(min=0)
+    g_added = torch.where(from_topk, 0, grad_w).to(acc)
+    if not ctx.adds:
+        d_probs = torch.zeros(T * E, dtype=acc, device=grad_w.device).scatter_add_(0, pair, g_added)
+        return d_probs.view(T, E).to(probs_dtype), None, d_weights.view(T, K).to(weights_dtype), None, None, None
+    # an added pair weighs p * W / P (added_pair_scale): d p += g W / P; and with a = sum of g p over
+    # the token's added pairs, d w_k += a / P and d p at its top-k ids -= a W / P^2 (where P > 0)
+    router_probs, topk_weights = ctx.saved_tensors[3:]
+    probs = router_probs.to(acc)
+    ids = topk_ids.long()
+    W = topk_weights.to(acc).sum(1)
+    P = probs.gather(1, ids).sum(1)
+    scaled = P > 0
+    P = torch.where(scaled, P, 1.0)
+    scale = torch.where(scaled, W / P, 1.0)
+    d_probs = torch.zeros(T * E, dtype=acc, device=grad_w.device).scatter_add_(
+        0, pair, g_added * scale[token])
+    a = torch.zeros(T, dtype=acc, device=grad_w.device).scatter_add_(
+        0, token, g_added * probs.reshape(-1)[pair])
+    a = torch.where(scaled, a / P, 0.0)
+    d_probs = d_probs.view(T, E).scatter_add(1, ids, (-a * W / P)[:, None].expand(T, K))
+    d_weights = d_weights.view(T, K) + a[:, None]
+    return d_probs.to(probs_dtype), None, d_weights.to(weights_dtype), None, None, None
 
 
 _round_routing_slots.register_autograd(_rounding_backward, setup_context=_setup_rounding_context)

@@ -818,7 +818,7 @@ def test_gpu_token_rounding_is_sync_free_and_capturable(first_config_only):
 @pytest.mark.parametrize("mode", ["down", "up", "nearest"])
 def test_gpu_rounding_kernels_match_reference(mode):
     """round_routing on CUDA (the Triton kernels) against the torch reference on the CPU, at 128-row
-    tiles: the same slots and weights, and the same gradients of the probabilities and weights."""
+    tiles: the same slots and weights, and gradients of the probabilities and weights."""
     from codegen.token_rounding import round_routing
 
     probs, ids, weights = _rounding_case(4096, 64, 4, seed=7)
@@ -833,8 +833,12 @@ def test_gpu_rounding_kernels_match_reference(mode):
             coef = torch.randn(slot_w.shape, generator=torch.Generator().manual_seed(1))
         (slot_w.float() * coef.to(device)).sum().backward()
         results[device] = [t.cpu() for t in (slot_ids, slot_w, slot_token, p.grad, w.grad)]
-    for name, a, b in zip(("ids", "weights", "tokens", "d probs", "d weights"), results["cuda"], results["cpu"]):
+    for name, a, b in zip(("ids", "weights", "tokens"), results["cuda"], results["cpu"]):
         assert torch.equal(a, b), name
+    # the gradients through added pairs' scale sum over each token's added pairs, in atomic order on
+    # CUDA: equal up to rounding (fp32 probabilities, bf16 weights)
+    for name, a, b in zip(("d probs", "d weights"), results["cuda"][3:], results["cpu"][3:]):
+        torch.testing.assert_close(a, b, rtol=1e-5 if a.dtype == torch.float32 else 1.6e-2, atol=1e-7, msg=name)
 
 
 @pytest.mark.gpu

@@ -40,6 +40,8 @@ def routings(draw):
         logits = logits.round()  # many equal probabilities
     probs = logits.softmax(-1)
     weights, ids = probs.topk(K, dim=-1)
+    if draw(st.booleans()):  # renormalised and scaled, as Qwen3-MoE's or DeepSeek-V3's router does
+        weights = weights / weights.sum(-1, keepdim=True) * draw(st.sampled_from([1.0, 2.5]))
     return probs, ids, weights, tile
 
 
@@ -98,7 +100,10 @@ def test_weights_follow_the_assignments(routing, mode):
     in_topk = topk_w > 0
     assert torch.all(w[~mask] == 0)
     assert torch.equal(w[mask & in_topk], topk_w[mask & in_topk])
-    assert torch.equal(w[mask & ~in_topk], probs[mask & ~in_topk])
+    # an added pair: its probability on the scale of the token's top-k weights (W / P)
+    scale = weights.sum(1) / probs.gather(1, ids).sum(1)
+    added = mask & ~in_topk
+    torch.testing.assert_close(w[added], (probs * scale[:, None])[added], rtol=1e-6, atol=0)
 
 
 @given(routings(), st.sampled_from(MODES))
@@ -166,7 +171,8 @@ def test_round_routing_gradients_through_the_op(mode):
     def layer(x, logits, w1, w2):
         probs = logits.softmax(-1)
         top_w, top_i = probs.topk(K, dim=-1)
-        slot_ids, slot_w, slot_token = round_routing(probs, top_i, top_w / top_w.sum(-1, keepdim=True), tile=4, mode=mode)
+        top_w = top_w / top_w.sum(-1, keepdim=True) * 2.5  # renormalised and scaled: added pairs scale too
+        slot_ids, slot_w, slot_token = round_routing(probs, top_i, top_w, tile=4, mode=mode)
         return moe_experts(x, slot_ids, slot_w, w1, w2, slot_token=slot_token)
 
     assert torch.autograd.gradcheck(layer, (x, logits, w1, w2))

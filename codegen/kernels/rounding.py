@@ -237,13 +237,14 @@ def _token_pass_kernel(assign_ptr, ids_ptr, weights_ptr, per_token_ptr, n_swap_p
 
 
 @triton.jit
-def _emit_slots_kernel(assign_ptr, probs_ptr, weights_ptr, slot_end_ptr, per_token_ptr, slot_ids_ptr, slot_w_ptr,
-                       slot_token_ptr, T, E, S, stride_pt, stride_pe, stride_wt, stride_wk,
-                       BLOCK_T: tl.constexpr, E_POW2: tl.constexpr, BLOCK_PAD: tl.constexpr):
+def _emit_slots_kernel(assign_ptr, probs_ptr, ids_ptr, weights_ptr, slot_end_ptr, per_token_ptr, slot_ids_ptr,
+                       slot_w_ptr, slot_token_ptr, T, E, S, K, stride_pt, stride_pe, stride_it, stride_ik, stride_wt,
+                       stride_wk, BLOCK_T: tl.constexpr, E_POW2: tl.constexpr, BLOCK_PAD: tl.constexpr):
     """The slots of BLOCK_T tokens: each token's experts in ascending order from its first slot
-    (slot_end: the inclusive cumsum of per_token); weight = the top-k weight of a top-k pair, the
-    router probability of an added pair. The programs also write the padding slots past the last
-    routed one (id -1, weight 0, token T), so the outputs need no fill beforehand."""
+    (slot_end: the inclusive cumsum of per_token); weight = the top-k weight of a top-k pair; of an
+    added pair, its router probability times the token's W / P (`added_pair_scale`, summed over k
+    in order and divided with IEEE rounding, as the reference). The programs also write the padding
+    slots past the last routed one (id -1, weight 0, token T), so the outputs need no fill beforehand."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_POW2)
     live = (e[:, None] < E) & (t[None, :] < T)
@@ -256,7 +257,14 @@ def _emit_slots_kernel(assign_ptr, probs_ptr, weights_ptr, slot_end_ptr, per_tok
     topk = a > 0
     w_topk = tl.load(weights_ptr + t[None, :] * stride_wt + (a - 1) * stride_wk, mask=keep & topk, other=0.0)
     w_added = tl.load(probs_ptr + t[None, :] * stride_pt + e[:, None] * stride_pe, mask=keep & ~topk, other=0.0)
-    w = tl.where(topk, w_topk, w_added.to(w_topk.dtype))
+    sum_w = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    sum_p = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for k in range(0, K):
+        expert = tl.load(ids_ptr + t * stride_it + k * stride_ik, mask=t < T, other=0)
+        sum_w += tl.load(weights_ptr + t * stride_wt + k * stride_wk, mask=t < T, other=0.0).to(tl.float32)
+        sum_p += tl.load(probs_ptr + t * stride_pt + expert * stride_pe, mask=t < T, other=0.0).to(tl.float32)
+    scale = tl.where(sum_p > 0, tl.math.div_rn(sum_w, tl.where(sum_p > 0, sum_p, 1.0)), 1.0)
+    w = tl.where(topk, w_topk, (w_added.to(tl.float32) * scale[None, :]).to(w_topk.dtype))
     tl.store(slot_ids_ptr + slot, tl.broadcast_to(e[:, None], (E_POW2, BLOCK_T)), mask=keep)
     tl.store(slot_token_ptr + slot, tl.broadcast_to(t[None, :], (E_POW2, BLOCK_T)), mask=keep)
     tl.store(slot_w_ptr + slot, w, mask=keep)
