@@ -192,6 +192,43 @@ _scatter_tma = triton.autotune(_tma_configs("scatter"), key=["k_dim", "n_dim", "
 _wgrad_tma = triton.autotune(_tma_configs("wgrad"), key=["P", "Q", "E", "top_k"])(_wgrad_kernel)
 
 
+# ------------------------------------------------------------------------ launches after tuning
+# Triton's autotuner rebuilds dicts of every argument and a key holding every tensor's dtype at each
+# call, ~30 us of Python on top of the kernel's own launch (measured on the CPU machine with the
+# launch stubbed out): a fwd+bwd runs nine tuned launches, a decode step three per layer. `_launch`
+# asks the autotuner once per key and then launches the kernel with the config it chose.
+_TUNED: dict[tuple, tuple[triton.Config, dict]] = {}
+_KEY_POSITIONS: dict[int, tuple[int, ...]] = {}
+
+
+def _launch(tuner, grid, *args, **kwargs) -> None:
+    """`tuner[grid](*args, **kwargs)`. Keyed like the autotuner (its key arguments' values and every
+    tensor argument's dtype, and its config list), so each key gets the config the autotuner picked
+    for it; its pre-hook (the TMA block shapes) still runs at every launch. Key arguments must be
+    positional. Code that changes a tuner's configs in place calls `forget_tuned_launches()`."""
+    positions = _KEY_POSITIONS.get(id(tuner))
+    if positions is None:
+        positions = _KEY_POSITIONS[id(tuner)] = tuple(tuner.arg_names.index(k) for k in tuner.keys)
+    key = (id(tuner), id(tuner.configs), *(args[i] for i in positions),
+           *(a.dtype for a in args if isinstance(a, Tensor)))
+    tuned = _TUNED.get(key)
+    if tuned is None:
+        tuner[grid](*args, **kwargs)
+        config = getattr(tuner, "best_config", None)
+        if config is not None:
+            _TUNED[key] = (config, config.all_kwargs())
+        return
+    config, meta = tuned
+    if config.pre_hook is not None:
+        config.pre_hook({**dict(zip(tuner.arg_names, args)), **kwargs, **meta})
+    tuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **meta)
+
+
+def forget_tuned_launches() -> None:
+    """Send every launch through its autotuner again (tests that swap a tuner's configs)."""
+    _TUNED.clear()
+
+
 def _tma_operand(t: Tensor, dims: tuple[int, ...], strides: tuple[int, ...]) -> TensorDescriptor | None:
     """A TMA descriptor over `t`'s storage read as `dims` through `strides` (the last one 1), or None
     when the copy engine cannot address it (off CUDA and the interpreter, not 16-bit, misaligned,
@@ -454,7 +491,8 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
     desc, w_desc = (None, 0) if interleaved and gated else _weight_desc(w1, E, w1_out, d, *w1.strides[1:])
     kernel = _up_tma if desc is not None else _up
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
-    kernel[grid](
+    _launch(
+        kernel, grid,
         x, _or(desc, w_ptr), b1c, sorted_rows, _or(row_token, sorted_rows), offsets, h, a, w_table,
         TK, d, n, E, top_k,
         x.stride(0), x.stride(1),
@@ -487,7 +525,8 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
         if in_d is not None:
             upper = lambda META: (triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"])
             grid = lambda META: (min(upper(META), _programs(inp.device)),)
-            _scatter_tma[grid](
+            _launch(
+                _scatter_tma, grid,
                 in_d, w_d, biasc, sorted_rows, offsets, out,
                 TK, k_dim, n_dim, E, n_dim,
                 HAS_BIAS=bias is not None, E_POW2=_e_pow2(E), W_DESC=w_desc,
@@ -495,7 +534,8 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
             return out
     w_ptr, w_table, has_table, align = w.kernel_args()
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"]),)
-    _scatter[grid](
+    _launch(
+        _scatter, grid,
         inp, w_ptr, biasc, sorted_rows, offsets, out, w_table,
         TK, k_dim, n_dim, E, split,
         *w_strides, n_dim,
@@ -549,7 +589,8 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     desc, w_desc = _weight_desc(w2, E, n, d, sw[2], sw[1])
     kernel = _dact_tma if desc is not None else _dact
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
-    kernel[grid](
+    _launch(
+        kernel, grid,
         grad_out, _or(desc, w_ptr), grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da, w_table,
         TK, d, n, E, top_k,
         grad_out.stride(0), grad_out.stride(1),
@@ -587,7 +628,8 @@ def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, 
     lhs_d = None if gather_lhs else _tma_operand(lhs, tuple(lhs.shape), tuple(lhs.stride()))
     rhs_d = None if gather_rhs else _tma_operand(rhs, tuple(rhs.shape), tuple(rhs.stride()))
     kernel = _wgrad_tma if lhs_d is not None or rhs_d is not None else _wgrad
-    kernel[grid](
+    _launch(
+        kernel, grid,
         _or(lhs_d, lhs), _or(rhs_d, rhs), _or(s_flat, lhs), sorted_rows, _or(row_token, sorted_rows), offsets, dw,
         db if db is not None else dw,
         TK, P, Q, E, top_k,

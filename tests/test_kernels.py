@@ -166,19 +166,42 @@ def test_two_dot_gate_up_path(tm):
     # the interpreter's single config takes the fused gate/up dot; the autotuner may pick two dots
     saved = tm._up.configs
     tm._up.configs = [tm._cfg("up", 16, 16, 16, 1, 1, fused=False)]
+    tm.forget_tuned_launches()
     try:
         for interleaved in (False, True):
             inputs, go = _make(13, 40, 24, 3, 2, torch.float32, bias=True, seed=int(interleaved))
             _check_against_oracle(tm, inputs, go, dict(_FLAGS, interleaved=interleaved), _TOL[torch.float32])
+        assert tm._up.best_config.kwargs["FUSED_GU"] is False
     finally:
         tm._up.configs = saved
+        tm.forget_tuned_launches()
+
+
+def test_tuned_launches_skip_the_autotuner(tm, monkeypatch):
+    """After a key's first launch the GEMMs launch with the config the autotuner chose, without it;
+    a new key goes through it again."""
+    tuners = [getattr(tm, name) for name in ("_up", "_scatter", "_dact", "_wgrad")]
+    tm.forget_tuned_launches()
+    inputs, go = _make(11, 24, 16, 3, 2, torch.float32, seed=3)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
+    entered = []
+    for tuner in tuners:
+        monkeypatch.setattr(tuner, "run", lambda *a, tuner=tuner, **k: entered.append(tuner) or tuner.fn.run(
+            *a, **k, **tuner.configs[0].all_kwargs()))
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])  # same keys, another T is fine too
+    _check_against_oracle(tm, *_make(29, 24, 16, 3, 2, torch.float32, seed=4), _FLAGS, _TOL[torch.float32])
+    assert entered == []
+    _check_against_oracle(tm, *_make(11, 40, 16, 3, 2, torch.float32, seed=5), _FLAGS, _TOL[torch.float32])
+    assert set(map(id, entered)) == set(map(id, tuners))  # d = 40: every GEMM's key is new
 
 
 _TMA_TUNERS = ("_up_tma", "_dact_tma", "_scatter_tma", "_wgrad_tma")
 
 
 def _record_calls(tm, monkeypatch):
-    """The names of the TMA autotuners that launch from now on (the test's proof the path ran)."""
+    """The names of the TMA autotuners that launch from now on (the test's proof the path ran); each
+    kernel's first launch of a key goes through its autotuner, so the tuned launches are forgotten."""
+    tm.forget_tuned_launches()
     ran = []
     for name in _TMA_TUNERS:
         tuner = getattr(tm, name)
@@ -597,11 +620,13 @@ def first_config_only():
     saved = [(t.configs, dict(t.cache)) for t in tuners]
     for t in tuners:
         t.configs = t.configs[:1]
+    triton_moe.forget_tuned_launches()
     yield
     for t, (configs, cache) in zip(tuners, saved):
         t.configs = configs
         t.cache.clear()
         t.cache.update(cache)
+    triton_moe.forget_tuned_launches()
 
 
 def _gpu_case(T, d, n, E, K, *, experts=None, seed=0, noncontig=False, rounding=None):
