@@ -238,7 +238,7 @@ def _tma_operand(t: Tensor, dims: tuple[int, ...], strides: tuple[int, ...]) -> 
     size = t.element_size()
     if strides[-1] != 1 or any(s <= 0 or s * size % 16 for s in strides[:-1]) or t.data_ptr() % 16 or min(dims) <= 0:
         return None
-    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+    if t.is_cuda and _major(t.device) < 9:
         return None
     return TensorDescriptor(t, list(dims), list(strides), [1] * (len(dims) - 1) + [16 // size])
 
@@ -259,13 +259,26 @@ def _weight_desc(bank: Bank, E: int, n_out: int, k_in: int, s_out: int, s_in: in
 
 
 _SM_COUNT: dict[int, int] = {}
+_MAJOR: dict[int, int] = {}
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _major(device: torch.device) -> int:
+    """The device's compute capability major (asked once per device: each call costs a few us)."""
+    index = _device_index(device)
+    if index not in _MAJOR:
+        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _MAJOR[index]
 
 
 def _programs(device: torch.device) -> int:
     """Programs of a persistent kernel: one per SM (its tiles fill the SM's shared memory)."""
     if INTERPRETED:
         return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
