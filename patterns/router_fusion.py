@@ -212,9 +212,11 @@ class _Walk:
             self.take(w)
             w = node
             steps.append("scale")
+        w = self.identity_casts(w)
         if is_call(w, "truediv", "itruediv", "div", "div_"):
             w = self.renorm(w, args)
             steps.insert(0, "renorm")
+            w = self.identity_casts(w)
         if is_call(w, "softmax"):  # top-k -> softmax
             v, dim, dtype = self.softmax(w)
             expect(_int_dim(dim, 2, 1), f"softmax of the top-k values over dim {dim}, not the k dim")
@@ -231,9 +233,11 @@ class _Walk:
             args.update(logits=logits, k=self.k_of(topk), score=score, topk_first=False, compute_dtype=dtype_of(scores))
             return out, args, "->".join([score, "topk", *steps])
         if is_call(w, "gather"):  # selection by other scores (bias, groups), weights gathered
-            expect(w.op == "call_method" or len(w.args) >= 3, "gather with unexpected arguments")
+            # gather(scores, dim, index), positionally or by keyword (LFM2-MoE: dim=1, index=ids)
+            expect(len(w.args) + len(w.kwargs) == 3 and set(w.kwargs) <= {"input", "dim", "index"},
+                   "gather with unexpected arguments")
             scores, dim, index = (arg(w, 0, "input"), arg(w, 1, "dim"), arg(w, 2, "index"))
-            expect(index is ids and _int_dim(dim, 2, 1) and len(w.args) + len(w.kwargs) == 3,
+            expect(index is ids and _int_dim(dim, 2, 1),
                    "the routing weights gather something else than the scores at the top-k ids")
             score, logits = self.score(scores)
             topk = self.topk(ids, 1, ids)
@@ -243,6 +247,15 @@ class _Walk:
             self.take(w)
             return out, args, "->".join([score + desc, "topk", "gather", *steps])
         raise NoMatch(f"routing weights come from {_describe(w)}, not a recognised router")
+
+    def identity_casts(self, w: fx.Node) -> fx.Node:
+        """Casts to the dtype their input already has (LFM2-MoE's `gather(...).type_as(logits)` of
+        same-dtype scores) change no value: they join the router. Any other cast inside it does not
+        match (the router op computes in one dtype)."""
+        while (dtype := _cast_dtype(w)) is not None and dtype == dtype_of(w.args[0]):
+            self.take(w)
+            w = w.args[0]
+        return w
 
     def renorm(self, div: fx.Node, args: dict) -> fx.Node:
         expect(len(div.args) == 2 and not div.kwargs, f"division {div.name} has a rounding mode or extra arguments")

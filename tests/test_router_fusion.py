@@ -41,6 +41,7 @@ FORMS = [
     ("sigmoid-bias-group-renorm-scale", 3, dict(score="sigmoid", n_group=3, topk_group=2, renorm=True, eps=1e-20,
                                                 scale=2.5), True),
     ("sigmoid-bias-group-fill0", 2, dict(score="sigmoid", n_group=3, topk_group=1, fill=0.0), True),
+    ("sigmoid-bias-renorm-scale", 2, dict(score="sigmoid", renorm=True, eps=1e-6, scale=2.5), True),  # LFM2-MoE
     ("k1", 1, dict(renorm=True), False),
     ("k=E", 6, dict(renorm=True, scale=0.5), False),
 ]
@@ -456,6 +457,7 @@ class RoutedDense(nn.Module):
         self.gate = nn.Linear(d, E, bias=False)
         self.experts = make_experts("gated", d, n, E)
         self.scale = nn.Parameter(torch.tensor(1.5))
+        self.register_buffer("bias", torch.linspace(-0.1, 0.1, E))  # a correction bias for the choice
         self.router, self.E, self.K = router, E, K
 
     def forward(self, x):
@@ -483,7 +485,25 @@ POSITIVE = {
     "partial-temperature-on-logits": (lambda m, x: (lambda logits: (lambda v, i: (v, i, 0))(
         *torch.topk(torch.cat([logits[:, :2] / 2.0, logits[:, 2:]], -1).softmax(-1), m.K, dim=-1)))(m.gate(x)),
         "softmax->topk, fused"),
+    # a cast to the dtype the weights already have, inside the router (LFM2-MoE's `.type_as(logits)`)
+    "identity-cast-then-renorm": (lambda m, x: (lambda logits: (lambda v, i: (
+        _renorm(v.type_as(logits)), i, 0))(*logits.softmax(-1).topk(m.K, dim=-1)))(m.gate(x)),
+        "softmax->topk->renorm, fused"),
+    "lfm2-keyword-gather": (lambda m, x: _lfm2_router(m, x), "topk->gather->renorm->scale, fused"),
 }
+
+
+def _lfm2_router(m, x):
+    """LFM2-MoE's router: choose by biased sigmoid scores, gather the unbiased ones by keyword."""
+    logits = m.gate(x)
+    probs = logits.sigmoid()
+    _, ids = torch.topk(probs + m.bias, k=m.K, dim=-1)
+    w = torch.gather(probs, dim=1, index=ids).type_as(logits)
+    return _renorm(w) * 2.5, ids, 0
+
+
+def _renorm(w):
+    return w / (w.sum(-1, keepdim=True) + 1e-6)
 
 
 @pytest.mark.parametrize("case", POSITIVE)
@@ -516,6 +536,9 @@ NEGATIVE = {
     "tensor-scale": (lambda m, x: (lambda p, w, i: (w * m.scale, i, 0))(*_softmax_topk(m, x)),
                      "scaled by a tensor"),
     "unknown-op-in-chain": (_partial_temperature_on_probs, "not a softmax or sigmoid"),
+    # a cast that changes the dtype inside the router: the op computes in one dtype
+    "narrowing-cast-then-renorm": (lambda m, x: (lambda p, w, i: (_renorm(w.half()).float(), i, 0))(
+        *_softmax_topk(m, x)), "not a recognised router"),
 }
 
 
