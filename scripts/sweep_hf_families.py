@@ -36,8 +36,15 @@ SMALL = dict(
     num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts=8, num_local_experts=8, n_routed_experts=8,
     num_experts_per_tok=2, moe_topk=2, top_k=2, max_position_embeddings=256, n_group=2, topk_group=1,
     first_k_dense_replace=0, shared_expert_intermediate_size=32, n_shared_experts=1, num_shared_experts=1,
-    moe_num_experts=8, moe_k=2,
+    moe_num_experts=8, moe_k=2, num_dense_layers=0, use_cache=False, mamba_n_heads=8, mamba_d_head=16,
 )
+# Families whose layer kinds come from fields the generic shrinking does not set: two layers of two
+# kinds, both with experts (Jamba: Mamba then attention; LFM2-MoE's default config has no layer list)
+LAYOUT = dict(
+    jamba=dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0),
+    lfm2_moe=dict(layer_types=["conv", "full_attention"]),
+)
+_TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # within the toy vocabulary
 TOLERANCE = dict(loss=1e-4, grad=1e-3)  # fp32, relative: summation order only
 
 
@@ -56,12 +63,19 @@ def one(family: str, enabled: bool) -> dict:
         config = AutoConfig.for_model(family)
         text = getattr(config, "text_config", None)
         target = text if text is not None and hasattr(text, "hidden_size") else config
-        for key, value in SMALL.items():
+        for key, value in {**SMALL, **LAYOUT.get(family, {})}.items():
             if hasattr(target, key):
                 setattr(target, key, value)
+        for key, value in _TOKEN_IDS.items():
+            if isinstance(getattr(target, key, None), int) and getattr(target, key) >= SMALL["vocab_size"]:
+                setattr(target, key, value)
+        if getattr(target, "kv_lora_rank", None):  # multi-head latent attention: as many kv heads as
+            target.num_key_value_heads = target.num_attention_heads  # heads, rotary width = head_dim
+            target.head_dim = getattr(target, "qk_rope_head_dim", target.head_dim)
         for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
             kinds = getattr(target, key, None)
-            if isinstance(kinds, list) and kinds:  # two layers, of two different kinds where there are
+            settable = not isinstance(getattr(type(target), key, None), property)  # Jamba derives its own
+            if isinstance(kinds, list) and kinds and settable:  # two layers, of two kinds where there are
                 setattr(target, key, (list(dict.fromkeys(kinds)) + kinds)[:2])
         model = AutoModelForCausalLM.from_config(config).float().train()
     except Exception as exc:
