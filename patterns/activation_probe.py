@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from codegen.activations import GATED, torch_activation
 
-from .common import backward_slice, dtype_of, example_value
+from .common import CAST_METHODS, backward_slice, dtype_of, example_value
 
 _PROBE_ROWS = 64
 _DEFAULT_OAI = (1.702, 7.0)
@@ -65,7 +65,7 @@ def _tolerance(nodes: set[fx.Node]) -> float:
     for node in nodes:
         dtype = dtype_of(node)
         if dtype is not None and dtype.is_floating_point and dtype != torch.float64:
-            if node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16", "type"):
+            if node.op == "call_method" and node.target in CAST_METHODS:
                 eps = max(eps, 4 * torch.finfo(dtype).eps)
     return eps
 

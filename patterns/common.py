@@ -320,6 +320,10 @@ def shape_of(node: Any) -> tuple:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
 
 
+# Tensor methods that only change the dtype (`.type_as(other)` takes other's)
+CAST_METHODS = ("to", "float", "half", "bfloat16", "type", "type_as")
+
+
 def dtype_of(node: Any) -> torch.dtype | None:
     val = example_value(node)
     return val.dtype if isinstance(val, torch.Tensor) else None

@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from .common import (
+    CAST_METHODS,
     NoMatch,
     arg,
     dtype_of,
@@ -55,7 +56,6 @@ from .common import (
     shape_of,
 )
 
-_CASTS = ("to", "float", "half", "bfloat16", "type", "type_as")
 _FLOAT_OF = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -160,7 +160,7 @@ def _src(node):
 def _cast_dtype(node) -> torch.dtype | None:
     """The float dtype of a pure dtype cast (`.float()`, `.to(torch.float32)`, `.type(dtype)`,
     `.type_as(other)`), else None."""
-    if not is_call(node, *_CASTS) or node.op != "call_method":
+    if not is_call(node, *CAST_METHODS) or node.op != "call_method":
         return None
     out = dtype_of(node)
     if node.target in _FLOAT_OF:

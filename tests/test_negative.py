@@ -120,6 +120,24 @@ def test_probe_crosses_every_clamp_it_sees():
     assert plain["activation"] == "swiglu"  # large unrelated constants only widen the probe
 
 
+def test_probe_tolerance_follows_every_narrowing_cast():
+    """An activation sub-graph that narrows by `.type_as(other)` is compared at that dtype's
+    round-off, as one narrowing by `.to(dtype)` is (not at float64's, which would reject it)."""
+    import torch.fx as fx
+
+    from patterns.activation_probe import _tolerance
+
+    graph = fx.Graph()
+    h, other = graph.placeholder("h"), graph.placeholder("other")
+    h.meta["example_value"] = torch.empty(2, dtype=torch.float64)
+    other.meta["example_value"] = torch.empty(2, dtype=torch.bfloat16)
+    casts = [graph.call_method("type_as", (h, other)), graph.call_method("to", (h, torch.bfloat16))]
+    for cast in casts:
+        cast.meta["example_value"] = torch.empty(2, dtype=torch.bfloat16)
+        assert _tolerance({h, cast}) == 4 * torch.finfo(torch.bfloat16).eps, cast.target
+    assert _tolerance({h}) == 1e-10
+
+
 def test_gelu_experts_are_geglu():
     """Not a negative: a different activation is probed and named, not assumed to be SwiGLU."""
     model = tiny_moe_model("qwen3_moe", hidden_act="gelu")
