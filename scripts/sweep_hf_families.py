@@ -45,6 +45,13 @@ LAYOUT = dict(
     lfm2_moe=dict(layer_types=["conv", "full_attention"]),
 )
 _TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # within the toy vocabulary
+# Families whose sizes live under other names or in sub-configs, given when the config is made
+# (DBRX: d_model / n_heads / ffn_config; its default clip_qkv=None fails in clamp, so one is set)
+BUILD = dict(
+    dbrx=dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=128,
+              attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+              ffn_config=dict(hidden_size=64, ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2)),
+)
 TOLERANCE = dict(loss=1e-4, grad=1e-3)  # fp32, relative: summation order only
 
 
@@ -60,7 +67,7 @@ def one(family: str, enabled: bool) -> dict:
 
     torch.manual_seed(0)
     try:
-        config = AutoConfig.for_model(family)
+        config = AutoConfig.for_model(family, **BUILD.get(family, {}))
         text = getattr(config, "text_config", None)
         target = text if text is not None and hasattr(text, "hidden_size") else config
         for key, value in {**SMALL, **LAYOUT.get(family, {})}.items():
