@@ -129,19 +129,26 @@ def added_pair_scale(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tenso
     the same scale as the token's top-k experts. 1 where P = 0. The sums run over k in order, as the
     Triton emit kernel's do, so both paths give the same bits.
     """
-    T = topk_ids.shape[0]
-    dtype = _scale_dtype(router_probs, topk_weights)
-    W = torch.zeros(T, dtype=dtype, device=router_probs.device)
+    W, P = _topk_sums(router_probs, topk_ids, topk_weights)
+    return torch.where(P > 0, W / torch.where(P > 0, P, 1.0), 1.0)
+
+
+def _topk_sums(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """(W, P) [T]: each token's top-k weights' and top-k probabilities' sums, over k in order, in
+    `_scale_dtype`."""
+    dtype = _scale_dtype(router_probs.dtype, topk_weights.dtype)
+    W = torch.zeros(topk_ids.shape[0], dtype=dtype, device=router_probs.device)
     P = torch.zeros_like(W)
     probs = router_probs.to(dtype).gather(1, topk_ids.long())
     for k in range(topk_ids.shape[1]):
         W = W + topk_weights[:, k].to(dtype)
         P = P + probs[:, k]
-    return torch.where(P > 0, W / torch.where(P > 0, P, 1.0), 1.0)
+    return W, P
 
 
-def _scale_dtype(router_probs: Tensor, topk_weights: Tensor) -> torch.dtype:
-    return torch.promote_types(torch.float32, torch.promote_types(router_probs.dtype, topk_weights.dtype))
+def _scale_dtype(probs_dtype: torch.dtype, weights_dtype: torch.dtype) -> torch.dtype:
+    """Where the added pairs' scale and the rounding's gradients are computed: fp32, or fp64."""
+    return torch.promote_types(torch.float32, torch.promote_types(probs_dtype, weights_dtype))
 
 
 def slot_capacity(T, E, K, tile: int, mode: str):
@@ -230,7 +237,7 @@ def _use_triton(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor) ->
     fp64 routing takes the reference."""
     from .ops import _triton_backend
 
-    return (1 <= topk_ids.shape[1] <= 126 and _scale_dtype(router_probs, topk_weights) == torch.float32
+    return (1 <= topk_ids.shape[1] <= 126 and _scale_dtype(router_probs.dtype, topk_weights.dtype) == torch.float32
             and _triton_backend(router_probs) is not None)
 
 
@@ -279,7 +286,7 @@ def _rounding_backward(ctx, _grad_ids, grad_w, _grad_token):
     pairs = topk_ids[token] == expert[:, None]  # [S, K]: the top-k pair a slot came from, if any
     from_topk = pairs.any(1)
     grad_w = torch.where(expert >= 0, grad_w, 0)
-    acc = torch.promote_types(torch.float32, torch.promote_types(probs_dtype, weights_dtype))
+    acc = _scale_dtype(probs_dtype, weights_dtype)
     d_weights = torch.zeros(T * K, dtype=acc, device=grad_w.device).scatter_add_(
         0, token * K + pairs.int().argmax(1), torch.where(from_topk, grad_w, 0).to(acc))
     pair = token * E + expert.clamp(min=0)
@@ -292,8 +299,7 @@ def _rounding_backward(ctx, _grad_ids, grad_w, _grad_token):
     router_probs, topk_weights = ctx.saved_tensors[3:]
     probs = router_probs.to(acc)
     ids = topk_ids.long()
-    W = topk_weights.to(acc).sum(1)
-    P = probs.gather(1, ids).sum(1)
+    W, P = _topk_sums(router_probs, topk_ids, topk_weights)
     scaled = P > 0
     P = torch.where(scaled, P, 1.0)
     scale = torch.where(scaled, W / P, 1.0)
