@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from patterns import (
+    dense_bmm,
     dense_experts,
     expert_loop,
     hf_batched_mm,
@@ -29,6 +30,7 @@ FINDERS = {
     "hf_eager_loop": hf_eager_loop.find,  # recognises only, to explain; never rewrites
     "expert_loop": expert_loop.find,  # nn.ModuleList experts looped over with torch.where + index_add
     "dense_experts": dense_experts.find,  # nn.ModuleList experts all run, combined by a [T, E] gate matrix
+    "dense_bmm": dense_bmm.find,  # stacked experts all run as bmm (Llama 4), gated by a [T, E] matrix
 }
 
 _graph_ids = itertools.count()
@@ -94,6 +96,8 @@ def router_outcome(gm: fx.GraphModule, call: fx.Node, match: MoEMatch, router: s
     """
     if not options.fuse_router:
         return router
+    if match.gates:  # the op's weights are gathered from a [T, E] gate matrix: no router form to fuse
+        return f"{router}, not fused: weights gathered from a [T, E] gate matrix"
     try:
         found = match_router(call)
     except NoMatch as why:

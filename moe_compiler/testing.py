@@ -17,38 +17,58 @@ COMMON = dict(
 )
 
 
+def _config(cls, per_layer=None, **fields):
+    """A config maker: `cls(**fields, **overrides)`. The overrides go to the constructor, so fields it
+    derives from them (Llama 4's per-layer `no_rope_layers` from `num_hidden_layers`) follow.
+    `per_layer` {field: value}: a field holding one value per layer, that value for every layer
+    unless the overrides give the field."""
+    def make(**overrides):
+        kwargs = fields | overrides
+        for key, value in (per_layer or {}).items():
+            kwargs.setdefault(key, [value] * kwargs["num_hidden_layers"])
+        return cls(**kwargs)
+
+    return make
+
+
 def _configs():
     import transformers as tf
 
     return {
-        "qwen3_moe": lambda: tf.Qwen3MoeConfig(
+        "qwen3_moe": _config(tf.Qwen3MoeConfig,
             **COMMON, head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
         ),
-        "olmoe": lambda: tf.OlmoeConfig(
+        "olmoe": _config(tf.OlmoeConfig,
             **COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=None,
             pad_token_id=None, bos_token_id=None,
         ),
-        "mixtral": lambda: tf.MixtralConfig(
+        "mixtral": _config(tf.MixtralConfig,
             **COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
         ),
         # transposed [E, d, 2n] weights, interleaved gate/up, biases, clamped SwiGLU, router bias
-        "gpt_oss": lambda: tf.GptOssConfig(
+        "gpt_oss": _config(tf.GptOssConfig,
             **COMMON, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-            layer_types=["full_attention"] * COMMON["num_hidden_layers"],
+            per_layer={"layer_types": "full_attention"},
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         ),
         # sigmoid-gated shared expert beside the routed experts
-        "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+        "qwen2_moe": _config(tf.Qwen2MoeConfig,
             **COMMON, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
             num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
         ),
         # sigmoid scores + correction bias, group-limited top-k, routed scaling, shared experts
-        "deepseek_v3": lambda: tf.DeepseekV3Config(
+        "deepseek_v3": _config(tf.DeepseekV3Config,
             **{**COMMON, "num_key_value_heads": 4},  # MLA: as many kv heads as heads (torch 2.11's SDPA fake rejects GQA here)
             intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
             n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0, routed_scaling_factor=2.5,
             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        ),
+        # every expert on every token as bmm, the router's sigmoid scores scaling the expert inputs;
+        # top-1 as Llama 4 Scout and Maverick route
+        "llama4": _config(tf.Llama4TextConfig,
+            **COMMON, head_dim=16, intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+            num_experts_per_tok=1, interleave_moe_layer_step=1,
         ),
     }
 
@@ -61,9 +81,7 @@ def tiny_moe_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
     """A random-weight causal LM of family `name`, with its config's fields overridden."""
     import transformers as tf
 
-    config = _configs()[name]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    config = _configs()[name](**overrides)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
     return model

@@ -26,7 +26,7 @@ class MoEMatch:
     region: set[fx.Node]  # every node the region computes (erased when nothing else uses them)
     x: fx.Node  # [T, d]
     topk_ids: fx.Node  # [T, K] integer
-    topk_weights: fx.Node  # [T, K] float
+    topk_weights: fx.Node  # [T, K] float; with `gates`, the [T, E] gate matrix
     w1: fx.Node | None = None  # [E, 2n, d] (or [E, d, 2n] when transposed); None in the list form
     w2: fx.Node | None = None  # [E, d, n]  (or [E, n, d] when transposed); None in the list form
     b1: fx.Node | None = None
@@ -50,6 +50,12 @@ class MoEMatch:
     # A combine accumulated in place (`out.index_add_(...)` per expert): the tensor whose reads
     # after the anchor (its last in-place add) become reads of the op's output.
     accumulator: fx.Node | None = None
+    # topk_weights is a [T, E] gate matrix the checker proved zero outside topk_ids: the rewrite
+    # gathers the op's [T, K] weights from it (a squashed gate such as Llama 4's holds them nowhere else)
+    gates: bool = False
+    # The weights scale each expert's INPUT, not its output (Llama 4): out[t] = sum_k f_e(w[t, k] x[t]).
+    # The rewrite runs the op on the T*K scaled rows with unit weights and sums each token's K rows.
+    input_scaled: bool = False
 
     def describe(self) -> dict:
         layout = ("interleaved" if self.interleaved else "concatenated") + (", transposed" if self.transposed else "")
@@ -59,6 +65,8 @@ class MoEMatch:
             layout = "per-expert list" + (", separate gate/up" if w_up else f", fused gate/up {layout}" if gated else "")
         if self.b1 is not None or self.b2 is not None:
             layout += ", bias"
+        if self.input_scaled:
+            layout += ", router-scaled inputs"
         return {
             "activation": self.activation,
             "layout": layout,
@@ -391,16 +399,25 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     fake_mode = fake_mode_of(gm)
     inserted: list[fx.Node] = []
 
-    def insert(target, args):
+    def insert(target, args, kwargs=None):
         with graph.inserting_before(match.anchor):
-            node = graph.call_function(target, args)
+            node = graph.call_function(target, args, kwargs)
         inserted.append(node)
         if fake_mode is not None and "example_value" not in node.meta:
             with fake_mode:
-                node.meta["example_value"] = target(*fx.node.map_arg(args, example_value))
+                node.meta["example_value"] = target(*fx.node.map_arg(args, example_value), **(kwargs or {}))
         return node
 
-    ids, weights, slot_token = match.topk_ids, match.topk_weights, None
+    x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
+    if match.gates:  # the [T, K] weights at the top-k ids of a gate matrix zero elsewhere
+        weights = insert(torch.gather, (weights, 1, ids))
+    if match.input_scaled:  # one row per (token, k): x[t] * w[t, k], through expert ids[t, k], weight 1
+        if token_rounding is not None:
+            raise ValueError("token rounding does not apply to experts whose inputs the router scales")
+        x = insert(torch.mul, (insert(torch.unsqueeze, (x, 1)), insert(torch.unsqueeze, (weights, -1))))
+        x = insert(torch.reshape, (x, (-1, match.shape["d"])))
+        ids = insert(torch.reshape, (ids, (-1, 1)))
+        weights = insert(torch.ones_like, (ids,), {"dtype": dtype_of(match.topk_weights)})
     if token_rounding is not None:
         if match.router_probs is None:
             raise ValueError("token rounding needs the router probabilities, which this region does not show")
@@ -409,19 +426,22 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         ids, weights, slot_token = (insert(operator.getitem, (rounded, i)) for i in range(3))
 
     if match.expert_lists is None:
-        fakes = [example_value(a) for a in (match.x, ids, weights, match.w1, match.w2, match.b1, match.b2)]
+        fakes = [example_value(a) for a in (x, ids, weights, match.w1, match.w2, match.b1, match.b2)]
         validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed,
                             slot_token=example_value(slot_token))
         save_h = needs_saved_h(fakes[0], *fakes[2:])
         args = (
-            match.x, ids, weights, match.w1, match.w2, match.b1, match.b2,
+            x, ids, weights, match.w1, match.w2, match.b1, match.b2,
             match.activation, match.interleaved, match.transposed, float(match.alpha), float(match.limit), save_h,
             slot_token,
         )
         call = insert(torch.ops.sonic.moe_experts.default, args)
     else:
-        call = insert(torch.ops.sonic.moe_experts_list.default, _list_call_args(match, ids, weights, slot_token))
+        call = insert(torch.ops.sonic.moe_experts_list.default, _list_call_args(match, x, ids, weights, slot_token))
     result = out = insert(operator.getitem, (call, 0))
+    if match.input_scaled:  # [T*K, d] rows -> [T, d]
+        rows = insert(torch.reshape, (out, (-1, match.shape["K"], match.shape["d"])))
+        result = out = insert(torch.sum, (rows, 1))
     anchor_dtype = dtype_of(match.anchor)
     if anchor_dtype is not None and anchor_dtype != match.dtype:
         with graph.inserting_before(match.anchor):
@@ -439,19 +459,19 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     return call
 
 
-def _list_call_args(match: MoEMatch, ids: fx.Node, weights: fx.Node, slot_token: fx.Node | None) -> tuple:
+def _list_call_args(match: MoEMatch, x: fx.Node, ids: fx.Node, weights: fx.Node, slot_token: fx.Node | None) -> tuple:
     """`sonic::moe_experts_list` arguments, validated on the fake values (as the stacked form is)."""
     from codegen.ops import needs_saved_h, validate_moe_list_inputs
 
     w_gate, w_up, w_down = (list(group) for group in match.expert_lists)
     fake = lambda nodes: [example_value(n) for n in nodes]  # noqa: E731
-    x, fake_weights = example_value(match.x), example_value(weights)
+    rows, x, fake_weights = x, example_value(x), example_value(weights)
     validate_moe_list_inputs(x, example_value(ids), fake_weights, fake(w_gate), fake(w_up), fake(w_down),
                              activation=match.activation, interleaved=match.interleaved,
                              slot_token=example_value(slot_token))
     save_h = needs_saved_h(x, fake_weights, *fake(w_gate), *fake(w_up), *fake(w_down))
     return (
-        match.x, ids, weights, w_gate, w_up, w_down,
+        rows, ids, weights, w_gate, w_up, w_down,
         match.activation, match.interleaved, float(match.alpha), float(match.limit), save_h, slot_token,
     )
 
@@ -574,7 +594,7 @@ def check_closed(region: set[fx.Node], walk: RegionWalk) -> None:
     """The region holds only nodes a checker validated, and nothing outside it mutates them."""
     unknown = [nd for nd in region if nd not in walk.seen and isinstance(example_value(nd), torch.Tensor)]
     expect(not unknown, f"unrecognised node(s) in the region: {', '.join(nd.name for nd in unknown[:4])}")
-    mutated = [u for node in region for u in node.users if is_inplace(u) and u not in region]
+    mutated = [u for node in region for u in node.users if is_inplace(u) and u not in region and u.args and u.args[0] is node]
     expect(not mutated, f"region tensor mutated outside it by {mutated[0].name if mutated else ''}")
 
 

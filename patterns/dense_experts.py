@@ -23,8 +23,10 @@ the dense code gives nan (0 * inf) and the rewrite gives the finite answer of th
 """
 from __future__ import annotations
 
+import math
 import operator
 import re
+from typing import NamedTuple
 
 import torch.fx as fx
 
@@ -37,6 +39,7 @@ from .common import (
     dtype_of,
     expect,
     is_call,
+    is_inplace,
     module_path,
     same_size,
     shape_of,
@@ -232,13 +235,37 @@ def _check_columns(anchor: fx.Node) -> MoEMatch:
 # -- the gate matrix and the experts ------------------------------------------------------------
 
 
-def _sparse_gates(gates, walk: RegionWalk):
-    """(ids, w, zeros node or None, in-place scatter or None) when the gate matrix is provably zero
-    outside the top-k: zeros.scatter(1, ids, w), zeros.scatter_(1, ids, w), (one_hot(ids, E) * w[..., None]).sum(1)."""
+# f(-inf) == 0 (and f'(-inf) == 0): a top-k scattered into -inf and squashed by one of these is zero
+# outside the top-k (softmax only along the experts; every row keeps its K finite values)
+_ZERO_AT_NEG_INF = ("sigmoid", "exp", "softmax")
+_FULL = ("full", "full_like", "new_full")
+
+
+class GateSupport(NamedTuple):
+    """A [T, E] gate matrix proven zero outside the top-k ids."""
+
+    ids: fx.Node  # [T, K] top-k ids: the only columns of a row that may be nonzero
+    values: fx.Node | None  # [T, K] the values at the ids when the graph holds them (else gather them)
+    base: fx.Node | None  # the zeros / -inf tensor scattered into
+    inplace_scatter: fx.Node | None  # base.scatter_(...), which no reader of the gates uses directly
+
+
+def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
+    """The support of a gate matrix provably zero outside the top-k, or NoMatch. Forms:
+    zeros.scatter(1, ids, w) (or scatter_), (one_hot(ids, E) * w[..., None]).sum(1), and
+    f(full(-inf).scatter(1, ids, v)) with f a sigmoid, exp or softmax over the experts (Llama 4's
+    router: sigmoid of the top-k logits scattered into -inf), each through float casts."""
     gates = through_float_casts(gates, walk)
     not_sparse = (f"the gate matrix ({getattr(gates, 'name', gates)}) is not provably zero outside the top-k: only top-k "
-                  f"weights scattered into zeros, or one_hot(ids, E) * w summed over K, are rewritten")
-    if is_call(gates, "sum"):  # (one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
+                  f"weights scattered into zeros, one_hot(ids, E) * w summed over K, or a sigmoid / exp / softmax of "
+                  f"top-k values scattered into -inf are rewritten")
+    squash = None
+    if is_call(gates, *_ZERO_AT_NEG_INF):
+        expect(not is_call(gates, "softmax") or arg(gates, 1, "dim") in (1, -1), f"{gates.name} is a softmax across tokens")
+        squash = gates
+        walk.mark(gates)
+        gates = through_float_casts(arg(gates, 0, "input"), walk)
+    if is_call(gates, "sum") and squash is None:  # (one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
         mul = gates.args[0]
         expect(_sums_dim(gates, (1, -2)) and is_call(mul, *_MUL) and len(mul.args) == 2, not_sparse)
         for oh, wb in (mul.args, mul.args[::-1]):
@@ -248,33 +275,50 @@ def _sparse_gates(gates, walk: RegionWalk):
                 num_classes = arg(oh, 1, "num_classes", -1)
                 expect(num_classes == shape_of(gates)[-1], f"one_hot has num_classes={num_classes}, the gate matrix {shape_of(gates)[-1]} columns")
                 walk.mark(gates, mul, oh, cast)
-                return oh.args[0], _broadcast_gates(wb, walk), None, None
+                return GateSupport(oh.args[0], _broadcast_gates(wb, walk), None, None)
         raise NoMatch(not_sparse)
-    scatter = None
+    scatter = base = None
     if is_call(gates, "scatter", "scatter_"):
-        scatter, zeros = gates, gates.args[0]
-    elif is_call(gates, *_ZEROS):
-        zeros = gates
+        scatter, base = gates, gates.args[0]
+    elif is_call(gates, *_ZEROS, *_FULL):
+        base = gates
         inplace = [u for u in gates.users if is_call(u, "scatter_") and u.args[0] is gates]
         expect(len(inplace) == 1, not_sparse)
         scatter = inplace[0]
-    expect(scatter is not None and is_call(zeros, *_ZEROS), not_sparse)
+    fill = _fill_value(base)
+    expect(scatter is not None and fill == (-math.inf if squash is not None else 0.0), not_sparse)
     expect(len(scatter.args) == 4 and not scatter.kwargs, "the gate scatter has a reduce or a scalar value")
     _, dim, ids, w = scatter.args
     expect(dim in (1, -1), f"the gates scatter along dim {dim}, not over the experts")
     expect(isinstance(w, fx.Node) and shape_of(w) == shape_of(ids), "the scattered values are not [T, K] weights")
     if is_call(scatter, "scatter_"):
-        order = {n: i for i, n in enumerate(zeros.graph.nodes)}
-        early = [u for u in zeros.users if u is not scatter and order[u] < order[scatter]]
+        order = {n: i for i, n in enumerate(base.graph.nodes)}
+        early = [u for u in base.users if u is not scatter and order[u] < order[scatter]]
         expect(not early, f"the gate matrix is read before its scatter (by {early[0].name if early else ''})")
-        others = [u for u in zeros.users if u is not scatter and is_call(u, "scatter_", "copy_", "fill_", "add_")]
+        others = [u for u in base.users if u is not scatter and is_inplace(u)]
         expect(not others, "the gate matrix is written more than once")
-    walk.mark(zeros, scatter)
-    return ids, w, zeros, scatter if is_call(scatter, "scatter_") else None
+    walk.mark(base, scatter)
+    return GateSupport(ids, w if squash is None else None, base, scatter if is_call(scatter, "scatter_") else None)
+
+
+def _fill_value(node) -> float | None:
+    """The constant a zeros / full tensor is filled with, or None."""
+    if is_call(node, *_ZEROS):
+        return 0.0
+    if is_call(node, "full", "full_like"):
+        value = arg(node, 1, "fill_value")
+    elif is_call(node, "new_full"):
+        value = arg(node, 2, "fill_value")
+    else:
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWalk) -> MoEMatch:
-    ids, topk_weights, zeros, inplace_scatter = _sparse_gates(gates, walk)
+    ids, topk_weights, zeros, inplace_scatter = sparse_gates(gates, walk)
+    gathered = topk_weights is None  # a squashed gate matrix: the op's weights are gathered from it
+    if gathered:
+        topk_weights, zeros, inplace_scatter = gates, None, None
     E, K = topk_routing(ids, walk)
     expect(len(shape_of(gates)) == 2 and shape_of(gates)[1] == E, f"the gate matrix {shape_of(gates)} is not [T, E={E}]")
     expect(len(outs) == E, f"{len(outs)} expert outputs are combined, the router ranks E={E}")
@@ -292,5 +336,5 @@ def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWa
     return finish_list_match(
         IDIOM, anchor, walk, anchor, [anchor], x, ids, topk_weights, experts, E=E, K=K, T=T, d=d,
         extra_region=[inplace_scatter] if inplace_scatter is not None else [],
-        shape_only=[zeros] if zeros is not None else [],
+        shape_only=[zeros] if zeros is not None else [], gates=gathered,
     )

@@ -233,13 +233,14 @@ def topk_routing(topk_ids: fx.Node, walk: RegionWalk) -> tuple[int, int]:
 
 
 def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts: list[ExpertMLP], *,
-                      E, K, T, d, accumulator=None, extra_region=(), shape_only=()) -> MoEMatch:
+                      E, K, T, d, accumulator=None, extra_region=(), shape_only=(), gates=False) -> MoEMatch:
     """Legality shared by the list idioms (dtypes, shapes, a closed region), then the typed match.
 
     `anchors` are the nodes whose backward slice is the region (every in-place add of a combine);
     `extra_region` are nodes nothing in that slice reads but that go with it (the runtime asserts
     Dynamo adds on `torch.where`'s sizes); `shape_only` are nodes that read their input only for
-    its shape (`zeros_like`), so the region does not extend past them.
+    its shape (`zeros_like`), so the region does not extend past them. `gates`: topk_weights is a
+    [T, E] gate matrix to gather the weights from (`MoEMatch.gates`).
     """
     from codegen.activations import GATED
 
@@ -264,7 +265,8 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     w_down = [ex.w_down for ex in experts]
     region = _closed_region(walk, anchors, {x, topk_ids, topk_weights, *w_gate, *w_up, *w_down}, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
-                         shape={"T": T, "d": d, "n": n, "E": E, "K": K}, expert_lists=(w_gate, w_up, w_down))
+                         shape={"T": T, "d": d, "n": n, "E": E, "K": K}, expert_lists=(w_gate, w_up, w_down),
+                         gates=gates)
 
 
 def _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator, *, shape,
@@ -306,7 +308,7 @@ def _closed_region(walk, anchors, inputs, extra_region, shape_only) -> set[fx.No
 
 
 def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts: list[ExpertMLP], *,
-                        E, K, T, d, accumulator=None, extra_region=(), shape_only=()) -> MoEMatch:
+                        E, K, T, d, accumulator=None, extra_region=(), shape_only=(), gates=False) -> MoEMatch:
     """`finish_list_match` for experts that are Linears; for slices W[e] of stacked parameters
     (`experts[e]` must read slice e), `sonic::moe_experts` on the parameters themselves, or the
     list op on the slices when gate and up are two parameters."""

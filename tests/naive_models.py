@@ -159,7 +159,8 @@ class DenseMoE(Router):
     """Every expert on every token, combined by a [T, E] gate matrix.
 
     gates:   "scatter" (zeros_like(probs).scatter(1, ids, w)), "scatter_" (in place on zeros),
-             "one_hot" ((one_hot(ids, E) * w.unsqueeze(-1)).sum(1)), "probs" (softmax probs: not sparse)
+             "one_hot" ((one_hot(ids, E) * w.unsqueeze(-1)).sum(1)), "probs" (softmax probs: not sparse),
+             "softmax_neg_inf" (softmax of log w scattered into -inf: gathered from the gate matrix)
     combine: "stack_sum" ((gates.unsqueeze(-1) * stack(outs, 1)).sum(1)), "einsum", "slices"
              (out = out + gates[:, e:e+1] * experts[e](x)), "builtin_sum" (sum(gates[:, e, None] * ...))
     """
@@ -178,6 +179,8 @@ class DenseMoE(Router):
             return gates
         if self.gates == "one_hot":
             return (F.one_hot(ids, self.E) * w.unsqueeze(-1)).sum(1)
+        if self.gates == "softmax_neg_inf":  # softmax(log w) over the kept columns: the renormalised w
+            return torch.full_like(probs, float("-inf"), dtype=w.dtype).scatter(1, ids, w.log()).softmax(dim=-1)
         if self.gates == "probs":
             return probs
         raise ValueError(self.gates)
@@ -277,3 +280,77 @@ class StackedLoopMoE(Router):
                     self.w2[e].clamp_(-0.5, 0.5)
             out.index_add_(0, tok, self._project(h, self.w2, e, self.down_orient) * w[tok, k, None])
         return out
+
+
+class BmmMoE(Router):
+    """Every expert on every token as two `torch.bmm` over stacked weights, gated by a [T, E] matrix
+    (transformers' Llama 4 is the default: repeat, sigmoid of top-k logits scattered into -inf,
+    gate on the inputs, weights [E, in, out]).
+
+    rows:    "repeat" (x.repeat(E, 1) [E*T, d], viewed [E, T, d]), "expand" (x.unsqueeze(0).expand(E, -1, -1)),
+             "index_none" (x[None], broadcast by the gate column)
+    gates:   "sigmoid_neg_inf" (sigmoid(full_like(logits, -inf).scatter_(1, ids, vals))), "softmax_neg_inf",
+             "zeros_scatter" (renormalised softmax top-k scattered into zeros), "probs" (sigmoid(logits):
+             not sparse), "big_neg" (sigmoid of a scatter into -1e4: not exactly zero)
+    gate_on: "input", "output", "none", "both"
+    orient:  "in_out" (W [E, in, out]) or "out_in" (W [E, out, in], read through .transpose(1, 2))
+    act:     "swiglu" (chunk) or "gelu" (non-gated); column: "transposed" or "untransposed" (a wrong layout)
+    bias:    an up-projection bias (an unchosen expert's zero row then maps to a nonzero output)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=1, rows="repeat", gates="sigmoid_neg_inf", gate_on="input", orient="in_out",
+                 act="swiglu", column="transposed", bias=False):
+        super().__init__(d, E, K)
+        self.rows, self.gates, self.gate_on, self.orient = rows, gates, gate_on, orient
+        self.act, self.column = act, column
+        w1_out = 2 * n if act == "swiglu" else n
+
+        def stacked(inp, out):
+            shape = (E, inp, out) if orient == "in_out" else (E, out, inp)
+            return nn.Parameter(torch.randn(shape) / inp ** 0.5)
+
+        self.w1, self.w2 = stacked(d, w1_out), stacked(n, d)
+        self.b1 = nn.Parameter(torch.randn(E, w1_out) * 0.1) if bias else None
+
+    def _gates(self, x):
+        logits = self.gate(x)
+        if self.gates in ("zeros_scatter", "probs"):
+            probs, w, ids = self.route(x)
+            return torch.zeros_like(probs, dtype=w.dtype).scatter(1, ids, w) if self.gates == "zeros_scatter" else torch.sigmoid(logits)
+        vals, ids = torch.topk(logits, self.K, dim=1)
+        fill = -1e4 if self.gates == "big_neg" else float("-inf")
+        scores = torch.full_like(logits, fill).scatter_(1, ids, vals)
+        if self.gates == "softmax_neg_inf":
+            return scores.softmax(dim=-1)
+        return torch.sigmoid(scores.float()).to(scores.dtype)
+
+    def _weight(self, W):
+        return W if self.orient == "in_out" else W.transpose(1, 2)
+
+    def forward(self, x):
+        T, d = x.shape
+        gates = self._gates(x).to(x.dtype)
+        gated_in, gated_out = self.gate_on in ("input", "both"), self.gate_on in ("output", "both")
+        col2 = (gates.t() if self.column == "transposed" else gates).reshape(-1, 1)  # [E*T, 1]
+        col3 = gates.t().unsqueeze(-1)  # [E, T, 1]
+        if self.rows == "repeat":
+            rows = x.repeat(self.E, 1)
+            rows = (rows * col2 if gated_in else rows).view(self.E, -1, d)
+        else:
+            rows = x.unsqueeze(0).expand(self.E, -1, -1) if self.rows == "expand" else x[None]
+            rows = rows * col3 if gated_in else rows
+        h = torch.bmm(rows, self._weight(self.w1))
+        if self.b1 is not None:
+            h = h + self.b1[:, None, :]
+        if self.act == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            a = up * F.silu(gate)
+        else:
+            a = F.gelu(h)
+        y = torch.bmm(a, self._weight(self.w2))  # [E, T, d]
+        if self.rows == "repeat":
+            y = y.view(-1, d)
+            y = (y * col2 if gated_out else y).reshape(self.E, -1, d)
+        elif gated_out:
+            y = y * col3
+        return y.sum(dim=0)

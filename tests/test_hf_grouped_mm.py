@@ -67,11 +67,12 @@ def test_hf_batched_mm_matches_eager(name, dtype):
     assert {r.idiom for r in report.rewritten} == {"hf_batched_mm"}
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
-def test_generate_greedy_tokens_identical(implementation):
+@pytest.mark.parametrize("name, implementation", [("qwen3_moe", "grouped_mm"), ("qwen3_moe", "batched_mm"), ("llama4", None)])
+def test_generate_greedy_tokens_identical(name, implementation):
     """Prefill and decode under backend="sonic" produce eager's greedy tokens (fp32)."""
-    model = tiny_moe_model("qwen3_moe")
-    model.config._experts_implementation = implementation
+    model = tiny_moe_model(name)
+    if implementation:
+        model.config._experts_implementation = implementation
     prompt = _ids(model, T=6, batch=1)
     want = model.generate(prompt, max_new_tokens=6, do_sample=False)
     model.forward = torch.compile(model.forward, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.fallback": False})
@@ -81,6 +82,16 @@ def test_generate_greedy_tokens_identical(implementation):
     assert report.rewritten and not report.rejected, str(report)
     # prefill, first decode, then one dynamic-shape decode graph: never one compile per token
     assert report.graphs <= 4, str(report)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_llama4_dense_experts_become_sparse(dtype):
+    """Llama 4 runs every expert on every token (bmm), its router's sigmoid scores scaling the
+    inputs: rewritten by `dense_bmm` into the op on the T*K routed rows."""
+    report = _check_model("llama4", dtype)
+    assert {r.idiom for r in report.rewritten} == {"dense_bmm"}, str(report)
+    assert all("router-scaled inputs" in r.details["layout"] for r in report.rewritten), str(report)
+
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe"])
@@ -159,6 +170,12 @@ def test_explain_reports_each_layer(caplog):
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_model_matches_eager_gpu_bf16(name):
     _check_model(name, torch.bfloat16, device="cuda", compiler="inductor")
+
+
+@pytest.mark.gpu
+def test_llama4_gpu_bf16():
+    report = _check_model("llama4", torch.bfloat16, device="cuda", compiler="inductor")
+    assert {r.idiom for r in report.rewritten} == {"dense_bmm"}, str(report)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""The nn.ModuleList idioms users write themselves: `expert_loop` and `dense_experts`.
+"""The idioms users write themselves: `expert_loop`, `dense_experts` (nn.ModuleList experts) and
+`dense_bmm` (stacked experts all run as bmm, Llama 4's spelling).
 
 Each rewrite test checks, in training and under no_grad: outputs and every gradient (router,
 experts, input) equal eager, exactly one region rewritten by the expected idiom, and
@@ -19,7 +20,7 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import DenseMoE, LoopMoE, SplitLoopMoE, StackedLoopMoE
+from .naive_models import BmmMoE, DenseMoE, LoopMoE, SplitLoopMoE, StackedLoopMoE
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -95,6 +96,16 @@ DENSE_VARIANTS = {
     "fused-one_hot-stack_sum": dict(experts="fused", gates="one_hot"),
     "non-gated-einsum": dict(experts="plain", combine="einsum"),
     "scatter_-builtin_sum": dict(gates="scatter_", combine="builtin_sum"),
+    "softmax_neg_inf-stack_sum": dict(gates="softmax_neg_inf"),
+}
+
+BMM_VARIANTS = {
+    "llama4": dict(),
+    "llama4-top2": dict(K=2),
+    "expand-out_in-softmax_neg_inf": dict(rows="expand", orient="out_in", gates="softmax_neg_inf", K=2),
+    "index_none-gelu": dict(rows="index_none", act="gelu", K=2),
+    "output-expand-zeros_scatter": dict(rows="expand", gate_on="output", gates="zeros_scatter", K=2),
+    "output-repeat-sigmoid_neg_inf": dict(gate_on="output", K=2),
 }
 
 
@@ -108,6 +119,38 @@ def test_expert_loop_matches_eager(variant):
 @pytest.mark.parametrize("variant", DENSE_VARIANTS)
 def test_dense_experts_matches_eager(variant):
     _check_rewrite(DenseMoE(**DENSE_VARIANTS[variant]), "dense_experts")
+
+
+@pytest.mark.parametrize("variant", BMM_VARIANTS)
+def test_dense_bmm_matches_eager(variant):
+    report = _check_rewrite(BmmMoE(**BMM_VARIANTS[variant]), "dense_bmm", op="sonic::moe_experts")
+    layout = report.rewritten[0].details["layout"]
+    assert ("router-scaled inputs" in layout) == (BMM_VARIANTS[variant].get("gate_on", "input") == "input"), layout
+
+
+def test_dense_bmm_is_sparse():
+    """The rewrite runs each expert on its top-k rows only: the op sees T*K rows, not E*T."""
+    model = BmmMoE(E=8, K=1)
+    x, _ = _inputs()
+    compiled = _compile(model)
+    with torch.no_grad():
+        with moe_compiler.capture() as report:
+            compiled(x)
+        names = profiled_op_names(lambda: compiled(x))
+    assert report.rewritten[0].details["K"] == "1" and report.rewritten[0].details["E"] == "8", str(report)
+    assert "sonic::moe_experts" in names and "aten::bmm" not in names, sorted(n for n in names if "::" in n)
+
+
+def test_dense_bmm_no_token_rounding_on_scaled_inputs():
+    """Rounding would add rows whose weight means nothing to an input-scaled expert: it stays off."""
+    model = BmmMoE(K=2)
+    x, _ = _inputs()
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.fallback": False,
+                                                              "sonic.token_rounding": "nearest"})
+    with moe_compiler.capture() as report:
+        got = compiled(x)
+    assert report.rewritten and report.rewritten[0].details.get("token_rounding", "off").startswith("off"), str(report)
+    assert_close_to_eager(got.detach(), model(x).detach(), what="output")
 
 
 @pytest.mark.parametrize("model", [LoopMoE, DenseMoE], ids=["expert_loop", "dense_experts"])
@@ -268,6 +311,12 @@ NEGATIVE = {
     "dense-softmax-gates": (lambda: DenseMoE(gates="probs"), "not provably zero outside the top-k"),
     "dense-softmax-gate-columns": (lambda: DenseMoE(gates="probs", combine="slices"), "not provably zero outside the top-k"),
     "dense-mixed-activations": (lambda: DenseMoE(combine="einsum", acts=[F.silu, F.gelu, F.silu, F.silu]), "expert 1's activation"),
+    "bmm-dense-sigmoid-gates": (lambda: BmmMoE(gates="probs"), "not provably zero outside the top-k"),
+    "bmm-large-negative-fill": (lambda: BmmMoE(gates="big_neg"), "not provably zero outside the top-k"),
+    "bmm-untransposed-gate-column": (lambda: BmmMoE(column="untransposed"), "not taken from the gate matrix transposed"),
+    "bmm-up-bias": (lambda: BmmMoE(bias=True), "not only the up-projection output"),
+    "bmm-ungated": (lambda: BmmMoE(gate_on="none"), "the experts are not gated"),
+    "bmm-gated-twice": (lambda: BmmMoE(gate_on="both"), "gated on both"),
 }
 
 
@@ -349,9 +398,15 @@ def test_expert_loop_gpu_bf16(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices"])
+@pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices", "softmax_neg_inf-stack_sum"])
 def test_dense_experts_gpu_bf16(variant):
     _check_gpu_bf16(lambda: DenseMoE(**DENSE_VARIANTS[variant]), "dense_experts")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["llama4", "llama4-top2", "output-expand-zeros_scatter"])
+def test_dense_bmm_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: BmmMoE(**BMM_VARIANTS[variant]), "dense_bmm")
 
 
 @pytest.mark.gpu

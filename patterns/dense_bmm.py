@@ -1,0 +1,259 @@
+"""Every expert run on every token as two batched matmuls over stacked weights, gated by a [T, E] matrix.
+
+Eager code it matches (transformers' Llama 4, `Llama4TextMoe`), shapes (T tokens, d hidden, E experts):
+
+    vals, ids = torch.topk(logits, K, dim=1)                             # [T, K]
+    gates = sigmoid(full_like(logits, -inf).scatter_(1, ids, vals))     # [T, E], zero outside the top-k
+    rows = x.repeat(E, 1) * gates.t().reshape(-1, 1)                    # [E*T, d]: expert e's copy of token t
+    h = torch.bmm(rows.view(E, -1, d), gate_up_proj)                    # [E, T, 2n], gate_up_proj [E, d, 2n]
+    y = torch.bmm(act(h), down_proj)                                    # [E, T, d],  down_proj [E, n, d]
+    out = y.view(-1, d).reshape(E, -1, d).sum(0)                        # [T, d]
+
+and its variants: rows broadcast as [E, T, d] (`x.expand(E, T, d)`, `x.unsqueeze(0)`, each times
+`gates.t().unsqueeze(-1)`), weights in nn.Linear's [E, out, in] orientation read through
+`.transpose(1, 2)`, and the gate on the expert outputs instead of the inputs
+(`(y * gates.t().unsqueeze(-1)).sum(0)`). The gate matrix must be provably zero outside the top-k
+(`dense_experts.sparse_gates`: top-k values scattered into zeros, or a sigmoid / exp / softmax of
+values scattered into -inf).
+
+It becomes the sparse computation, each expert running on its top-k tokens only (E / K times fewer
+expert FLOPs: 16x for Llama 4 Scout):
+
+    w = gates.gather(1, ids)                                            # [T, K]
+    gate on the outputs:  out = moe_experts(x, ids, w, W1, W2)
+    gate on the inputs:   rows = (x[:, None] * w[..., None]).reshape(-1, d)       # [T*K, d]
+                          out = moe_experts(rows, ids.reshape(-1, 1), 1, W1, W2).view(T, K, d).sum(1)
+
+Why it is the same function: an unchosen expert's gate is 0, so (gate on the outputs) its output
+counts 0 times, or (gate on the inputs) it runs on a zero row, which an expert without biases maps
+to zero: up = 0 makes a gated activation 0, and a non-gated one is checked to give act(0) = 0. The
+gradients agree too: the unchosen entries of the gate matrix get a gradient only in the dense code,
+and it ends at the constant zeros / -inf the top-k was scattered into. As in `dense_experts`, an
+unchosen expert whose output is inf or nan gives nan in the dense code and not here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from codegen.activations import torch_activation
+
+from .activation_probe import identify_activation
+from .common import (
+    MoEMatch,
+    NoMatch,
+    RegionWalk,
+    Rejection,
+    arg,
+    backward_slice,
+    dtype_of,
+    expect,
+    finish_match,
+    getitem_of,
+    is_call,
+    module_path,
+    same_size,
+    shape_of,
+)
+from .dense_experts import sparse_gates
+from .module_list import through_float_casts, topk_routing
+
+IDIOM = "dense_bmm"
+_VIEWS = ("view", "reshape")
+_MUL = ("mul", "__mul__")
+
+
+def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
+    """Candidates: a bmm whose left operand is hidden states broadcast over a leading expert dim
+    (gated or not): the up projection."""
+    results: list[MoEMatch | Rejection] = []
+    for node in gm.graph.nodes:
+        if is_call(node, "bmm") and len(shape_of(node)) == 3 and _rows_source(node.args[0]) is not None:
+            try:
+                results.append(_check(node))
+            except NoMatch as exc:
+                results.append(Rejection(IDIOM, module_path(node), str(exc)))
+    return results
+
+
+def _through_views(node, walk: RegionWalk | None = None):
+    while is_call(node, *_VIEWS):
+        if walk is not None:
+            walk.mark(node)
+        node = node.args[0]
+    return node
+
+
+def _rows_source(lhs) -> tuple[fx.Node, fx.Node | None] | None:
+    """(the broadcast hidden states node, the gate factor or None) of a bmm's left operand, looked
+    at without checking anything (the candidate filter)."""
+    node = _through_views(lhs)
+    if is_call(node, *_MUL) and len(node.args) == 2:
+        for rows, factor in (node.args, node.args[::-1]):
+            if _broadcast_x(rows, None) is not None:
+                return rows, factor
+        return None
+    return (node, None) if _broadcast_x(node, None) is not None else None
+
+
+def _broadcast_x(node, E, walk: RegionWalk | None = None) -> fx.Node | None:
+    """x [T, d] from its copy per expert: x.repeat(E, 1) ([E*T, d], expert-major), x.repeat(E, 1, 1),
+    x.expand(E, T, d), x.unsqueeze(0) / x[None] (optionally expanded). E None: any count."""
+    def ok(count):
+        return E is None or count == E
+
+    chain = []
+    if is_call(node, "repeat"):
+        reps = node.args[1:] if len(node.args) > 2 else tuple(node.args[1])
+        src = node.args[0]
+        if len(shape_of(src)) == 2 and tuple(reps[1:]) in ((1,), (1, 1)) and ok(reps[0]):
+            if walk is not None:
+                walk.mark(node)
+            return src
+        return None
+    if is_call(node, "expand"):
+        chain.append(node)
+        sizes = node.args[1:] if len(node.args) > 2 else tuple(node.args[1])
+        if not sizes or not ok(sizes[0]):
+            return None
+        node = node.args[0]
+    if is_call(node, "unsqueeze") and arg(node, 1, "dim") == 0:
+        chain.append(node)
+        node = node.args[0]
+    elif getitem_of(node, None) is not None:
+        chain.append(node)
+        node = node.args[0]
+    if not chain or len(shape_of(node)) != 2:
+        return None
+    if walk is not None:
+        walk.mark(*chain)
+    return node
+
+
+def _gate_column(node, walk: RegionWalk) -> tuple[fx.Node, int]:
+    """(gates [T, E], rank) for gates transposed to expert-major and given a trailing unit dim:
+    gates.t().reshape(-1, 1) ([E*T, 1], rank 2) or gates.t().unsqueeze(-1) / [:, :, None] ([E, T, 1], rank 3)."""
+    node = through_float_casts(node, walk)
+    rank = len(shape_of(node))
+    expect(rank in (2, 3) and shape_of(node)[-1] == 1, f"{getattr(node, 'name', node)} is not a gate column ([E*T, 1] or [E, T, 1])")
+    walk.mark(node)
+    if rank == 2:
+        expect(is_call(node, *_VIEWS), "the gate column is not a reshape of the transposed gate matrix")
+    else:
+        expect(is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, 2) or getitem_of(node, (slice(None), slice(None), None)) is not None,
+               "the gate column is not the transposed gate matrix unsqueezed last")
+    node = through_float_casts(node.args[0], walk)
+    transposed = (is_call(node, "t") or (is_call(node, "transpose") and sorted(node.args[1:3]) in ([0, 1], [-2, -1], [-1, 0]))
+                  or (is_call(node, "permute") and tuple(node.args[1:] if len(node.args) > 2 else node.args[1]) == (1, 0)))
+    expect(transposed and len(shape_of(node)) == 2, "the gate column is not taken from the gate matrix transposed to [E, T]")
+    walk.mark(node)
+    return node.args[0], rank
+
+
+def _stacked_weight(node, what: str, walk: RegionWalk) -> tuple[fx.Node, bool]:
+    """(W, transposed): a 3-D weight read as [E, in, out] (transposed, like Llama 4's), or
+    W.transpose(1, 2) / W.mT of an [E, out, in] one."""
+    if is_call(node, "transpose") and sorted(node.args[1:3]) in ([1, 2], [-2, -1]):
+        walk.mark(node)
+        node, transposed = node.args[0], False
+    elif isinstance(node, fx.Node) and node.op == "call_function" and getattr(node.target, "__name__", "") == "getattr" and node.args[1] == "mT":
+        walk.mark(node)
+        node, transposed = node.args[0], False
+    else:
+        transposed = True
+    expect(isinstance(node, fx.Node) and len(shape_of(node)) == 3, f"the {what} projection's weight is not a 3-D [E, ., .] tensor")
+    return node, transposed
+
+
+def _check(up: fx.Node) -> MoEMatch:
+    walk = RegionWalk()
+    E = shape_of(up)[0]
+    lhs, rhs = up.args[0], up.args[1]
+    walk.mark(up)
+    node = _through_views(lhs, walk)
+    gates = None
+    if is_call(node, *_MUL):
+        rows, factor = _rows_source(lhs)
+        x = _broadcast_x(rows, E, walk)
+        gates, rank = _gate_column(factor, walk)
+        expect(len(shape_of(rows)) == rank, "the gate column and the broadcast rows differ in rank")
+        expect(dtype_of(node) == dtype_of(x), f"the gated rows are {dtype_of(node)}, the hidden states {dtype_of(x)}")
+        walk.mark(node)
+    else:
+        x = _broadcast_x(node, E, walk)
+    expect(x is not None, "the up projection's rows are not the hidden states broadcast over the experts")
+    T, d = shape_of(x)
+    expect(len(shape_of(lhs)) == 3 and same_size(shape_of(lhs)[1], T) and shape_of(lhs)[2] == d,
+           f"the up projection reads {shape_of(lhs)}, not [E={E}, T, d={d}]")
+    w1, transposed = _stacked_weight(rhs, "up", walk)
+
+    down = _down_projection(up)
+    a = walk.through(down.args[0])
+    act = identify_activation(up, a)
+    expect(not isinstance(act, str), str(act))
+    walk.mark(*backward_slice([a], stop={up}), down)
+    zero = torch_activation(torch.zeros(1, shape_of(up)[-1], dtype=torch.float64), act["activation"], act["interleaved"],
+                            act["alpha"], act["limit"])
+    expect(bool((zero == 0).all()), f"{act['activation']}(0) is not 0: an unchosen expert would add to every token")
+    w2, transposed2 = _stacked_weight(down.args[1], "down", walk)
+    expect(transposed2 == transposed, "the two projections' weights are laid out differently")
+
+    anchor, out_gates = _summed_over_experts(down, walk, E, T, d)
+    expect((gates is None) != (out_gates is None),
+           "the experts are not gated" if gates is None else "the experts are gated on both their inputs and their outputs")
+    gate_matrix = gates if gates is not None else out_gates
+    support = sparse_gates(gate_matrix, walk)
+    E_router, K = topk_routing(support.ids, walk)
+    expect(E_router == E, f"the router ranks {E_router} experts, the weights hold {E}")
+    expect(shape_of(gate_matrix)[1] == E and same_size(shape_of(gate_matrix)[0], T), f"the gate matrix {shape_of(gate_matrix)} is not [T, E={E}]")
+    match = finish_match(IDIOM, up, walk, anchor, x, support.ids, gate_matrix, w1, w2, None, None, transposed, act,
+                         E=E, K=K, T=T, d=d)
+    match.gates, match.input_scaled = True, gates is not None
+    if match.input_scaled:
+        match.router_probs = None  # token rounding would give added rows a weight outside the gate's meaning
+    return match
+
+
+def _down_projection(up: fx.Node) -> fx.Node:
+    """The one bmm whose left operand is computed from the up projection's output."""
+    downs = []
+    for node in up.graph.nodes:
+        if is_call(node, "bmm") and node is not up and up in _inputs(backward_slice([node.args[0]], stop={up}), node.args[0]):
+            downs.append(node)
+    expect(len(downs) == 1, f"expected one down-projection bmm reading the up projection, found {len(downs)}")
+    return downs[0]
+
+
+def _inputs(nodes: set[fx.Node], top) -> set[fx.Node]:
+    return {i for n in nodes for i in n.all_input_nodes} | ({top} if isinstance(top, fx.Node) else set())
+
+
+def _summed_over_experts(y: fx.Node, walk: RegionWalk, E, T, d) -> tuple[fx.Node, fx.Node | None]:
+    """(the sum over the expert dim of the expert outputs y [E, T, d], [T, d]; the gate matrix
+    applied to them on the way, or None): views and reshapes, at most one product with a gate
+    column, then `.sum(0)` of an [E, T, d] tensor."""
+    node, gates = y, None
+    while True:
+        reader = walk.only_reader(node)
+        expect(reader is not None, f"the expert outputs ({node.name}) are read more than once")
+        if is_call(reader, *_VIEWS):
+            shape = shape_of(reader)
+            ok = (len(shape) == 2 and shape[1] == d) or (len(shape) == 3 and shape[0] == E and same_size(shape[1], T) and shape[2] == d)
+            expect(ok, f"the expert outputs are viewed as {shape}, not [E*T, d] or [E={E}, T, d]")
+        elif is_call(reader, *_MUL) and gates is None and len(reader.args) == 2:
+            factor = reader.args[1] if reader.args[0] is node else reader.args[0]
+            gates, rank = _gate_column(factor, walk)
+            expect(len(shape_of(node)) == rank, "the gate column and the expert outputs differ in rank")
+        elif is_call(reader, "sum"):
+            dim = arg(reader, 1, "dim")
+            dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+            shape = shape_of(node)
+            ok = len(shape) == 3 and shape[0] == E and same_size(shape[1], T) and shape[2] == d
+            expect(ok and dim == 0 and not arg(reader, 2, "keepdim", False) and arg(reader, 3, "dtype") is None,
+                   f"the expert outputs {shape} are not summed over the experts (dim 0 of [E={E}, T, d])")
+            walk.mark(reader)
+            return reader, gates
+        else:
+            raise NoMatch(f"the expert outputs reach {reader.name}, not a sum over the experts")
+        walk.mark(reader)
+        node = reader
