@@ -42,6 +42,10 @@ REAL = {
         num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280, first_k_dense_replace=0,
     ),
+    "llama4": dict(  # Llama 4 Scout (17B active, 16 experts, top-1); transformers runs all 16 on every token
+        hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=16,
+        num_experts_per_tok=1, num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=202048,
+    ),
     "gpt_oss": dict(  # gpt-oss-20b
         hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
         num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
@@ -56,8 +60,6 @@ def build_model(name: str, scale: str, layers: int, dtype: torch.dtype, device: 
     overrides = {"num_hidden_layers": layers}
     if scale == "real":
         overrides.update(REAL[name])
-        if name == "gpt_oss":
-            overrides["layer_types"] = ["full_attention"] * layers
     with torch.device(device):
         model = tiny_moe_model(name, dtype, seed=seed, **overrides)
     model.config.use_cache = False  # training: no KV cache to build every step
