@@ -12,6 +12,10 @@ relative error of (out, dx) against an fp32 layer on the same routing, and the f
 (compile + autotune + run, in this process: the Triton disk cache may make later shapes cheaper).
 Output: a table on stdout, results.json and (when matplotlib imports) tflops.png under --out.
 Peers run when importable (SonicMoE, Liger: see ../shared/peers/README.md; never vendored here).
+
+The router: SonicMoE runs its own; every other provider runs it as eager torch ops (`torch.topk`,
+then softmax over the k kept logits), except "ours-fused-router": `sonic::route`, the one op
+backend="sonic" fuses that router into in a model.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from codegen.ops import moe_experts, moe_experts_list  # noqa: E402
 from codegen.reference import torch_moe_experts  # noqa: E402
+from codegen.router import route as sonic_route  # noqa: E402
 
 # name -> (T, d, n, E, K): the SonicMoE paper's twelve H100 shapes, then two real models
 SHAPES = {
@@ -43,7 +48,7 @@ SHAPES = {
     "tiny": (2048, 512, 256, 16, 4),  # smoke test
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
-PROVIDERS = ("ours", "ours-ptr", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
+PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
 
@@ -57,8 +62,20 @@ def route(x, wr, K):
     return ids, torch.softmax(vals.float(), dim=-1).to(x.dtype)
 
 
+def route_fused(x, wr, K):
+    """`route` as one `sonic::route` op: what backend="sonic" makes of that router in a model."""
+    w, ids = sonic_route(x @ wr.t(), K, topk_first=True, compute_dtype=torch.float32)
+    return ids, w.to(x.dtype)
+
+
 def layer_ours(p, x, K):
     ids, w = route(x, p["wr"], K)
+    return moe_experts(x, ids, w, p["w1"], p["w2"])
+
+
+def layer_ours_fused_router(p, x, K):
+    """Our experts op behind `sonic::route` instead of the eager router."""
+    ids, w = route_fused(x, p["wr"], K)
     return moe_experts(x, ids, w, p["w1"], p["w2"])
 
 
@@ -122,6 +139,8 @@ def build_provider(name, master, shape):
     params = {k: v.detach().clone().requires_grad_() for k, v in master.items()}
     if name in ("ours", "ours-ptr"):  # ours-ptr: the same op with TMA off (bench_one flips it)
         return (lambda x: layer_ours(params, x, K)), params
+    if name == "ours-fused-router":
+        return (lambda x: layer_ours_fused_router(params, x, K)), params
     if name == "ours-list":  # each expert's weights in its own tensor, as nn.Linear holds them
         w1, w2 = master["w1"].detach(), master["w2"].detach()
         params = {"wr": master["wr"].detach().clone().requires_grad_()}

@@ -145,8 +145,18 @@ def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, exper
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, alpha, limit, _, slot_token = inputs
     _, h, sorted_rows, offsets = output
+    _saved_outputs_are_not_differentiable(ctx, h)
     ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, offsets, slot_token)
     ctx.flags = (activation, interleaved, transposed, alpha, limit)
+
+
+def _saved_outputs_are_not_differentiable(ctx, h):
+    """H and the integer routing outputs only carry what the backward needs: no gradient flows into
+    them. Without this, eager autograd materialises a zero gradient for each of them at every
+    backward (for H, [TK, 2n]: 201 MB of fill at the 7b-256 shape), which the backward never reads;
+    an absent output gradient (grad_out) arrives as None and the backward makes its zeros itself."""
+    ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
@@ -258,6 +268,7 @@ def stack_expert_lists(w_gate: list[Tensor], w_up: list[Tensor], w_down: list[Te
 def _setup_list_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w_gate, w_up, w_down, activation, interleaved, alpha, limit, _, slot_token = inputs
     _, h, sorted_rows, offsets = output
+    _saved_outputs_are_not_differentiable(ctx, h)
     E = len(w_gate)
     ctx.save_for_backward(x, topk_ids, topk_weights, h, sorted_rows, offsets, slot_token, *w_gate, *w_up, *w_down)
     ctx.sizes = (E, len(w_up), w_gate[0].shape[0])

@@ -76,6 +76,20 @@ def test_inference_skips_h_and_backward_recomputes():
         torch.testing.assert_close(a, b)
 
 
+def test_saved_h_takes_no_gradient():
+    """H is the backward's saved activation, not a differentiable output: autograd must not build a
+    zero gradient of its [TK, 2n] size at every backward."""
+    x, ids, w, w1, w2, *_ = make_inputs()
+    for t in (x, w, w1, w2):
+        t.requires_grad_()
+    out, h, _, _ = moe_experts_op(x, ids, w, w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, True)
+    assert out.requires_grad and not h.requires_grad
+    grads = torch.autograd.grad(out.sum(), [x, w, w1, w2])
+    want = torch.autograd.grad(torch_moe_experts(x, ids, w, w1, w2).sum(), [x, w, w1, w2])
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref)
+
+
 def test_non_contiguous_inputs():
     x, ids, w, w1, w2, *_ = make_inputs()
     xt = x.t().contiguous().t()  # same values, column-major
