@@ -11,6 +11,9 @@ after the forward, the output included), peak memory over a fwd+bwd step (above 
 relative error of (out, dx) against an fp32 layer on the same routing, and the first call's time
 (compile + autotune + run, in this process: the Triton disk cache may make later shapes cheaper).
 Output: a table on stdout, results.json and (when matplotlib imports) tflops.png under --out.
+`--cuda-graph` adds the fwd+bwd step replayed from a CUDA graph: its GPU time without the host's
+launch cost (the lent H100's host takes 3-5 ms to enqueue one 7b-256 step of ours, against ~4.2 ms
+of GPU work, so eager timings can include host waits).
 Peers run when importable (SonicMoE, Liger: see ../shared/peers/README.md; never vendored here).
 
 The router: SonicMoE runs its own; every other provider runs it as eager torch ops (`torch.topk`,
@@ -166,6 +169,23 @@ def build_provider(name, master, shape):
     raise ValueError(name)
 
 
+def graphed(step, zero):
+    """`step` captured in a CUDA graph (after warm-up steps on a side stream), as its replay: the
+    step's GPU time without the host's launch cost. The grads are the graph's own tensors."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            zero()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def fp32_reference(master, x, dy, K):
     """(out, dx) of the layer in fp32 on the bf16 run's routing (top-k ids picked in bf16)."""
     with torch.no_grad():
@@ -242,7 +262,16 @@ def _bench_one(name, master, shape, x, dy, ref, args):
     t_all = do_bench(step, warmup=args.warmup, rep=args.rep, grad_to_none=leaves, return_mode="median")
     t_bwd = max(t_all - t_fwd, 1e-6)
     flop = T * K * d * n
+    graph = {}
+    if args.cuda_graph:  # the step's GPU time alone: replayed from a CUDA graph, no host launch cost
+        try:
+            replay = graphed(step, zero)
+            t_graph = do_bench(replay, warmup=args.warmup, rep=args.rep, return_mode="median")
+            graph = dict(graph_fwdbwd_ms=t_graph, graph_fwdbwd_tflops=18 * flop / t_graph * 1e-9)
+        except Exception as exc:  # a provider that cannot be captured keeps its other figures
+            print(f"  {name}: no CUDA graph ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
     return dict(
+        **graph,
         fwd_ms=t_fwd, bwd_ms=t_bwd, fwdbwd_ms=t_all,
         fwd_tflops=6 * flop / t_fwd * 1e-9, bwd_tflops=12 * flop / t_bwd * 1e-9, fwdbwd_tflops=18 * flop / t_all * 1e-9,
         act_gib=act_bytes / 2**30, peak_gib=peak_bytes / 2**30, max_rel_err=max(errors.values()), errors=errors,
@@ -292,6 +321,8 @@ def main():
     ap.add_argument("--rep", type=int, default=300, help="ms of timed repeats per timing (do_bench)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--breakdown", action="store_true", help="also print our per-kernel times and tuned configs")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also time the fwd+bwd step replayed from a CUDA graph (its GPU time alone)")
     args = ap.parse_args()
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
     shapes = [s for item in args.shapes.split(",") for s in GROUPS.get(item, [item])]
@@ -337,7 +368,8 @@ def main():
             results.append(r)
             print(f"{sname:>10} {prov:>10}: fwd {r['fwd_tflops']:6.1f}  bwd {r['bwd_tflops']:6.1f}  "
                   f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOPS  act {r['act_gib']:.2f} GiB  peak {r['peak_gib']:.2f} GiB"
-                  f"  err {r['max_rel_err']:.1e}  first {r['first_call_s']:.1f}s", flush=True)
+                  f"  err {r['max_rel_err']:.1e}  first {r['first_call_s']:.1f}s"
+                  + (f"  graph fwd+bwd {r['graph_fwdbwd_tflops']:6.1f}" if "graph_fwdbwd_tflops" in r else ""), flush=True)
             torch.cuda.empty_cache()
         if args.breakdown:
             breakdown(master, shape, x, dy)
@@ -351,11 +383,13 @@ def main():
 
 
 def print_table(results):
-    head = f"| {'shape':>10} | {'provider':>10} | fwd | bwd | fwd+bwd TFLOPS | act GiB | peak GiB | max rel err | first call s |"
-    print("\n" + head + "\n|" + "---|" * 9)
+    graphs = any("graph_fwdbwd_tflops" in r for r in results)
+    head = f"| {'shape':>10} | {'provider':>10} | fwd | bwd | fwd+bwd TFLOPS |{' CUDA graph |' if graphs else ''} act GiB | peak GiB | max rel err | first call s |"
+    print("\n" + head + "\n|" + "---|" * (9 + graphs))
     for r in results:
+        graph = f" {r.get('graph_fwdbwd_tflops', float('nan')):.0f} |" if graphs else ""
         print(f"| {r['shape']:>10} | {r['provider']:>10} | {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} | "
-              f"{r['fwdbwd_tflops']:.0f} | {r['act_gib']:.2f} | {r['peak_gib']:.2f} | {r['max_rel_err']:.1e} | "
+              f"{r['fwdbwd_tflops']:.0f} |{graph} {r['act_gib']:.2f} | {r['peak_gib']:.2f} | {r['max_rel_err']:.1e} | "
               f"{r['first_call_s']:.1f} |")
 
 

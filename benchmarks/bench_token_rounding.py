@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from bench_layer import plot  # noqa: E402  (its fwd+bwd TFLOPS bar chart)
+from bench_layer import graphed, plot  # noqa: E402  (its CUDA-graph capture and fwd+bwd TFLOPS bar chart)
 
 from codegen.ops import moe_experts  # noqa: E402
 from codegen.token_rounding import M_TILE, round_routing, slot_capacity  # noqa: E402
@@ -145,23 +145,6 @@ def time_steps(step, zero, iters, warmup, device):
             step()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
-
-
-def graphed(step, zero):
-    """`step` captured in a CUDA graph (after warm-up steps on a side stream), as its replay: the
-    step's GPU time without the host's launch cost. The grads are the graph's own tensors."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            zero()
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    zero()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def count_host_syncs(step, device):
