@@ -104,8 +104,7 @@ def _broadcast_x(node, E, walk: RegionWalk | None = None) -> fx.Node | None:
 
     chain = []
     if is_call(node, "repeat"):
-        reps = node.args[1:] if len(node.args) > 2 else tuple(node.args[1])
-        src = node.args[0]
+        reps, src = _sizes(node), node.args[0]
         if len(shape_of(src)) == 2 and tuple(reps[1:]) in ((1,), (1, 1)) and ok(reps[0]):
             if walk is not None:
                 walk.mark(node)
@@ -113,7 +112,7 @@ def _broadcast_x(node, E, walk: RegionWalk | None = None) -> fx.Node | None:
         return None
     if is_call(node, "expand"):
         chain.append(node)
-        sizes = node.args[1:] if len(node.args) > 2 else tuple(node.args[1])
+        sizes = _sizes(node)
         if not sizes or not ok(sizes[0]):
             return None
         node = node.args[0]
@@ -130,6 +129,12 @@ def _broadcast_x(node, E, walk: RegionWalk | None = None) -> fx.Node | None:
     return node
 
 
+def _sizes(node: fx.Node) -> tuple:
+    """The sizes of `t.repeat(a, b)` / `t.expand(a, b)` or of `t.repeat((a, b))`."""
+    sizes = tuple(node.args[1:])
+    return tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else sizes
+
+
 def _gate_column(node, walk: RegionWalk) -> tuple[fx.Node, int]:
     """(gates [T, E], rank) for gates transposed to expert-major and given a trailing unit dim:
     gates.t().reshape(-1, 1) ([E*T, 1], rank 2) or gates.t().unsqueeze(-1) / [:, :, None] ([E, T, 1], rank 3)."""
@@ -144,7 +149,7 @@ def _gate_column(node, walk: RegionWalk) -> tuple[fx.Node, int]:
                "the gate column is not the transposed gate matrix unsqueezed last")
     node = through_float_casts(node.args[0], walk)
     transposed = (is_call(node, "t") or (is_call(node, "transpose") and sorted(node.args[1:3]) in ([0, 1], [-2, -1], [-1, 0]))
-                  or (is_call(node, "permute") and tuple(node.args[1:] if len(node.args) > 2 else node.args[1]) == (1, 0)))
+                  or (is_call(node, "permute") and _sizes(node) == (1, 0)))
     expect(transposed and len(shape_of(node)) == 2, "the gate column is not taken from the gate matrix transposed to [E, T]")
     walk.mark(node)
     return node.args[0], rank

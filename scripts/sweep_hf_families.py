@@ -1,10 +1,11 @@
 """Every MoE family transformers ships, tiny and random, through backend="sonic" on the CPU.
 
-    python scripts/sweep_hf_families.py                      # every family below, ~8 minutes
+    python scripts/sweep_hf_families.py                      # every family below, ~16 minutes
     python scripts/sweep_hf_families.py mixtral granitemoe   # some
 
-For families no issue names: a model is built from its default config shrunk to toy sizes and
-two layers, of two different kinds where the config has several (dense and MoE, hash-routed and
+For families no issue names: a model (the causal LM, else that of a vision-language config's
+language model, else that language model's base model under a fixed loss on its hidden states) is
+built from its default config shrunk to toy sizes and two layers, of two different kinds where the config has several (dense and MoE, hash-routed and
 top-k, linear and full attention; no downloads), one training step (loss + backward) runs eagerly and compiled (`sonic.compiler` =
 aot_eager, so only our rewrite differs), and the loss and every gradient are compared. A family
 whose compiled step differs from eager is re-run with `sonic.enabled=False`: if that differs too,
@@ -24,10 +25,13 @@ import subprocess
 import sys
 
 FAMILIES = (
-    "afmoe cohere2_moe dbrx deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 dots1 ernie4_5_moe exaone_moe "
-    "flex_olmo glm4_moe glm4_moe_lite glm_moe_dsa gpt_oss granitemoe granitemoe_swa granitemoehybrid "
-    "granitemoeshared hunyuan_v1_moe jamba jetmoe kimi_linear lfm2_moe llama4_text longcat_flash minimax "
-    "minimax_m2 mixtral olmoe phimoe qwen2_moe qwen3_5_moe_text qwen3_moe qwen3_next solar_open"
+    "afmoe aria axk1 axk2 bailing_hybrid beam cohere2_moe dbrx deepseek_ocr2 deepseek_v2 deepseek_v3 deepseek_v32 "
+    "deepseek_v4 diffusion_gemma dots1 dots3_note ernie4_5_moe ernie4_5_vl_moe exaone_moe flex_olmo flint gemma4 "
+    "glm4_moe glm4_moe_lite glm4v_moe glm5_next glm_moe_dsa gpt_oss granitemoe granitemoe_swa granitemoehybrid "
+    "granitemoeshared hunyuan_v1_moe hy_v3 hy_v4 inkling inkling2 jamba jetmoe kimi_linear kolibri1 laguna lfm2_moe "
+    "llama4_text longcat_flash mellum mimo_v2_flash minimax minimax_m2 minimax_m3_vl mistral4 mistral_large4 mixtral "
+    "muse_spark nemotron_h olmoe openai_privacy_filter phimoe qwen2_moe qwen3_5_moe_text qwen3_moe qwen3_next "
+    "qwen3_omni_moe qwen3_vl_moe qwen4_exp solar_open step3p7 unlimited_ocr zaya"
 ).split()
 
 # Toy sizes for whichever of these fields a config has.
@@ -61,7 +65,7 @@ def one(family: str, enabled: bool) -> dict:
 
     warnings.filterwarnings("ignore")
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     import moe_compiler
 
@@ -84,16 +88,21 @@ def one(family: str, enabled: bool) -> dict:
             settable = not isinstance(getattr(type(target), key, None), property)  # Jamba derives its own
             if isinstance(kinds, list) and kinds and settable:  # two layers, of two kinds where there are
                 setattr(target, key, (list(dict.fromkeys(kinds)) + kinds)[:2])
-        model = AutoModelForCausalLM.from_config(config).float().train()
+        model, has_lm_head = _build(config, target)
+        model = model.float().train()
     except Exception as exc:
         return dict(status="toy config does not build", detail=f"{type(exc).__name__}: {str(exc)[:120]}")
     ids = torch.randint(0, 128, (2, 16))
+    probe = torch.randn(2, 16, SMALL["hidden_size"])  # a fixed loss on a base model's hidden states
 
     def step(m):
         model.zero_grad(set_to_none=True)
-        out = m(input_ids=ids, labels=ids)
-        out.loss.backward()
-        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if has_lm_head:
+            loss = m(input_ids=ids, labels=ids).loss
+        else:
+            loss = (m(input_ids=ids).last_hidden_state * probe).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     try:
         loss, grads = step(model)
@@ -115,6 +124,24 @@ def one(family: str, enabled: bool) -> dict:
     return dict(status="equal" if same else "DIFFERS", rewritten=len(report.rewritten), loss_rel=loss_rel,
                 grad_rel=grad_rel, routers=sorted({r.details.get("router", "") for r in report.rewritten}),
                 rejected=sorted({r.reason[:100] for r in report.rejected}))
+
+
+def _build(config, text_config):
+    """(model, has an LM head): the causal LM of the config, else of its language-model sub-config
+    (vision-language and omni models), else that language model's base model (the text backbones
+    of VL models have no causal-LM class of their own)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    last = None
+    for auto, cfg, lm in ((AutoModelForCausalLM, config, True), (AutoModelForCausalLM, text_config, True),
+                          (AutoModel, text_config, False)):
+        try:
+            return auto.from_config(cfg), lm
+        except ValueError as exc:
+            if "Unrecognized configuration class" not in str(exc):
+                raise
+            last = exc
+    raise last
 
 
 def run(family: str, enabled: bool = True) -> dict:
