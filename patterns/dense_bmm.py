@@ -180,13 +180,14 @@ def _check(up: fx.Node) -> MoEMatch:
     if is_call(node, *_MUL):
         rows, factor = _rows_source(lhs)
         x = _broadcast_x(rows, E, walk)
+        expect(x is not None, f"the up projection's rows are not the hidden states broadcast over E={E} experts")
         gates, rank = _gate_column(factor, walk)
         expect(len(shape_of(rows)) == rank, "the gate column and the broadcast rows differ in rank")
         expect(dtype_of(node) == dtype_of(x), f"the gated rows are {dtype_of(node)}, the hidden states {dtype_of(x)}")
         walk.mark(node)
     else:
         x = _broadcast_x(node, E, walk)
-    expect(x is not None, "the up projection's rows are not the hidden states broadcast over the experts")
+        expect(x is not None, f"the up projection's rows are not the hidden states broadcast over E={E} experts")
     T, d = shape_of(x)
     expect(len(shape_of(lhs)) == 3 and same_size(shape_of(lhs)[1], T) and shape_of(lhs)[2] == d,
            f"the up projection reads {shape_of(lhs)}, not [E={E}, T, d={d}]")
@@ -220,17 +221,21 @@ def _check(up: fx.Node) -> MoEMatch:
 
 
 def _down_projection(up: fx.Node) -> fx.Node:
-    """The one bmm whose left operand is computed from the up projection's output."""
-    downs = []
-    for node in up.graph.nodes:
-        if is_call(node, "bmm") and node is not up and up in _inputs(backward_slice([node.args[0]], stop={up}), node.args[0]):
+    """The one bmm that the up projection's output reaches before any other bmm: the walk stops at
+    each bmm it meets, so later layers (which read this layer's output) are never candidates."""
+    downs, seen, todo = [], set(), list(up.users)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if is_call(node, "bmm"):
             downs.append(node)
-    expect(len(downs) == 1, f"expected one down-projection bmm reading the up projection, found {len(downs)}")
+        else:
+            todo.extend(node.users)
+    expect(len(downs) == 1, f"expected one down-projection bmm after the up projection, found {len(downs)}")
+    expect(downs[0].args[1] not in seen, "the down projection's weight is computed from the up projection")
     return downs[0]
-
-
-def _inputs(nodes: set[fx.Node], top) -> set[fx.Node]:
-    return {i for n in nodes for i in n.all_input_nodes} | ({top} if isinstance(top, fx.Node) else set())
 
 
 def _summed_over_experts(y: fx.Node, walk: RegionWalk, E, T, d) -> tuple[fx.Node, fx.Node | None]:

@@ -308,7 +308,7 @@ def _closed_region(walk, anchors, inputs, extra_region, shape_only) -> set[fx.No
 
 
 def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts: list[ExpertMLP], *,
-                        E, K, T, d, accumulator=None, extra_region=(), shape_only=(), gates=False) -> MoEMatch:
+                        E, K, T, d, accumulator=None, extra_region=(), shape_only=()) -> MoEMatch:
     """`finish_list_match` for experts that are Linears; for slices W[e] of stacked parameters
     (`experts[e]` must read slice e), `sonic::moe_experts` on the parameters themselves, or the
     list op on the slices when gate and up are two parameters."""

@@ -141,6 +141,31 @@ def test_dense_bmm_is_sparse():
     assert "sonic::moe_experts" in names and "aten::bmm" not in names, sorted(n for n in names if "::" in n)
 
 
+def test_dense_bmm_layers_in_one_graph():
+    """Two layers, the second reading the first's output out of place: each up projection finds its
+    own down projection, not the next layer's bmm (which its output also reaches)."""
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = BmmMoE(K=2), BmmMoE(K=2)
+
+        def forward(self, x):
+            h = x + self.first(x)
+            return h + self.second(h)
+
+    torch.manual_seed(0)
+    model = TwoLayers()
+    x, cotangent = _inputs()
+    params = dict(model.named_parameters())
+    eager = _out_and_grads(model, x, cotangent, params)
+    with moe_compiler.capture() as report:
+        got = _out_and_grads(_compile(model), x, cotangent, params)
+    assert [r.idiom for r in report.rewritten] == ["dense_bmm", "dense_bmm"] and not report.rejected, str(report)
+    assert_close_to_eager(got[0], eager[0], what="output")
+    for name in eager[1]:
+        assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
+
+
 def test_dense_bmm_no_token_rounding_on_scaled_inputs():
     """Rounding would add rows whose weight means nothing to an input-scaled expert: it stays off."""
     model = BmmMoE(K=2)
