@@ -229,6 +229,19 @@ def test_dynamic_batch():
     assert report.records and all(r.status == "rewritten" for r in report.records), str(report)
 
 
+@pytest.mark.parametrize("variant", ["llama4", "expand-out_in-softmax_neg_inf"])
+def test_dense_bmm_dynamic_batch(variant):
+    """Llama 4's spelling with a symbolic T (the repeat, views and gate column sized by it)."""
+    model = BmmMoE(**BMM_VARIANTS[variant])
+    compiled = _compile(model)
+    with torch.no_grad(), moe_compiler.capture() as report:
+        for tokens in (8, 12, 5):
+            x = torch.randn(tokens, D)
+            assert_close_to_eager(compiled(x), model(x), what=f"T={tokens}")
+    assert report.records and all(r.status == "rewritten" for r in report.records), str(report)
+    assert report.graphs == 2, str(report)  # a static graph, then one symbolic in T
+
+
 def _rounded_twin(model, x, mode):
     """The oracle for token rounding: the model's router, round_routing, then the op in eager."""
     from codegen.ops import moe_experts_list
