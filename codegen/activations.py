@@ -23,6 +23,8 @@ GATED = {
     "gelu": False,  # gelu_erf(h)
     "silu": False,  # silu(h)
     "swiglu_clamp": True,  # silu(min(g, limit)) * clamp(u, +-limit)       (DeepSeek-V4)
+    # soft caps alpha (gate) and limit (up): alpha tanh(g / alpha) * sigmoid(g) * limit tanh(u / limit)   (Inkling2)
+    "swiglu_softcap": True,
 }
 ACTIVATIONS = tuple(GATED)
 
@@ -125,6 +127,14 @@ def torch_activation_and_grad(
             return a.to(out_dtype), None
         dg = da * uc * dact_g * (g <= limit)
         du = da * act_g * ((u >= -limit) & (u <= limit))
+    elif activation == "swiglu_softcap":
+        cg, cu = alpha * torch.tanh(g / alpha), limit * torch.tanh(u / limit)
+        s = torch.sigmoid(g)
+        a = cg * s * cu
+        if da is None:
+            return a.to(out_dtype), None
+        dg = da * cu * s * ((1.0 - (cg / alpha) ** 2) + cg * (1.0 - s))
+        du = da * cg * s * (1.0 - (cu / limit) ** 2)
     else:
         act_g, dact_g = _unary_and_grad(activation, g)
         a = act_g * u

@@ -290,4 +290,6 @@ def _differentiable_activation(h: torch.Tensor, activation: str, flags: dict) ->
         return (u + 1) * (g * torch.sigmoid(g * alpha))
     if activation == "swiglu_clamp":
         return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+    if activation == "swiglu_softcap":
+        return alpha * torch.tanh(g / alpha) * torch.sigmoid(g) * (limit * torch.tanh(u / limit))
     return unary[activation](g) * u

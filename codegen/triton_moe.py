@@ -63,8 +63,9 @@ from .token_rounding import M_TILE
 
 # activation name -> the constexpr code of codegen/kernels/activation.py
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
-assert tuple(_ACT_CODE) == ("swiglu", "geglu", "geglu_tanh", "swiglu_oai", "relu2", "gelu", "silu", "swiglu_clamp")
-_IDENTITY = 8  # internal code: the up-projection kernel as a plain gathered GEMM (dA')
+assert tuple(_ACT_CODE) == ("swiglu", "geglu", "geglu_tanh", "swiglu_oai", "relu2", "gelu", "silu", "swiglu_clamp",
+                           "swiglu_softcap")
+_IDENTITY = 15  # internal code: the up-projection kernel as a plain gathered GEMM (dA')
 
 # True when Triton was imported with TRITON_INTERPRET=1: kernels run on the CPU, on CPU tensors.
 INTERPRETED = type(_up_proj_kernel).__name__ == "InterpretedFunction"

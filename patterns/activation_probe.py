@@ -150,6 +150,8 @@ def name_activation(fn, w1_out: int, n: int, constants=(), tol: float = 1e-10, o
             params += [(al, li) for al in constants for li in constants if li > 0 and (al, li) != _DEFAULT_OAI]
         elif name == "swiglu_clamp":  # no alpha: the limit alone
             params = [(_DEFAULT_OAI[0], li) for li in dict.fromkeys([_DEFAULT_OAI[1], *constants]) if li > 0]
+        elif name == "swiglu_softcap":  # (gate cap, up cap), both from the sub-graph's constants
+            params = [(ga, uc) for ga in constants for uc in constants if ga > 0 and uc > 0]
         for interleaved, (alpha, limit) in itertools.product(layouts, params):
             candidates.append((name, interleaved, alpha, limit))
     for name, interleaved, alpha, limit in candidates:

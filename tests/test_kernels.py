@@ -724,11 +724,12 @@ def test_gpu_zero_tokens(first_config_only):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("activation", ["swiglu_oai", "swiglu_clamp"])
+@pytest.mark.parametrize("activation", ["swiglu_oai", "swiglu_clamp", "swiglu_softcap"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_fp16_fp32(dtype, activation, first_config_only):
     # the clamped SwiGLUs with a low limit (many clamped elements): gpt-oss's with biases and
-    # interleaved gate/up (pointer loads), DeepSeek-V4's concatenated (TMA in fp16)
+    # interleaved gate/up (pointer loads), DeepSeek-V4's concatenated (TMA in fp16); Inkling2's
+    # soft-capped one with its up cap at the limit (1.0: most of up in tanh's bend)
     oai = activation == "swiglu_oai"
     flags = dict(_FLAGS, activation=activation, interleaved=oai, limit=1.0)
     inputs, go = _make(300, 256, 128, 8, 2, dtype, activation=activation, device="cuda", seed=11, bias=oai)

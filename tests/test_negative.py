@@ -120,6 +120,26 @@ def test_probe_crosses_every_clamp_it_sees():
     assert plain["activation"] == "swiglu"  # large unrelated constants only widen the probe
 
 
+def test_probe_names_soft_capped_swiglu():
+    """Inkling2's SwiGLU soft-caps the gate's linear factor and up (not the sigmoid's input): named
+    swiglu_softcap with (gate cap, up cap) read from the sub-graph's constants, in that order; caps
+    swapped, or the sigmoid seeing the capped gate, are other functions and are rejected."""
+    from patterns.activation_probe import name_activation
+
+    n = 8
+
+    def cap(t, c):
+        return torch.tanh(t / c) * c
+
+    def gated(fn):
+        return lambda h: fn(h[:, :n], h[:, n:])
+
+    ok = name_activation(gated(lambda g, u: cap(g, 4.0) * torch.sigmoid(g) * cap(u, 25.0)), 2 * n, n, constants=[4.0, 25.0])
+    assert ok == {"activation": "swiglu_softcap", "interleaved": False, "alpha": 4.0, "limit": 25.0}, ok
+    inner = name_activation(gated(lambda g, u: nn.functional.silu(cap(g, 4.0)) * cap(u, 25.0)), 2 * n, n, constants=[4.0, 25.0])
+    assert isinstance(inner, str) and "unsupported activation" in inner, inner
+
+
 def test_probe_tolerance_follows_every_narrowing_cast():
     """An activation sub-graph that narrows by `.type_as(other)` is compared at that dtype's
     round-off, as one narrowing by `.to(dtype)` is (not at float64's, which would reject it)."""

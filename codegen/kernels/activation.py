@@ -11,7 +11,8 @@ order of `codegen.activations.ACTIVATIONS`):
     5 gelu        gelu_erf(h)
     6 silu        silu(h)
     7 swiglu_clamp  silu(g') * u',  g' = min(g, limit), u' = clamp(u, +-limit)   (DeepSeek-V4)
-    8 identity    h               (internal: lets the up-projection kernel serve as a plain gathered GEMM)
+    8 swiglu_softcap  alpha tanh(g / alpha) * sigmoid(g) * limit tanh(u / limit)   (Inkling2)
+    15 identity   h               (internal: lets the up-projection kernel serve as a plain gathered GEMM)
 
 Everything here is float32 math on float32 tiles; the callers upcast H and downcast the results.
 The formulas mirror `codegen.activations.torch_activation_and_grad` term by term.
@@ -88,6 +89,8 @@ def _act_fwd(g, u, alpha, limit, ACTIVATION: tl.constexpr):
     elif ACTIVATION == 7:
         gc = tl.minimum(g, limit)
         a = gc * tl.sigmoid(gc) * tl.minimum(tl.maximum(u, -limit), limit)
+    elif ACTIVATION == 8:
+        a = alpha * _tanh(g / alpha) * tl.sigmoid(g) * (limit * _tanh(u / limit))
     else:
         a = g
     return a
@@ -117,6 +120,15 @@ def _act_bwd(g, u, da, alpha, limit, ACTIVATION: tl.constexpr):
         a = act_g * uc
         dg = tl.where(g <= limit, da * uc * dact_g, 0.0)
         du = tl.where((u >= -limit) & (u <= limit), da * act_g, 0.0)
+    elif ACTIVATION == 8:
+        tg = _tanh(g / alpha)
+        tu = _tanh(u / limit)
+        cg = alpha * tg
+        cu = limit * tu
+        sg = tl.sigmoid(g)
+        a = cg * sg * cu
+        dg = da * cu * sg * ((1.0 - tg * tg) + cg * (1.0 - sg))
+        du = da * cg * sg * (1.0 - tu * tu)
     elif ACTIVATION == 1:
         act_g, dact_g = _unary_fwd_and_grad(g, 1)
         a = act_g * u
