@@ -34,6 +34,12 @@ def check_activation(activation: str) -> None:
         raise ValueError(f"unknown activation {activation!r}; supported: {', '.join(ACTIVATIONS)}")
 
 
+def check_activation_params(activation: str, alpha: float, limit: float) -> None:
+    """The activation's parameters: swiglu_softcap divides by both caps, which must be positive."""
+    if activation == "swiglu_softcap" and not (alpha > 0 and limit > 0):
+        raise ValueError(f"swiglu_softcap needs positive caps, got alpha (gate cap) {alpha} and limit (up cap) {limit}")
+
+
 def split_gate_up(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate, up) views of a gated H [rows, 2n]."""
     if interleaved:

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .activations import GATED, check_activation
+from .activations import GATED, check_activation, check_activation_params
 from .reference import torch_moe_experts_bwd, torch_moe_experts_fwd
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -374,6 +374,7 @@ def moe_experts(
     """
     validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1, b2, activation=activation, transposed=transposed,
                         slot_token=slot_token)
+    check_activation_params(activation, alpha, limit)
     save_h = needs_saved_h(x, topk_weights, w1, w2, b1, b2)
     out, _, _, _ = moe_experts_op(
         x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transposed, float(alpha),
@@ -432,6 +433,7 @@ def moe_experts_list(
     w_gate, w_up, w_down = list(w_gate), list(w_up), list(w_down)
     validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation=activation,
                              slot_token=slot_token)
+    check_activation_params(activation, alpha, limit)
     save_h = needs_saved_h(x, topk_weights, *w_gate, *w_up, *w_down)
     out, _, _, _ = moe_experts_list_op(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation, interleaved,
                                        float(alpha), float(limit), save_h, slot_token)

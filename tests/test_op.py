@@ -123,6 +123,12 @@ def test_unknown_activation():
         moe_experts(x, ids, w, w1, w2, activation="swish")
 
 
+def test_softcap_needs_positive_caps():
+    x, ids, w, w1, w2, *_ = make_inputs()
+    with pytest.raises(ValueError, match="positive caps"):
+        moe_experts(x, ids, w, w1, w2, activation="swiglu_softcap", alpha=0.0)
+
+
 # ------------------------------------------------------------------ the list form: per-expert tensors
 
 
