@@ -55,7 +55,7 @@ from .common import (
     same_size,
     shape_of,
 )
-from .dense_experts import sparse_gates
+from .dense_experts import sparse_gates, sums_dim
 from .module_list import through_float_casts, topk_routing
 
 IDIOM = "dense_bmm"
@@ -68,9 +68,10 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     (gated or not): the up projection."""
     results: list[MoEMatch | Rejection] = []
     for node in gm.graph.nodes:
-        if is_call(node, "bmm") and len(shape_of(node)) == 3 and _rows_source(node.args[0]) is not None:
+        source = _rows_source(node.args[0]) if is_call(node, "bmm") and len(shape_of(node)) == 3 else None
+        if source is not None:
             try:
-                results.append(_check(node))
+                results.append(_check(node, *source))
             except NoMatch as exc:
                 results.append(Rejection(IDIOM, module_path(node), str(exc)))
     return results
@@ -170,24 +171,22 @@ def _stacked_weight(node, what: str, walk: RegionWalk) -> tuple[fx.Node, bool]:
     return node, transposed
 
 
-def _check(up: fx.Node) -> MoEMatch:
+def _check(up: fx.Node, rows: fx.Node, factor: fx.Node | None) -> MoEMatch:
+    """`rows`, `factor`: the up projection's broadcast hidden states and their gate factor or None
+    (`_rows_source`)."""
     walk = RegionWalk()
     E = shape_of(up)[0]
     lhs, rhs = up.args[0], up.args[1]
     walk.mark(up)
-    node = _through_views(lhs, walk)
+    node = _through_views(lhs, walk)  # the gated product, or the broadcast rows themselves
+    x = _broadcast_x(rows, E, walk)
+    expect(x is not None, f"the up projection's rows are not the hidden states broadcast over E={E} experts")
     gates = None
-    if is_call(node, *_MUL):
-        rows, factor = _rows_source(lhs)
-        x = _broadcast_x(rows, E, walk)
-        expect(x is not None, f"the up projection's rows are not the hidden states broadcast over E={E} experts")
+    if factor is not None:
         gates, rank = _gate_column(factor, walk)
         expect(len(shape_of(rows)) == rank, "the gate column and the broadcast rows differ in rank")
         expect(dtype_of(node) == dtype_of(x), f"the gated rows are {dtype_of(node)}, the hidden states {dtype_of(x)}")
         walk.mark(node)
-    else:
-        x = _broadcast_x(node, E, walk)
-        expect(x is not None, f"the up projection's rows are not the hidden states broadcast over E={E} experts")
     T, d = shape_of(x)
     expect(len(shape_of(lhs)) == 3 and same_size(shape_of(lhs)[1], T) and shape_of(lhs)[2] == d,
            f"the up projection reads {shape_of(lhs)}, not [E={E}, T, d={d}]")
@@ -255,11 +254,9 @@ def _summed_over_experts(y: fx.Node, walk: RegionWalk, E, T, d) -> tuple[fx.Node
             gates, rank = _gate_column(factor, walk)
             expect(len(shape_of(node)) == rank, "the gate column and the expert outputs differ in rank")
         elif is_call(reader, "sum"):
-            dim = arg(reader, 1, "dim")
-            dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
             shape = shape_of(node)
             ok = len(shape) == 3 and shape[0] == E and same_size(shape[1], T) and shape[2] == d
-            expect(ok and dim == 0 and not arg(reader, 2, "keepdim", False) and arg(reader, 3, "dtype") is None,
+            expect(ok and sums_dim(reader, (0,)),
                    f"the expert outputs {shape} are not summed over the experts (dim 0 of [E={E}, T, d])")
             walk.mark(reader)
             return reader, gates

@@ -108,7 +108,7 @@ def _check_stacked(stack: fx.Node) -> MoEMatch:
         other = combine.args[1] if combine.args[0] is stack else combine.args[0]
         gates = _broadcast_gates(other, walk)
         anchor = next(iter(combine.users), None) if len(combine.users) == 1 else None
-        expect(is_call(anchor, "sum") and _sums_dim(anchor, (1, -2)), "weighted expert outputs are not summed over the experts")
+        expect(is_call(anchor, "sum") and sums_dim(anchor, (1, -2)), "weighted expert outputs are not summed over the experts")
         walk.mark(combine, other)
     walk.mark(anchor)
     return _finish(anchor, gates, outs, walk)
@@ -142,7 +142,8 @@ def _broadcast_gates(node, walk: RegionWalk) -> fx.Node:
     raise NoMatch(f"{getattr(node, 'name', node)} is not a [T, E] matrix broadcast over a last dim")
 
 
-def _sums_dim(node: fx.Node, dims) -> bool:
+def sums_dim(node: fx.Node, dims) -> bool:
+    """A `sum` node over one of `dims` (an int or a one-element list), no keepdim, no dtype."""
     dim = arg(node, 1, "dim")
     dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
     return dim in dims and not arg(node, 2, "keepdim", False) and arg(node, 3, "dtype") is None
@@ -267,7 +268,7 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
         gates = through_float_casts(arg(gates, 0, "input"), walk)
     if is_call(gates, "sum") and squash is None:  # (one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
         mul = gates.args[0]
-        expect(_sums_dim(gates, (1, -2)) and is_call(mul, *_MUL) and len(mul.args) == 2, not_sparse)
+        expect(sums_dim(gates, (1, -2)) and is_call(mul, *_MUL) and len(mul.args) == 2, not_sparse)
         for oh, wb in (mul.args, mul.args[::-1]):
             cast = oh if is_call(oh, "to", "float", "type_as") else None  # 0/1 as floats: exact
             oh = oh.args[0] if cast is not None else oh
