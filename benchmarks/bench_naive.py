@@ -10,11 +10,14 @@ Providers, on the same module and inputs: eager (the loop as written), Inductor
 with `torch._dynamo.config.capture_dynamic_output_shape_ops = True`, without which the loop is
 no single graph. Reported per shape: forward+backward median ms, model TFLOPS (18 T K d n),
 peak memory of a step, first-call (compile) time, the relative error of the output and of the
-input gradient against eager, and how many regions sonic rewrote. bf16 on CUDA.
+input gradient against eager, and how many regions sonic rewrote. bf16 on CUDA; with `--autocast`,
+float32 parameters and inputs with every step under `torch.autocast("cuda", torch.bfloat16)`
+(mixed-precision training as most users write it).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -86,6 +89,10 @@ def rel(a, b):
 def bench_shape(shape, providers, args, device, dtype):
     from triton.testing import do_bench
 
+    autocast = args.autocast
+    if autocast:
+        dtype = torch.float32
+
     T, d, n, E, K = shape
     torch.manual_seed(0)
     model = NaiveMoE(d, n, E, K).to(device=device, dtype=dtype)
@@ -101,7 +108,8 @@ def bench_shape(shape, providers, args, device, dtype):
         leaves = [xg, *model.parameters()]
 
         def step():
-            out = fn(xg)
+            with torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+                out = fn(xg)
             out.backward(dy)
             return out
 
@@ -138,6 +146,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rep", type=int, default=30)
     ap.add_argument("--out", default=None, help="folder for results.json")
+    ap.add_argument("--autocast", action="store_true", help="float32 model under torch.autocast(bfloat16)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_naive needs a CUDA device")
@@ -145,7 +154,8 @@ def main():
     assert all(p in PROVIDERS for p in providers), providers
     torch._dynamo.config.capture_dynamic_output_shape_ops = True  # the loop is one graph only with it
     torch._dynamo.config.cache_size_limit = 64
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}"
+          + ("; float32 model under autocast(bfloat16)" if args.autocast else "; bfloat16 model"))
     results = {}
     for key in args.shapes.split(","):
         print(f"{key} {SHAPES[key]}", flush=True)

@@ -16,7 +16,7 @@ from patterns import (
     hf_eager_loop,
     hf_grouped_mm,
 )
-from patterns.common import MoEMatch, NoMatch, Rejection, rewrite
+from patterns.common import MoEMatch, NoMatch, Rejection, rewrite, settle_autocast
 from patterns.router_fusion import match_router, rewrite_router
 
 from .diagnostics import RegionRecord, publish
@@ -57,8 +57,14 @@ def _find(name: str, gm: fx.GraphModule, graph_id: int, options: SonicOptions):
         if not options.fallback:
             raise
         return [], [RegionRecord(graph_id, name, "<graph>", "error", f"{type(exc).__name__}: {exc}")]
-    matches = [m for m in found if isinstance(m, MoEMatch)]
-    records = [RegionRecord(graph_id, r.idiom, r.module, "rejected", r.reason, hint=r.hint) for r in found if isinstance(r, Rejection)]
+    matches, rejections = [], [r for r in found if isinstance(r, Rejection)]
+    for m in (m for m in found if isinstance(m, MoEMatch)):
+        try:
+            settle_autocast(m)
+            matches.append(m)
+        except NoMatch as why:
+            rejections.append(Rejection(m.idiom, m.module, str(why)))
+    records = [RegionRecord(graph_id, r.idiom, r.module, "rejected", r.reason, hint=r.hint) for r in rejections]
     return matches, records
 
 

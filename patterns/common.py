@@ -37,7 +37,8 @@ class MoEMatch:
     alpha: float = 1.702
     limit: float = 7.0
     shape: dict = dataclasses.field(default_factory=dict)  # T, d, n, E, K (T may be symbolic)
-    dtype: torch.dtype | None = None
+    dtype: torch.dtype | None = None  # what the op computes in (x's dtype, or autocast's: see `settle_autocast`)
+    autocast_from: torch.dtype | None = None  # under autocast: the dtype the inputs are cast from
     router: str = "unknown"  # what produced topk_ids/weights, for the report
     shared_expert: str = "-"  # a dense expert beside the routed ones (stays in the graph), for the report
     # [T, E] router probabilities the top-k ranked (a softmax/sigmoid output), when the graph shows
@@ -72,9 +73,50 @@ class MoEMatch:
             "layout": layout,
             "router": self.router,
             "shared": self.shared_expert,
-            "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype": _dtype_name(self.dtype) + (f" (autocast, from {_dtype_name(self.autocast_from)})"
+                                                if self.autocast_from is not None else ""),
             **{k: str(v) for k, v in self.shape.items()},
         }
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# Matrix products as they appear in a Dynamo graph (functions, methods, operator.matmul, ops)
+_PRODUCTS = ("linear", "mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm", "addbmm", "einsum", "_grouped_mm",
+             "aten::_grouped_mm", "transformers::grouped_mm_fallback")
+
+
+def settle_autocast(match: MoEMatch) -> None:
+    """Under autocast, make the op compute in the dtype the experts' matrix products had.
+
+    Dynamo traces under the ambient autocast state, so a product that autocast lowers (linear, mm,
+    bmm, matmul; not `_grouped_mm`, which has no autocast rule) has a bfloat16 or float16 output
+    from float32 operands in the graph. The op is not autocast-aware: left alone it would run those
+    experts in float32 (on the GPU, float32 kernels many times slower than the eager bf16 step).
+    So when every product of the region came out in one lower dtype, the op gets its inputs cast
+    to that dtype (as autocast casts them for each product) and its output is cast back to the
+    region's. Products in several dtypes (autocast on for some experts only) leave the region
+    untouched. Without a dtype-lowering product nothing changes: `_grouped_mm` experts compute in
+    float32 under autocast in eager too.
+    """
+    outs, lowered = set(), False
+    for node in match.region | {match.anchor}:
+        if not is_call(node, *_PRODUCTS):
+            continue
+        out = dtype_of(node)
+        operands = {dt for dt in map(dtype_of, node.all_input_nodes) if dt is not None and dt.is_floating_point}
+        outs.add(out)
+        lowered |= any(dt != out for dt in operands)
+    if not lowered:
+        return
+    expect(len(outs) == 1, f"the experts' matrix products come out in several dtypes "
+           f"({', '.join(sorted(map(_dtype_name, outs)))}): autocast is on for some of them only")
+    dtype = outs.pop()
+    expect(dtype in (torch.float16, torch.bfloat16), f"autocast computes the experts in {_dtype_name(dtype)}")
+    if dtype != match.dtype:
+        match.autocast_from, match.dtype = match.dtype, dtype
 
 
 @dataclasses.dataclass
@@ -408,6 +450,16 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
                 node.meta["example_value"] = target(*fx.node.map_arg(args, example_value), **(kwargs or {}))
         return node
 
+    def cast(node):  # autocast (`settle_autocast`): the op's tensors in the dtype it computes in
+        if node is None or dtype_of(node) == match.dtype:
+            return node
+        with graph.inserting_before(match.anchor):
+            out = graph.call_method("to", (node, match.dtype))
+        inserted.append(out)
+        if fake_mode is not None:
+            out.meta["example_value"] = example_value(node).to(match.dtype)
+        return out
+
     x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
     if match.gates:  # the [T, K] weights at the top-k ids of a gate matrix zero elsewhere
         weights = insert(torch.gather, (weights, 1, ids))
@@ -418,6 +470,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         x = insert(torch.reshape, (x, (-1, match.shape["d"])))
         ids = insert(torch.reshape, (ids, (-1, 1)))
         weights = insert(torch.ones_like, (ids,), {"dtype": dtype_of(match.topk_weights)})
+    x = cast(x)  # after the scaling, which the region computes before its products too
     if token_rounding is not None:
         if match.router_probs is None:
             raise ValueError("token rounding needs the router probabilities, which this region does not show")
@@ -426,18 +479,20 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         ids, weights, slot_token = (insert(operator.getitem, (rounded, i)) for i in range(3))
 
     if match.expert_lists is None:
-        fakes = [example_value(a) for a in (x, ids, weights, match.w1, match.w2, match.b1, match.b2)]
+        w1, w2, b1, b2 = (cast(t) for t in (match.w1, match.w2, match.b1, match.b2))
+        fakes = [example_value(a) for a in (x, ids, weights, w1, w2, b1, b2)]
         validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed,
                             slot_token=example_value(slot_token))
         save_h = needs_saved_h(fakes[0], *fakes[2:])
         args = (
-            x, ids, weights, match.w1, match.w2, match.b1, match.b2,
+            x, ids, weights, w1, w2, b1, b2,
             match.activation, match.interleaved, match.transposed, float(match.alpha), float(match.limit), save_h,
             slot_token,
         )
         call = insert(torch.ops.sonic.moe_experts.default, args)
     else:
-        call = insert(torch.ops.sonic.moe_experts_list.default, _list_call_args(match, x, ids, weights, slot_token))
+        lists = tuple([cast(w) for w in group] for group in match.expert_lists)
+        call = insert(torch.ops.sonic.moe_experts_list.default, _list_call_args(match, lists, x, ids, weights, slot_token))
     result = out = insert(operator.getitem, (call, 0))
     if match.input_scaled:  # [T*K, d] rows -> [T, d]
         rows = insert(torch.reshape, (out, (-1, match.shape["K"], match.shape["d"])))
@@ -459,11 +514,13 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     return call
 
 
-def _list_call_args(match: MoEMatch, x: fx.Node, ids: fx.Node, weights: fx.Node, slot_token: fx.Node | None) -> tuple:
-    """`sonic::moe_experts_list` arguments, validated on the fake values (as the stacked form is)."""
+def _list_call_args(match: MoEMatch, lists, x: fx.Node, ids: fx.Node, weights: fx.Node,
+                    slot_token: fx.Node | None) -> tuple:
+    """`sonic::moe_experts_list` arguments, validated on the fake values (as the stacked form is);
+    `lists`: the (gate, up, down) weight nodes of `match.expert_lists`, cast if autocast needs it."""
     from codegen.ops import needs_saved_h, validate_moe_list_inputs
 
-    w_gate, w_up, w_down = (list(group) for group in match.expert_lists)
+    w_gate, w_up, w_down = (list(group) for group in lists)
     fake = lambda nodes: [example_value(n) for n in nodes]  # noqa: E731
     rows, x, fake_weights = x, example_value(x), example_value(weights)
     validate_moe_list_inputs(x, example_value(ids), fake_weights, fake(w_gate), fake(w_up), fake(w_down),

@@ -94,6 +94,34 @@ def test_llama4_dense_experts_become_sparse(dtype):
 
 
 
+@pytest.mark.parametrize("name, implementation, dtype", [
+    ("qwen3_moe", None, "float32"),
+    ("qwen3_moe", "batched_mm", "bfloat16 (autocast, from float32)"),
+    ("llama4", None, "bfloat16 (autocast, from float32)"),
+])
+def test_autocast(name, implementation, dtype):
+    """float32 weights under CPU autocast(bfloat16), the usual mixed-precision training. The op
+    computes in the dtype eager's expert products have: float32 for grouped_mm (no autocast rule),
+    bf16 for batched_mm and Llama 4's bmm (autocast lowers them). Logits and every gradient are as
+    close to the float32 model as eager autocast's."""
+    model = tiny_moe_model(name)
+    if implementation:
+        model.config._experts_implementation = implementation
+    ids = _ids(model)
+    truth = loss_and_grads(model, ids)
+    compiled = compile_sonic(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = loss_and_grads(model, ids)
+        with moe_compiler.capture() as report:
+            got = loss_and_grads(compiled, ids)
+    assert len(report.rewritten) == count_moe_layers(model) and not report.rejected, str(report)
+    assert {r.details["dtype"] for r in report.rewritten} == {dtype}, str(report)
+    assert_close_to_eager(got[0], eager[0], truth[0], torch.bfloat16, "logits")
+    assert got[1].keys() == eager[1].keys()
+    for pname in eager[1]:
+        assert_close_to_eager(got[1][pname], eager[1][pname], truth[1][pname], torch.bfloat16, f"grad {pname}")
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe"])
 def test_hf_model_inductor(name):
     """The full path: rewrite, AOTAutograd, Inductor compiles the router glue."""

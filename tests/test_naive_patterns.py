@@ -407,6 +407,87 @@ def test_tolerance_is_tight():
     assert (full - partial).norm() / full.norm() > 100 * FP32_RTOL
 
 
+# -- autocast ------------------------------------------------------------------------------------
+
+
+def _record_op_dtypes(monkeypatch) -> list:
+    """The dtype of x at each `sonic::moe_experts*` forward from now on (both ops ask
+    `codegen.ops._triton_backend(x)` for their kernels first, on every device)."""
+    from codegen import ops
+
+    seen, backend = [], ops._triton_backend
+    monkeypatch.setattr(ops, "_triton_backend", lambda x: seen.append(x.dtype) or backend(x))
+    return seen
+
+
+class _Float32Expert(torch.nn.Module):
+    """An expert that opts out of autocast: its products stay float32 while the others' are bf16."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            return self.inner(x.float())
+
+
+AUTOCAST_CASES = {
+    "loop-list": (lambda: LoopMoE(), "expert_loop"),
+    "dense-list": (lambda: DenseMoE(experts="fused"), "dense_experts"),
+    "bmm-stacked": (lambda: BmmMoE(K=2), "dense_bmm"),
+    "loop-stacked-plain": (lambda: StackedLoopMoE(orient="linear", gate_up="plain"), "expert_loop"),
+}
+
+
+def _check_autocast(monkeypatch, make, idiom, device="cpu", compiler="aot_eager"):
+    """float32 parameters under autocast(bfloat16): the experts' products are bf16 in eager, so the
+    op runs on bf16 inputs (seen at the call, and reported), returns the dtype the region returned,
+    and is as close to the float32 model as eager autocast is, gradients included."""
+    torch.manual_seed(0)
+    model = make().to(device)
+    x, cotangent = _inputs(torch.float32, device)
+    params = dict(model.named_parameters())
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        truth = _out_and_grads(model, x, cotangent, params)
+        compiled = _compile(model, compiler)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            eager = _out_and_grads(model, x, cotangent, params)
+            with moe_compiler.capture() as report:
+                got = _out_and_grads(compiled, x, cotangent, params)
+            seen = _record_op_dtypes(monkeypatch)
+            with torch.no_grad():
+                compiled(x)
+    _assert_one_rewrite(report, idiom)
+    assert report.rewritten[0].details["dtype"] == "bfloat16 (autocast, from float32)", str(report)
+    assert seen == [torch.bfloat16], seen
+    assert got[0].dtype == eager[0].dtype  # float32 from an index_add into x's dtype, bf16 from bmm sums
+    assert_close_to_eager(got[0], eager[0], truth[0], torch.bfloat16, "output")
+    for name in truth[1]:
+        assert got[1][name].dtype == truth[1][name].dtype, name
+        assert_close_to_eager(got[1][name], eager[1][name], truth[1][name], torch.bfloat16, f"grad {name}")
+
+
+@pytest.mark.parametrize("case", AUTOCAST_CASES)
+def test_autocast_runs_the_op_in_the_autocast_dtype(case, monkeypatch):
+    _check_autocast(monkeypatch, *AUTOCAST_CASES[case])
+
+
+def test_autocast_on_some_experts_only_is_untouched(caplog):
+    """One expert opts out of autocast: its products stay float32 while the others' are bf16. One op
+    cannot honour both, so the region stays as it is, with the reason, and still equals eager."""
+    model = LoopMoE()
+    model.experts[0] = _Float32Expert(model.experts[0])
+    x, _ = _inputs()
+    with torch._dynamo.config.patch(**{FLAG: True}), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model(x)
+        with moe_compiler.capture() as report, caplog.at_level(logging.DEBUG, logger="moe_compiler"):
+            got = _compile(model)(x)
+    assert not report.rewritten and len(report.rejected) == 1, str(report)
+    assert "several dtypes (bfloat16, float32)" in report.rejected[0].reason
+    assert torch.equal(got, eager)
+
+
 # -- bf16 on the GPU -----------------------------------------------------------------------------
 
 
@@ -445,6 +526,12 @@ def test_dense_experts_gpu_bf16(variant):
 @pytest.mark.parametrize("variant", ["llama4", "llama4-top2", "output-expand-zeros_scatter"])
 def test_dense_bmm_gpu_bf16(variant):
     _check_gpu_bf16(lambda: BmmMoE(**BMM_VARIANTS[variant]), "dense_bmm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["loop-list", "bmm-stacked"])
+def test_autocast_gpu(case, monkeypatch):
+    _check_autocast(monkeypatch, *AUTOCAST_CASES[case], device="cuda", compiler="inductor")
 
 
 @pytest.mark.gpu
