@@ -79,6 +79,8 @@ def sync(device):
 def train(provider: str, args, batches, progress) -> dict:
     torch._dynamo.reset()
     model = build_model(args.model, args.scale, args.layers, args.dtype, args.device, args.seed)
+    if getattr(args, "gradient_checkpointing", False):
+        model.gradient_checkpointing_enable()
     model.train()
     if provider == "inductor":
         run = torch.compile(model)
@@ -202,10 +204,13 @@ def main(argv=None):
     parser.add_argument("--token-rounding", default=None, choices=("nearest", "up", "down"),
                         help="sonic.token_rounding for the sonic provider (default: plain top-k)")
     parser.add_argument("--profile", action="store_true", help="print each provider's top kernels for one more step")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="model.gradient_checkpointing_enable() for every provider (recompute each layer in the backward)")
     args = parser.parse_args(argv)
     providers, batches = resolve_training_args(parser, args, tiny_batch=2)
     print(f"{args.model} ({args.scale}, {args.layers} layers), {args.dtype}, {args.device}, "
-          f"batch {args.batch} x seq {args.seq}, {args.steps} steps")
+          f"batch {args.batch} x seq {args.seq}, {args.steps} steps"
+          + (", gradient checkpointing" if args.gradient_checkpointing else ""))
     update = progress_printer(args.steps)
     results = [train(p, args, batches, update) for p in providers]
 

@@ -140,36 +140,62 @@ def _module_training(source: str) -> bool | None:
         return None
 
 
-def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
-    """Rewrite `gm` in place; return (and publish) one record per candidate region.
+def checkpoint_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The graphs of `gm`'s activation-checkpointed regions, nested ones included.
 
-    Find and check never mutate the graph, so a pattern that raises there only loses its own
-    candidates. If a rewrite raises, the graph is restored to its state before the passes and
+    Under `torch.utils.checkpoint` (Hugging Face's `gradient_checkpointing_enable()`), Dynamo puts
+    each checkpointed call, a whole decoder layer with its MoE, in its own GraphModule. `gm` calls
+    it through `torch.ops.higher_order.tag_activation_checkpoint(body, *inputs)`. Rewriting inside
+    a body keeps its inputs and outputs. AOTAutograd then traces the op there like any other, and
+    the backward recomputes the body's forward, the op included, as checkpointing means.
+    """
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    bodies = []
+    for node in gm.graph.nodes:
+        if hop is not None and node.op == "call_function" and node.target is hop:
+            body = node.args[0]
+            if isinstance(body, fx.Node) and body.op == "get_attr":
+                sub = gm.get_submodule(body.target)
+                if isinstance(sub, fx.GraphModule) and sub not in bodies:
+                    bodies += [sub, *checkpoint_bodies(sub)]
+    return bodies
+
+
+def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
+    """Rewrite `gm` (and its activation-checkpointed bodies) in place; return (and publish) one
+    record per candidate region.
+
+    Find and check never mutate a graph, so a pattern that raises there only loses its own
+    candidates. If a rewrite raises, every graph is restored to its state before the passes and
     compiled as it came (with `fallback`), so the user's step still runs.
     """
     graph_id = next(_graph_ids)
     records: list[RegionRecord] = []
     if not options.enabled:
         return records
-    backup = _snapshot(gm)
+    graphs = [gm, *checkpoint_bodies(gm)]
+    backups = [_snapshot(g) for g in graphs]
     try:
         for name in options.patterns:
-            matches, rejected = _find(name, gm, graph_id, options)
-            records += rejected
-            for match in matches:
-                details = match.describe()
-                rounding, details["token_rounding"] = token_rounding_for(match, options)
-                call = rewrite(gm, match, token_rounding=rounding)
-                details["router"] = router_outcome(gm, call, match, details["router"], options)
-                records.append(RegionRecord(graph_id, match.idiom, match.module, "rewritten", details=details))
-            if options.debug:
-                gm.graph.lint()
-        gm.recompile()
+            for g in graphs:
+                matches, rejected = _find(name, g, graph_id, options)
+                records += rejected
+                for match in matches:
+                    details = match.describe()
+                    rounding, details["token_rounding"] = token_rounding_for(match, options)
+                    call = rewrite(g, match, token_rounding=rounding)
+                    details["router"] = router_outcome(g, call, match, details["router"], options)
+                    records.append(RegionRecord(graph_id, match.idiom, match.module, "rewritten", details=details))
+                if options.debug:
+                    g.graph.lint()
+        for g in graphs:
+            g.recompile()
     except Exception as exc:
         if not options.fallback:
             raise
-        gm.graph = backup
-        gm.recompile()
+        for g, backup in zip(graphs, backups):
+            g.graph = backup
+            g.recompile()
         records = [RegionRecord(graph_id, "driver", "<graph>", "error", f"rewrite failed, {type(exc).__name__}: {exc}")]
     if not records:
         log.debug("graph %d: no MoE candidate among %d nodes", graph_id, len(gm.graph.nodes))

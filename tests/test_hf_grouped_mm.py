@@ -26,18 +26,23 @@ def _ids(model, T=12, batch=2, seed=1):
     return torch.randint(0, model.config.vocab_size, (batch, T), generator=g)
 
 
-def _check_model(name, dtype, device="cpu", compiler="aot_eager", implementation=None, **overrides):
-    model = tiny_moe_model(name, dtype, **overrides).to(device)
-    if implementation:
-        model.config._experts_implementation = implementation
+def _check_model(name, dtype, device="cpu", compiler="aot_eager", implementation=None, checkpointing=False,
+                 **overrides):
+    def setup(model):
+        if implementation:
+            model.config._experts_implementation = implementation
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            model.train()
+        return model
+
+    model = setup(tiny_moe_model(name, dtype, **overrides).to(device))
     ids = _ids(model).to(device)
     truth = None
     if dtype != torch.float32:
         fp32 = tiny_moe_model(name, torch.float32, **overrides).to(device)
         fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-        if implementation:
-            fp32.config._experts_implementation = implementation
-        truth = loss_and_grads(fp32, ids)
+        truth = loss_and_grads(setup(fp32), ids)
     eager = loss_and_grads(model, ids)
     compiled = compile_sonic(model, compiler=compiler)
     with moe_compiler.capture() as report:
@@ -122,6 +127,30 @@ def test_autocast(name, implementation, dtype):
         assert_close_to_eager(got[1][pname], eager[1][pname], truth[1][pname], torch.bfloat16, f"grad {pname}")
 
 
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_gradient_checkpointing(compiler):
+    """`gradient_checkpointing_enable()`: Dynamo puts each decoder layer, its MoE included, in a
+    checkpointed subgraph; the regions there are rewritten (the op runs, in the forward and again
+    in the backward's recomputation) and the loss and every gradient equal eager's."""
+    model = tiny_moe_model("qwen3_moe")
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = _ids(model)
+    eager = loss_and_grads(model, ids)
+    compiled = compile_sonic(model, compiler=compiler)
+    with moe_compiler.capture() as report:
+        got = loss_and_grads(compiled, ids)
+    assert len(report.rewritten) == count_moe_layers(model) and not report.rejected, str(report)
+    assert_close_to_eager(got[0], eager[0], what="logits")
+    assert got[1].keys() == eager[1].keys()
+    for pname in eager[1]:
+        assert_close_to_eager(got[1][pname], eager[1][pname], what=f"grad {pname}")
+    with torch.profiler.profile() as prof:
+        loss_and_grads(compiled, ids)
+    calls = [e.name for e in prof.events() if e.name == "sonic::moe_experts"]
+    assert len(calls) == 2 * count_moe_layers(model), calls  # forward, then the recomputed forward
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe"])
 def test_hf_model_inductor(name):
     """The full path: rewrite, AOTAutograd, Inductor compiles the router glue."""
@@ -198,6 +227,11 @@ def test_explain_reports_each_layer(caplog):
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_model_matches_eager_gpu_bf16(name):
     _check_model(name, torch.bfloat16, device="cuda", compiler="inductor")
+
+
+@pytest.mark.gpu
+def test_gradient_checkpointing_gpu_bf16():
+    _check_model("qwen3_moe", torch.bfloat16, "cuda", "inductor", checkpointing=True)
 
 
 @pytest.mark.gpu

@@ -488,6 +488,36 @@ def test_autocast_on_some_experts_only_is_untouched(caplog):
     assert torch.equal(got, eager)
 
 
+# -- activation checkpointing ----------------------------------------------------------------------
+
+
+class _Checkpointed(torch.nn.Module):
+    """The MoE block under `torch.utils.checkpoint`: Dynamo traces it into its own subgraph."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("case", ["bmm-stacked", "dense-list", "loop-list"])
+def test_checkpointed_block_is_rewritten(case):
+    make, idiom = AUTOCAST_CASES[case]
+    model = _Checkpointed(make())
+    x, cotangent = _inputs()
+    params = dict(model.named_parameters())
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        eager = _out_and_grads(model, x, cotangent, params)
+        with moe_compiler.capture() as report:
+            got = _out_and_grads(_compile(model), x, cotangent, params)
+    _assert_one_rewrite(report, idiom)
+    assert_close_to_eager(got[0], eager[0], what="output")
+    for name in eager[1]:
+        assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
+
+
 # -- bf16 on the GPU -----------------------------------------------------------------------------
 
 
