@@ -199,5 +199,27 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
         records = [RegionRecord(graph_id, "driver", "<graph>", "error", f"rewrite failed, {type(exc).__name__}: {exc}")]
     if not records:
         log.debug("graph %d: no MoE candidate among %d nodes", graph_id, len(gm.graph.nodes))
+    if _ddp_split_active():
+        for r in records:
+            if r.status == "rejected":
+                r.reason += DDP_HINT
+                r.hint = True
     publish(records)
     return records
+
+
+DDP_HINT = (" (under DistributedDataParallel Dynamo splits the graph at gradient-bucket boundaries, which can cut an "
+            "MoE region in two: set torch._dynamo.config.optimize_ddp = False to give the backend whole graphs)")
+
+
+def _ddp_split_active() -> bool:
+    """Whether this graph comes from Dynamo's DDPOptimizer, which splits a DDP module's graph at its
+    gradient buckets and compiles each piece on its own (an expert weight larger than a bucket puts
+    a split between the up and the down projection of that MoE)."""
+    try:
+        from torch._dynamo.utils import get_optimize_ddp_mode
+        from torch.nn.parallel import DistributedDataParallel
+
+        return get_optimize_ddp_mode() == "ddp_optimizer" and DistributedDataParallel._get_active_ddp_module() is not None
+    except Exception:  # a private torch detail moved: no hint, nothing else changes
+        return False
