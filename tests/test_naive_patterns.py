@@ -432,7 +432,8 @@ class _Float32Expert(torch.nn.Module):
             return self.inner(x.float())
 
 
-AUTOCAST_CASES = {
+# one model per idiom and weight form, for the autocast and checkpointing tests
+IDIOM_CASES = {
     "loop-list": (lambda: LoopMoE(), "expert_loop"),
     "dense-list": (lambda: DenseMoE(experts="fused"), "dense_experts"),
     "bmm-stacked": (lambda: BmmMoE(K=2), "dense_bmm"),
@@ -468,12 +469,12 @@ def _check_autocast(monkeypatch, make, idiom, device="cpu", compiler="aot_eager"
         assert_close_to_eager(got[1][name], eager[1][name], truth[1][name], torch.bfloat16, f"grad {name}")
 
 
-@pytest.mark.parametrize("case", AUTOCAST_CASES)
+@pytest.mark.parametrize("case", IDIOM_CASES)
 def test_autocast_runs_the_op_in_the_autocast_dtype(case, monkeypatch):
-    _check_autocast(monkeypatch, *AUTOCAST_CASES[case])
+    _check_autocast(monkeypatch, *IDIOM_CASES[case])
 
 
-def test_autocast_on_some_experts_only_is_untouched(caplog):
+def test_autocast_on_some_experts_only_is_untouched():
     """One expert opts out of autocast: its products stay float32 while the others' are bf16. One op
     cannot honour both, so the region stays as it is, with the reason, and still equals eager."""
     model = LoopMoE()
@@ -481,7 +482,7 @@ def test_autocast_on_some_experts_only_is_untouched(caplog):
     x, _ = _inputs()
     with torch._dynamo.config.patch(**{FLAG: True}), torch.autocast("cpu", dtype=torch.bfloat16):
         eager = model(x)
-        with moe_compiler.capture() as report, caplog.at_level(logging.DEBUG, logger="moe_compiler"):
+        with moe_compiler.capture() as report:
             got = _compile(model)(x)
     assert not report.rewritten and len(report.rejected) == 1, str(report)
     assert "several dtypes (bfloat16, float32)" in report.rejected[0].reason
@@ -504,7 +505,7 @@ class _Checkpointed(torch.nn.Module):
 
 @pytest.mark.parametrize("case", ["bmm-stacked", "dense-list", "loop-list"])
 def test_checkpointed_block_is_rewritten(case):
-    make, idiom = AUTOCAST_CASES[case]
+    make, idiom = IDIOM_CASES[case]
     model = _Checkpointed(make())
     x, cotangent = _inputs()
     params = dict(model.named_parameters())
@@ -561,7 +562,7 @@ def test_dense_bmm_gpu_bf16(variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["loop-list", "bmm-stacked"])
 def test_autocast_gpu(case, monkeypatch):
-    _check_autocast(monkeypatch, *AUTOCAST_CASES[case], device="cuda", compiler="inductor")
+    _check_autocast(monkeypatch, *IDIOM_CASES[case], device="cuda", compiler="inductor")
 
 
 @pytest.mark.gpu
