@@ -450,15 +450,16 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
                 node.meta["example_value"] = target(*fx.node.map_arg(args, example_value), **(kwargs or {}))
         return node
 
-    def cast(node):  # autocast (`settle_autocast`): the op's tensors in the dtype it computes in
-        if node is None or dtype_of(node) == match.dtype:
-            return node
+    def to(node, dtype):  # a `.to(dtype)` node, with its fake value
         with graph.inserting_before(match.anchor):
-            out = graph.call_method("to", (node, match.dtype))
+            out = graph.call_method("to", (node, dtype))
         inserted.append(out)
         if fake_mode is not None:
-            out.meta["example_value"] = example_value(node).to(match.dtype)
+            out.meta["example_value"] = example_value(node).to(dtype)
         return out
+
+    def cast(node):  # autocast (`settle_autocast`): the op's tensors in the dtype it computes in
+        return node if node is None or dtype_of(node) == match.dtype else to(node, match.dtype)
 
     x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
     if match.gates:  # the [T, K] weights at the top-k ids of a gate matrix zero elsewhere
@@ -499,11 +500,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         result = out = insert(torch.sum, (rows, 1))
     anchor_dtype = dtype_of(match.anchor)
     if anchor_dtype is not None and anchor_dtype != match.dtype:
-        with graph.inserting_before(match.anchor):
-            result = graph.call_method("to", (out, anchor_dtype))
-        inserted.append(result)
-        if fake_mode is not None:
-            result.meta["example_value"] = example_value(out).to(anchor_dtype)
+        result = to(out, anchor_dtype)
     for node in inserted:
         node.meta.update({k: v for k, v in match.anchor.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     if match.accumulator is None:
