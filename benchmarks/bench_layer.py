@@ -48,10 +48,11 @@ SHAPES = {
     "120b-2048": (32768, 4096, 2048, 64, 4),
     "qwen3": (16384, 2048, 768, 128, 8), "olmoe": (16384, 2048, 1024, 64, 8),
     "mixtral": (8192, 4096, 14336, 8, 2),  # coarse-grained: few experts, wide n
+    "gpt-oss": (16384, 2880, 2880, 32, 4),  # gpt-oss-20b's sizes (SwiGLU here, not its clamped variant)
     "tiny": (2048, 512, 256, 16, 4),  # smoke test
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
-PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
+PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
 
@@ -140,7 +141,7 @@ def make_sonic(p, E, K, d, n):
 def build_provider(name, master, shape):
     T, d, n, E, K = shape
     params = {k: v.detach().clone().requires_grad_() for k, v in master.items()}
-    if name in ("ours", "ours-ptr"):  # ours-ptr: the same op with TMA off (bench_one flips it)
+    if name in ("ours", "ours-ptr", "ours-triton-wgrad"):  # the same op with TMA off / our wgrad kernel pinned
         return (lambda x: layer_ours(params, x, K)), params
     if name == "ours-fused-router":
         return (lambda x: layer_ours_fused_router(params, x, K)), params
@@ -203,15 +204,20 @@ def rel(a, b):
 
 
 def bench_one(name, master, shape, x, dy, ref, args):
-    """One provider's figures; ours-ptr runs our op with pointer loads instead of TMA."""
-    from codegen import triton_moe
+    """One provider's figures; ours-ptr runs our op with pointer loads instead of TMA, ours-triton-wgrad
+    with our weight-gradient kernel pinned (`ours` measures it against torch._grouped_mm)."""
+    from codegen import triton_moe, wgrad_choice
 
-    saved = triton_moe.USE_TMA
-    triton_moe.USE_TMA = saved and name != "ours-ptr"
+    saved = triton_moe.USE_TMA, wgrad_choice.PINNED
+    triton_moe.USE_TMA = saved[0] and name != "ours-ptr"
+    wgrad_choice.PINNED = "triton" if name == "ours-triton-wgrad" else saved[1]
     try:
-        return _bench_one(name, master, shape, x, dy, ref, args)
+        result = _bench_one(name, master, shape, x, dy, ref, args)
+        if name == "ours":
+            result["wgrad_choice"] = {str(k[:5]): v for k, v in wgrad_choice.chosen().items()}
+        return result
     finally:
-        triton_moe.USE_TMA = saved
+        triton_moe.USE_TMA, wgrad_choice.PINNED = saved
 
 
 def _bench_one(name, master, shape, x, dy, ref, args):
@@ -369,7 +375,8 @@ def main():
             print(f"{sname:>10} {prov:>10}: fwd {r['fwd_tflops']:6.1f}  bwd {r['bwd_tflops']:6.1f}  "
                   f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOPS  act {r['act_gib']:.2f} GiB  peak {r['peak_gib']:.2f} GiB"
                   f"  err {r['max_rel_err']:.1e}  first {r['first_call_s']:.1f}s"
-                  + (f"  graph fwd+bwd {r['graph_fwdbwd_tflops']:6.1f}" if "graph_fwdbwd_tflops" in r else ""), flush=True)
+                  + (f"  graph fwd+bwd {r['graph_fwdbwd_tflops']:6.1f}" if "graph_fwdbwd_tflops" in r else "")
+                  + (f"  wgrad {r['wgrad_choice']}" if r.get("wgrad_choice") else ""), flush=True)
             torch.cuda.empty_cache()
         if args.breakdown:
             breakdown(master, shape, x, dy)

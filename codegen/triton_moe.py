@@ -58,6 +58,7 @@ from .kernels.routing import (
     _route_small_kernel,
     _slot_check_kernel,
 )
+from . import wgrad_choice
 from .reference import PAD, tokens_of_slots
 from .token_rounding import M_TILE
 
@@ -656,6 +657,43 @@ def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, 
     return dw
 
 
+class GradBuffer(NamedTuple):
+    """Where a weight gradient goes: a tensor like `like` (shape, dtype, strides of `empty_like`; a
+    meta tensor stands for one with no storage yet), read by the kernels as [E, P, Q] through its
+    (e, out, in) strides: its own, or its last two swapped for a transposed weight ([E, in, out])."""
+
+    like: Tensor
+    transposed: bool
+
+    def empty(self, device: torch.device) -> tuple[Tensor, tuple[int, int, int]]:
+        """(a fresh gradient tensor, its (e, p, q) strides)."""
+        dw = torch.empty_like(self.like, device=device)
+        s = dw.stride()
+        return dw, ((s[0], s[2], s[1]) if self.transposed else s)
+
+
+def _weight_grad(lhs, rhs, out: GradBuffer, *, gather_lhs, gather_rhs, sorted_rows, offsets, top_k, row_token=None,
+                 db=None, s_flat=None) -> Tensor:
+    """dW[e] = sum over expert e's rows of Lhs[r]^T Rhs[r], laid out as `out` says, by our kernel
+    (`triton_moe_wgrad`) or torch's grouped GEMM, whichever `wgrad_choice` measured faster here."""
+
+    def triton_kernel():
+        dw, strides = out.empty(lhs.device)
+        return triton_moe_wgrad(lhs, rhs, gather_lhs=gather_lhs, gather_rhs=gather_rhs, sorted_rows=sorted_rows,
+                                offsets=offsets, top_k=top_k, dw=dw, dw_strides=strides, db=db, s_flat=s_flat,
+                                row_token=row_token)
+
+    candidates = {"triton": triton_kernel}
+    if wgrad_choice.usable(lhs, rhs, out.like, bias_grad=db is not None, token_map=row_token is not None,
+                           interpreted=INTERPRETED):
+        candidates["grouped_mm"] = lambda: wgrad_choice.grouped_mm_wgrad(
+            lhs, rhs, gather_lhs=gather_lhs, gather_rhs=gather_rhs, sorted_rows=sorted_rows, offsets=offsets,
+            top_k=top_k, transposed=out.transposed)
+    key = (lhs.shape[1], rhs.shape[1], offsets.numel() - 1, top_k, gather_lhs, out.transposed, lhs.dtype,
+           lhs.device.type)
+    return wgrad_choice.choose(key, candidates, cuda=lhs.is_cuda)()
+
+
 # -------------------------------------------------------------------------------------- entry points
 
 
@@ -696,15 +734,10 @@ def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, 
                            activation, interleaved, transposed, alpha, limit, slot_token=None):
     W1, W2 = _stacked_banks(w1, w2, transposed)
     n = w2.shape[1] if transposed else w2.shape[2]
-    # dW in the weights' own layout; the kernels write it through (e, out, in) strides
-    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-    s1, s2 = dw1.stride(), dw2.stride()
-    dw1_strides = (s1[0], s1[2], s1[1]) if transposed else s1
-    dw2_strides = (s2[0], s2[2], s2[1]) if transposed else s2
-    dx, ds, db1, db2 = _backward(grad_out, x, topk_ids, topk_weights, W1, W2, b1, b2, h, sorted_rows, expert_offsets,
-                                 dw1=(dw1, dw1_strides), dw2=(dw2, dw2_strides), n=n, activation=activation,
-                                 interleaved=interleaved, alpha=alpha, limit=limit, slot_token=slot_token)
-    return dx, ds, dw1, dw2, db1, db2
+    # dW in the weights' own layout (the kernels write it through (e, out, in) strides)
+    return _backward(grad_out, x, topk_ids, topk_weights, W1, W2, b1, b2, h, sorted_rows, expert_offsets,
+                     dw1=GradBuffer(w1, transposed), dw2=GradBuffer(w2, transposed), n=n, activation=activation,
+                     interleaved=interleaved, alpha=alpha, limit=limit, slot_token=slot_token)
 
 
 def triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, banks, activation, interleaved,
@@ -723,11 +756,11 @@ def triton_moe_experts_list_bwd(grad_out, x, topk_ids, topk_weights, w_gate, w_u
     gated = GATED[activation]
     W1, W2 = banks
     E, n, d = len(w_gate), w_down[0].shape[1], x.shape[1]
-    dw1 = x.new_empty(E, 2 * n if gated else n, d)
-    dw2 = x.new_empty(E, d, n)
-    dx, ds, _, _ = _backward(grad_out, x, topk_ids, topk_weights, W1, W2, None, None, h, sorted_rows, expert_offsets,
-                             dw1=(dw1, dw1.stride()), dw2=(dw2, dw2.stride()), n=n, activation=activation,
-                             interleaved=interleaved, alpha=alpha, limit=limit, slot_token=slot_token)
+    shape = lambda *size: torch.empty(size, dtype=x.dtype, device="meta")  # noqa: E731
+    dx, ds, dw1, dw2, _, _ = _backward(grad_out, x, topk_ids, topk_weights, W1, W2, None, None, h, sorted_rows,
+                                       expert_offsets, dw1=GradBuffer(shape(E, 2 * n if gated else n, d), False),
+                                       dw2=GradBuffer(shape(E, d, n), False), n=n, activation=activation,
+                                       interleaved=interleaved, alpha=alpha, limit=limit, slot_token=slot_token)
     return dx, ds, dw1, dw2
 
 
@@ -755,8 +788,8 @@ def _forward(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, activa
 
 
 def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h, sorted_rows, expert_offsets, *,
-              dw1, dw2, n, activation, interleaved, alpha, limit, slot_token):
-    """(dx, d_topk_weights, db1, db2); the weight gradients go into dw1 / dw2 = (tensor, (e, out, in) strides)."""
+              dw1: GradBuffer, dw2: GradBuffer, n, activation, interleaved, alpha, limit, slot_token):
+    """(dx, d_topk_weights, dW1, dW2, db1, db2); each dW is laid out as its GradBuffer says."""
     topk_ids, topk_weights, slot_token = _dense_routing(topk_ids, topk_weights, slot_token)
     T, d = x.shape
     E = expert_offsets.numel() - 1
@@ -773,13 +806,12 @@ def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h
     dh, a_scaled, ds = triton_moe_dact(grad_out, W2, h, s_flat, n=n, **routing, **flags)
 
     db2 = None if b2 is None else torch.empty(b2.shape, dtype=b2.dtype, device=b2.device)
-    triton_moe_wgrad(grad_out, a_scaled, gather_lhs=True, gather_rhs=False, dw=dw2[0], dw_strides=dw2[1],
-                     db=db2, s_flat=s_flat, **routing)  # dW2 as [E, P=d, Q=n]
+    dw2 = _weight_grad(grad_out, a_scaled, dw2, gather_lhs=True, gather_rhs=False, db=db2, s_flat=s_flat,
+                       **routing)  # dW2 as [E, P=d, Q=n]
     del a_scaled
 
     db1 = None if b1 is None else torch.empty(b1.shape, dtype=b1.dtype, device=b1.device)
-    triton_moe_wgrad(dh, x, gather_lhs=False, gather_rhs=True, dw=dw1[0], dw_strides=dw1[1],
-                     db=db1, **routing)  # dW1 as [E, P=w1_out, Q=d]
+    dw1 = _weight_grad(dh, x, dw1, gather_lhs=False, gather_rhs=True, db=db1, **routing)  # dW1 as [E, P=w1_out, Q=d]
 
     # dX~ = dH @ B[e] with B[e] = W1[e] [w1_out, d]
     dx_rows = triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, expert_offsets, n_dim=d, split=W1.split)
@@ -791,4 +823,4 @@ def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h
         tok = tokens_of_slots(topk_ids, slot_token).clamp(max=T - 1)  # padding slots may carry T
         ids = topk_ids.reshape(-1).long()
         ds = ds + torch.where(ids >= 0, dob2[tok * E + ids.clamp(min=0)], 0.0)
-    return dx, ds.view(topk_weights.shape).to(topk_weights.dtype), db1, db2
+    return dx, ds.view(topk_weights.shape).to(topk_weights.dtype), dw1, dw2, db1, db2

@@ -39,11 +39,15 @@ _TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
 
 
 @pytest.fixture
-def tm():
-    """`codegen.triton_moe` with interpreted kernels (only in a process started with the flag)."""
+def tm(monkeypatch):
+    """`codegen.triton_moe` with interpreted kernels (only in a process started with the flag). The
+    weight gradients run our kernel unless a test pins another provider (`wgrad_choice`): a choice
+    measured on the CPU's timings would make the tests' paths vary from run to run."""
     if not _INTERPRETING:
         pytest.skip("interpreted kernels run in the child process of test_interpreted_kernels_in_child_process")
-    from codegen import triton_moe
+    from codegen import triton_moe, wgrad_choice
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
 
     assert triton_moe.INTERPRETED, "TRITON_INTERPRET=1 was set but the kernels were compiled"
     return triton_moe
@@ -602,6 +606,103 @@ def test_list_form_predicate(tm):
     assert tm.list_banks(*routing, flipped, up, down, **flags) is None
 
 
+def _count_grouped_mm(monkeypatch):
+    """The K-grouped `torch._grouped_mm` calls made from now on (each one weight gradient)."""
+    calls = []
+    real = torch._grouped_mm
+
+    def counted(a, b, **kwargs):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["plain_fp16", "transposed", "empty_experts", "k1_one_expert", "bias"])
+def test_wgrad_through_grouped_mm(tm, case, monkeypatch):
+    """SONIC_MOE_WGRAD=grouped_mm: the weight gradients by torch._grouped_mm (its CPU fallback here)
+    on operands gathered into expert order, against the oracle, and seen to run for each weight
+    gradient it can take (none with a bias gradient: our kernel sums that on the way)."""
+    from codegen import wgrad_choice
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
+    calls = _count_grouped_mm(monkeypatch)
+    dtype = torch.float16 if case == "plain_fp16" else torch.float32
+    transposed = case == "transposed"
+    experts = {"empty_experts": [1, 4], "k1_one_expert": [2]}.get(case)
+    K = 1 if case == "k1_one_expert" else 2
+    inputs, go = _make(13, 40, 24, 6, K, dtype, transposed=transposed, bias=case == "bias", experts=experts)
+    flags = dict(_FLAGS, transposed=transposed)
+    _check_against_oracle(tm, inputs, go, flags, _TOL[dtype])
+    assert len(calls) == (0 if case == "bias" else 2), calls
+    if experts is not None:
+        _, (_, _, dw1, dw2, _, _) = _run_ours(tm, inputs, go, flags)
+        empty = [e for e in range(6) if e not in experts]
+        assert torch.equal(dw1[empty], torch.zeros_like(dw1[empty]))
+        assert torch.equal(dw2[empty], torch.zeros_like(dw2[empty]))
+
+
+def test_wgrad_grouped_mm_only_where_it_can_write(tm, monkeypatch):
+    """A weight that is not contiguous in its own layout keeps our kernel (which writes through any
+    strides); the slot form (padding rows without a token) and the list form's stacked gradients
+    follow the same rule: the slot form never, the list form always."""
+    from codegen import wgrad_choice
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
+    calls = _count_grouped_mm(monkeypatch)
+    inputs, go = _make(12, 32, 16, 4, 2, torch.float32, seed=3)
+    inputs["w1"] = inputs["w1"].transpose(1, 2).contiguous().transpose(1, 2)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
+    assert len(calls) == 1  # dW2 only
+    calls.clear()
+    slot_inputs = _slot_form(_make(12, 32, 16, 4, 2, torch.float32, seed=4)[0], mode="nearest", tile=4)
+    _check_against_oracle(tm, slot_inputs, go, _FLAGS, _TOL[torch.float32])
+    assert calls == []
+    inputs, go = _make(13, 40, 24, 4, 2, torch.float32, seed=5)
+    gate, up, down = _as_lists(inputs, "separate")
+    routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
+    flags = {k: v for k, v in _FLAGS.items() if k != "transposed"}
+    banks = tm.list_banks(*routing, gate, up, down, **flags)
+    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, banks=banks, save_h=True, **flags)
+    _, _, dw1, dw2 = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, h, rows, offs, banks=banks, **flags)
+    assert len(calls) == 2
+    _, ref = _oracle(inputs, go, _FLAGS)
+    assert _rel(dw1, ref["w1"]) <= _TOL[torch.float32] and _rel(dw2, ref["w2"]) <= _TOL[torch.float32]
+
+
+def test_wgrad_choice_measures_each_key_once(monkeypatch):
+    """"auto": the first call at a key times every candidate and keeps the fastest; later calls
+    reuse it untimed; a candidate that raises is never chosen; a pinned provider is not timed."""
+    import time
+
+    from codegen import wgrad_choice
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "auto")
+    monkeypatch.setattr(wgrad_choice, "_CHOSEN", {})
+    ran = []
+    slow = lambda: ran.append("triton") or time.sleep(0.02)  # noqa: E731
+    fast = lambda: ran.append("grouped_mm")  # noqa: E731
+    assert wgrad_choice.choose(("a",), {"triton": slow, "grouped_mm": fast}, cuda=False) is fast
+    assert ran.count("triton") >= 2 and ran.count("grouped_mm") >= 2  # a warm-up and timed runs of each
+    ran.clear()
+    assert wgrad_choice.choose(("a",), {"triton": slow, "grouped_mm": fast}, cuda=False) is fast
+    assert ran == [] and wgrad_choice.chosen() == {("a",): "grouped_mm"}
+    assert wgrad_choice.choose(("b",), {"triton": fast, "grouped_mm": slow}, cuda=False) is fast  # per key
+
+    def broken():
+        raise RuntimeError("grouped_mm: unsupported")
+
+    assert wgrad_choice.choose(("c",), {"triton": slow, "grouped_mm": broken}, cuda=False) is slow
+    assert wgrad_choice.choose(("d",), {"triton": slow}, cuda=False) is slow  # nothing to choose from
+    monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
+    ran.clear()
+    assert wgrad_choice.choose(("e",), {"triton": slow, "grouped_mm": fast}, cuda=False) is slow and ran == []
+    assert ("d",) not in wgrad_choice.chosen() and ("e",) not in wgrad_choice.chosen()
+    with pytest.raises(ValueError, match="SONIC_MOE_WGRAD"):
+        wgrad_choice._pinned("cutlass")
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
@@ -773,18 +874,23 @@ def test_gpu_route_paths_match_and_bad_ids_assert():
         assert child.returncode != 0 and "out of range" in child.stderr + child.stdout, child.stderr[-2000:]
 
 
+def _without_host_sync(fn):
+    """Run `fn` with torch's sync debug mode raising on any synchronizing CUDA call."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.gpu
 def test_gpu_no_host_sync_and_graph_capture(first_config_only):
     from codegen.ops import moe_experts, moe_experts_op
 
     inputs, go = _gpu_case(640, 256, 128, 8, 2, seed=3)
     _ops_fwd_bwd(inputs, go, _FLAGS)  # warm: compile + autotune (these sync, once)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _ops_fwd_bwd(inputs, go, _FLAGS)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _without_host_sync(lambda: _ops_fwd_bwd(inputs, go, _FLAGS))
 
     args = [inputs[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "b1", "b2")]
     flags = ["swiglu", False, False, 1.702, 7.0, True]
@@ -917,3 +1023,62 @@ def test_gpu_list_form_equals_stacked_without_sync(layout, first_config_only):
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ------------------------------------------------------------- GPU: weight gradients by torch._grouped_mm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,calls", [("moderate", 2), ("empty_experts", 2), ("one_expert_k1", 2),
+                                        ("non_contiguous", 1), ("rounded_nearest", 0)])
+def test_gpu_wgrad_grouped_mm_matches_oracle(case, calls, first_config_only, monkeypatch):
+    """SONIC_MOE_WGRAD=grouped_mm on the GPU cases: CUTLASS's K-grouped GEMM (empty experts and
+    all), as close to the float64 oracle as the bf16 oracle is; dW1 of a non-contiguous W1 and the
+    slot form keep our kernel."""
+    from codegen import wgrad_choice
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
+    seen = _count_grouped_mm(monkeypatch)
+    _check_gpu_case(case)
+    assert len(seen) == calls, seen
+
+
+@pytest.mark.gpu
+def test_gpu_wgrad_auto_chooses_once_then_no_sync_and_capturable(first_config_only, monkeypatch):
+    """"auto" measures both providers at a key's first backward, reuses the choice with no host sync,
+    and inside a CUDA-graph capture of a key it has not measured runs our kernel untimed."""
+    from codegen import wgrad_choice
+    from codegen.ops import moe_experts_backward_op, moe_experts_op
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "auto")
+    monkeypatch.setattr(wgrad_choice, "_CHOSEN", {})
+    inputs, go = _gpu_case(2048, 512, 512, 8, 2, seed=7)
+    out, grads = _ops_fwd_bwd(inputs, go, _FLAGS)
+    assert set(wgrad_choice.chosen().values()) <= {"triton", "grouped_mm"} and len(wgrad_choice.chosen()) == 2
+    for pinned in ("triton", "grouped_mm"):  # both providers' results stand against the oracle
+        monkeypatch.setattr(wgrad_choice, "PINNED", pinned)
+        _, again = _ops_fwd_bwd(inputs, go, _FLAGS)
+        _, ref = _oracle(inputs, go, _FLAGS)
+        _, bf = _oracle_bf16(inputs, go, _FLAGS)
+        for name in ("w1", "w2"):
+            assert _rel(again[name], ref[name]) <= 2 * _rel(bf[name], ref[name]) + 1e-3, (pinned, name)
+        _without_host_sync(lambda: _ops_fwd_bwd(inputs, go, _FLAGS))
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "auto")
+    monkeypatch.setattr(wgrad_choice, "_CHOSEN", {})
+    args = [inputs[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "b1", "b2")]
+    flags = ["swiglu", False, False, 1.702, 7.0]
+    out, h, rows, offs = moe_experts_op(*args, *flags, True)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            captured = moe_experts_backward_op(go, *args, h, rows, offs, *flags)
+    torch.cuda.synchronize()
+    assert wgrad_choice.chosen() == {}  # nothing was timed inside the capture
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
+    expected = moe_experts_backward_op(go, *args, h, rows, offs, *flags)
+    assert torch.equal(captured[2], expected[2]) and torch.equal(captured[3], expected[3])

@@ -1,0 +1,136 @@
+"""The weight gradients through torch's CUTLASS grouped GEMM, and the measured choice between it and ours.
+
+dW[e] = Lhs_e^T Rhs_e, summed over expert e's rows, is the K-grouped form of `torch._grouped_mm`
+(2D x 2D with `offs`: one [P, Q] product per group of rows). Our Triton kernel
+(`kernels.backward._wgrad_kernel`) reads the gathered operand (x for dW1, dO for dW2) in place;
+`_grouped_mm` needs it in expert order first, a [TK, Q or P] copy. Which is faster depends on the
+shape (H100, `benchmarks/bench_wgrad.py`, the gather not counted): CUTLASS takes 0.59-0.88x our
+time at Mixtral's and gpt-oss's sizes, 0.72-0.91x at the fine-grained ones, where the copy it needs
+(one read and one write of [TK, d]) costs about as much as it saves. So neither is picked by a
+rule: the first call at a key times both on that call's own inputs, gather included, and keeps the
+faster, as Triton's autotuner does for a config. The key holds the problem's dims, never T.
+
+    SONIC_MOE_WGRAD=auto        (default) measure once per key
+    SONIC_MOE_WGRAD=triton      always our kernel
+    SONIC_MOE_WGRAD=grouped_mm  torch._grouped_mm wherever it can run (see `usable`)
+
+Both sum each expert's rows in order in float32; `bench_wgrad.py` found their results bit-identical
+at the shapes it ran.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("moe_compiler")
+
+PROVIDERS = ("auto", "triton", "grouped_mm")
+
+
+def _pinned(value: str) -> str:
+    if value not in PROVIDERS:
+        raise ValueError(f"SONIC_MOE_WGRAD={value!r}: one of {PROVIDERS}")
+    return value
+
+
+PINNED = _pinned(os.environ.get("SONIC_MOE_WGRAD", "auto"))
+
+# key -> the provider measured fastest there
+_CHOSEN: dict[tuple, str] = {}
+
+
+def usable(lhs: Tensor, rhs: Tensor, like: Tensor, *, bias_grad: bool, token_map: bool, interpreted: bool) -> bool:
+    """Whether `grouped_mm_wgrad` can compute this weight gradient.
+
+    Not for: a bias gradient (our kernel sums it on the way), the slot form (its padding rows carry
+    no token to gather), a weight whose gradient is not dense and contiguous in its own layout
+    (`_grouped_mm` writes a fresh contiguous [E, ., .] tensor), operands off 16-byte strides.
+    CUDA: bfloat16 only (torch 2.11's `_grouped_mm`), Hopper or newer; the interpreter's CPU runs
+    take any float dtype (torch's CPU fallback), so the path is tested without a GPU.
+    """
+    if bias_grad or token_map or not like.is_contiguous() or lhs.dtype != rhs.dtype:
+        return False
+    if lhs.is_cuda:
+        if lhs.dtype != torch.bfloat16 or _major(lhs.device) < 9:
+            return False
+    elif not interpreted:
+        return False
+    vector = max(1, 16 // lhs.element_size())
+    return lhs.shape[1] % vector == 0 and rhs.shape[1] % vector == 0 and lhs.shape[0] > 0
+
+
+_MAJOR: dict[int, int] = {}
+
+
+def _major(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MAJOR:
+        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _MAJOR[index]
+
+
+def grouped_mm_wgrad(lhs: Tensor, rhs: Tensor, *, gather_lhs: bool, gather_rhs: bool, sorted_rows: Tensor,
+                     offsets: Tensor, top_k: int, transposed: bool) -> Tensor:
+    """dW by `torch._grouped_mm`: [E, P, Q] (or [E, Q, P] when `transposed`, the layout of a
+    transposed weight), contiguous. The gathered operand is copied into expert order first."""
+    tokens = sorted_rows.long() // top_k
+    lhs = lhs.index_select(0, tokens) if gather_lhs else lhs
+    rhs = rhs.index_select(0, tokens) if gather_rhs else rhs
+    ends = offsets[1:]
+    if transposed:
+        return torch._grouped_mm(rhs.t(), lhs, offs=ends)
+    return torch._grouped_mm(lhs.t(), rhs, offs=ends)
+
+
+def choose(key: tuple, candidates: dict[str, Callable[[], Tensor]], *, cuda: bool) -> Callable[[], Tensor]:
+    """The candidate to run at `key` ("triton" always among them): the pinned one, else the one
+    measured fastest at the first call there. Inside a CUDA-graph capture nothing is timed (timing
+    syncs): an unmeasured key runs "triton" there and is measured at its next call outside one."""
+    if PINNED != "auto":
+        return candidates.get(PINNED, candidates["triton"])
+    if len(candidates) == 1:
+        return candidates["triton"]
+    name = _CHOSEN.get(key)
+    if name is None:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return candidates["triton"]
+        times = {name: _time(fn, cuda) for name, fn in candidates.items()}
+        name = min(times, key=times.get)
+        _CHOSEN[key] = name
+        log.info("weight gradient at %s: %s (%s)", key, name,
+                 ", ".join(f"{k} {v * 1e3:.0f} us" for k, v in times.items()))
+    return candidates[name]
+
+
+def _time(fn: Callable[[], Tensor], cuda: bool) -> float:
+    """Median ms of `fn` after a warm-up call; inf if it raises (that provider is then never chosen)."""
+    try:
+        fn()
+        if cuda:
+            from triton.testing import do_bench
+
+            return do_bench(fn, warmup=5, rep=25, return_mode="median")
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[1]
+    except RuntimeError as exc:
+        log.warning("weight gradient provider failed while measured, not used: %s", str(exc).split("\n")[0])
+        return float("inf")
+
+
+def chosen() -> dict[tuple, str]:
+    """A copy of the choices made so far (key -> provider)."""
+    return dict(_CHOSEN)
+
+
+def forget_choices() -> None:
+    """Measure every key again at its next call (tests)."""
+    _CHOSEN.clear()
