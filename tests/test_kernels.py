@@ -925,12 +925,7 @@ def test_gpu_token_rounding_is_sync_free_and_capturable(first_config_only):
         return moe_experts(inputs["x"], slot_ids, slot_w, inputs["w1"], inputs["w2"], slot_token=slot_token)
 
     step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _without_host_sync(step)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
