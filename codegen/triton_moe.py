@@ -684,13 +684,13 @@ def _weight_grad(lhs, rhs, out: GradBuffer, *, gather_lhs, gather_rhs, sorted_ro
                                 row_token=row_token)
 
     candidates = {"triton": triton_kernel}
-    if wgrad_choice.usable(lhs, rhs, out.like, bias_grad=db is not None, token_map=row_token is not None,
-                           interpreted=INTERPRETED):
+    if wgrad_choice.usable(lhs, rhs, out.like, bias_scale=s_flat, bias_grad=db is not None,
+                           token_map=row_token is not None, interpreted=INTERPRETED):
         candidates["grouped_mm"] = lambda: wgrad_choice.grouped_mm_wgrad(
             lhs, rhs, gather_lhs=gather_lhs, gather_rhs=gather_rhs, sorted_rows=sorted_rows, offsets=offsets,
-            top_k=top_k, transposed=out.transposed)
-    key = (lhs.shape[1], rhs.shape[1], offsets.numel() - 1, top_k, gather_lhs, out.transposed, lhs.dtype,
-           lhs.device.type)
+            top_k=top_k, transposed=out.transposed, db=db, bias_scale=s_flat)
+    key = (lhs.shape[1], rhs.shape[1], offsets.numel() - 1, top_k, gather_lhs, out.transposed, db is not None,
+           lhs.dtype, lhs.device.type)
     return wgrad_choice.choose(key, candidates, cuda=lhs.is_cuda)()
 
 

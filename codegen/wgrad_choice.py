@@ -44,16 +44,20 @@ PINNED = _pinned(os.environ.get("SONIC_MOE_WGRAD", "auto"))
 _CHOSEN: dict[tuple, str] = {}
 
 
-def usable(lhs: Tensor, rhs: Tensor, like: Tensor, *, bias_grad: bool, token_map: bool, interpreted: bool) -> bool:
-    """Whether `grouped_mm_wgrad` can compute this weight gradient.
+def usable(lhs: Tensor, rhs: Tensor, like: Tensor, *, bias_scale: Tensor | None, bias_grad: bool, token_map: bool,
+           interpreted: bool) -> bool:
+    """Whether `grouped_mm_wgrad` can compute this weight gradient (and its bias gradient).
 
-    Not for: a bias gradient (our kernel sums it on the way), the slot form (its padding rows carry
-    no token to gather), a weight whose gradient is not dense and contiguous in its own layout
-    (`_grouped_mm` writes a fresh contiguous [E, ., .] tensor), operands off 16-byte strides.
-    CUDA: bfloat16 only (torch 2.11's `_grouped_mm`), Hopper or newer; the interpreter's CPU runs
-    take any float dtype (torch's CPU fallback), so the path is tested without a GPU.
+    Not for: the slot form (its padding rows carry no token to gather), a weight whose gradient is
+    not dense and contiguous in its own layout (`_grouped_mm` writes a fresh contiguous [E, ., .]
+    tensor), operands off 16-byte strides, a bias gradient scaled by router weights of another
+    dtype than the operands (it would round them). CUDA: bfloat16 only (torch 2.11's
+    `_grouped_mm`), Hopper or newer; the interpreter's CPU runs take any float dtype (torch's CPU
+    fallback), so the path is tested without a GPU.
     """
-    if bias_grad or token_map or not like.is_contiguous() or lhs.dtype != rhs.dtype:
+    if token_map or not like.is_contiguous() or lhs.dtype != rhs.dtype:
+        return False
+    if bias_grad and bias_scale is not None and bias_scale.dtype != lhs.dtype:
         return False
     if lhs.is_cuda:
         if lhs.dtype != torch.bfloat16 or _major(lhs.device) < 9:
@@ -75,13 +79,22 @@ def _major(device: torch.device) -> int:
 
 
 def grouped_mm_wgrad(lhs: Tensor, rhs: Tensor, *, gather_lhs: bool, gather_rhs: bool, sorted_rows: Tensor,
-                     offsets: Tensor, top_k: int, transposed: bool) -> Tensor:
+                     offsets: Tensor, top_k: int, transposed: bool, db: Tensor | None = None,
+                     bias_scale: Tensor | None = None) -> Tensor:
     """dW by `torch._grouped_mm`: [E, P, Q] (or [E, Q, P] when `transposed`, the layout of a
-    transposed weight), contiguous. The gathered operand is copied into expert order first."""
+    transposed weight), contiguous. The gathered operand is copied into expert order first.
+
+    db [E, P] (optional) gets each expert's column sums of Lhs, weighted by `bias_scale` (slot
+    order) when given: one more K-grouped product, Lhs^T times a [TK, 8] block whose first column
+    holds the weights (or ones), accumulated in float32 as the kernel's own sums are."""
     tokens = sorted_rows.long() // top_k
     lhs = lhs.index_select(0, tokens) if gather_lhs else lhs
     rhs = rhs.index_select(0, tokens) if gather_rhs else rhs
     ends = offsets[1:]
+    if db is not None:
+        block = lhs.new_zeros(lhs.shape[0], max(1, 16 // lhs.element_size()))
+        block[:, 0] = 1 if bias_scale is None else bias_scale.reshape(-1)[sorted_rows.long()]
+        db.copy_(torch._grouped_mm(lhs.t(), block, offs=ends)[:, :, 0])
     if transposed:
         return torch._grouped_mm(rhs.t(), lhs, offs=ends)
     return torch._grouped_mm(lhs.t(), rhs, offs=ends)

@@ -607,7 +607,7 @@ def test_list_form_predicate(tm):
 
 
 def _count_grouped_mm(monkeypatch):
-    """The K-grouped `torch._grouped_mm` calls made from now on (each one weight gradient)."""
+    """The shapes of the `torch._grouped_mm` calls made from now on (one per weight or bias gradient)."""
     calls = []
     real = torch._grouped_mm
 
@@ -619,23 +619,27 @@ def _count_grouped_mm(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("case", ["plain_fp16", "transposed", "empty_experts", "k1_one_expert", "bias"])
-def test_wgrad_through_grouped_mm(tm, case, monkeypatch):
+@pytest.mark.parametrize("case,calls", [("plain_fp16", 2), ("transposed", 2), ("empty_experts", 2),
+                                        ("k1_one_expert", 2), ("bias", 4), ("bias_fp32_router_weights", 2)])
+def test_wgrad_through_grouped_mm(tm, case, calls, monkeypatch):
     """SONIC_MOE_WGRAD=grouped_mm: the weight gradients by torch._grouped_mm (its CPU fallback here)
-    on operands gathered into expert order, against the oracle, and seen to run for each weight
-    gradient it can take (none with a bias gradient: our kernel sums that on the way)."""
+    on operands gathered into expert order, against the oracle, and seen to run: once per weight
+    gradient, once more per bias gradient; not for dW2 when its bias gradient would round float32
+    router weights to the operands' fp16."""
     from codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
-    calls = _count_grouped_mm(monkeypatch)
-    dtype = torch.float16 if case == "plain_fp16" else torch.float32
+    seen = _count_grouped_mm(monkeypatch)
+    dtype = torch.float16 if case in ("plain_fp16", "bias_fp32_router_weights") else torch.float32
     transposed = case == "transposed"
     experts = {"empty_experts": [1, 4], "k1_one_expert": [2]}.get(case)
     K = 1 if case == "k1_one_expert" else 2
-    inputs, go = _make(13, 40, 24, 6, K, dtype, transposed=transposed, bias=case == "bias", experts=experts)
+    inputs, go = _make(13, 40, 24, 6, K, dtype, transposed=transposed, bias=case.startswith("bias"), experts=experts)
+    if case == "bias_fp32_router_weights":
+        inputs["topk_weights"] = inputs["topk_weights"].float()
     flags = dict(_FLAGS, transposed=transposed)
     _check_against_oracle(tm, inputs, go, flags, _TOL[dtype])
-    assert len(calls) == (0 if case == "bias" else 2), calls
+    assert len(seen) == calls, seen
     if experts is not None:
         _, (_, _, dw1, dw2, _, _) = _run_ours(tm, inputs, go, flags)
         empty = [e for e in range(6) if e not in experts]
@@ -1077,3 +1081,31 @@ def test_gpu_wgrad_auto_chooses_once_then_no_sync_and_capturable(first_config_on
     monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
     expected = moe_experts_backward_op(go, *args, h, rows, offs, *flags)
     assert torch.equal(captured[2], expected[2]) and torch.equal(captured[3], expected[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider,calls", [("triton", 0), ("grouped_mm", 4)])
+def test_gpu_gpt_oss_layout_with_biases(provider, calls, first_config_only, monkeypatch):
+    """gpt-oss's experts (transposed, interleaved gate/up, biases, clamped SwiGLU) in bf16: every
+    gradient, biases included, as close to the float64 oracle as the bf16 oracle is, by either
+    weight-gradient provider (bf16 router weights: grouped_mm takes both bias gradients too)."""
+    from codegen import wgrad_choice
+    from codegen.ops import moe_experts
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", provider)
+    seen = _count_grouped_mm(monkeypatch)
+    flags = dict(_FLAGS, activation="swiglu_oai", interleaved=True, transposed=True)
+    inputs, go = _make(1000, 256, 128, 8, 2, torch.bfloat16, activation="swiglu_oai", transposed=True, bias=True,
+                       device="cuda")
+    names = ["x", "topk_weights", "w1", "w2", "b1", "b2"]
+
+    def grads(fn, dtype=None):
+        leaves = {k: (v.detach().to(dtype or v.dtype).requires_grad_() if v is not None and v.is_floating_point()
+                      else v) for k, v in inputs.items()}
+        out = fn(**leaves, **flags)
+        return dict(zip(names, torch.autograd.grad(out, [leaves[k] for k in names], go.to(out.dtype))))
+
+    ours, bf, ref = grads(moe_experts), grads(torch_moe_experts), grads(torch_moe_experts, torch.float64)
+    for name in names:
+        assert _rel(ours[name], ref[name]) <= 2 * _rel(bf[name], ref[name]) + 1e-3, name
+    assert len(seen) == calls, seen
