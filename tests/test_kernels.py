@@ -218,29 +218,26 @@ def _record_calls(tm, monkeypatch):
     return ran
 
 
-@pytest.mark.parametrize("layout", ["gated", "plain_bias", "transposed_bias", "one_expert", "empty_experts",
-                                    "interleaved", "interleaved_transposed"])
+@pytest.mark.parametrize("layout", ["gated", "plain_bias", "transposed_bias", "one_expert", "empty_experts"])
 def test_tma_paths_match_oracle(tm, layout, monkeypatch):
     """fp16 with 16-byte rows: every GEMM reads its stacked weights (and the scatter GEMM and the
     weight gradients their expert-ordered operand) through TMA descriptors, and each of the four
     TMA kernels is seen to run. Row counts are not tile multiples, so the persistent scatter GEMM's
     tiles run into the next expert and the weight gradients take their masked tail chunk."""
     act = "relu2" if layout == "plain_bias" else "swiglu"
-    transposed = layout in ("transposed_bias", "interleaved_transposed")
-    interleaved = layout.startswith("interleaved")  # one TMA tile holds the alternating gate/up rows
+    transposed = layout == "transposed_bias"
     experts = {"one_expert": [2], "empty_experts": [0, 3]}.get(layout)
     K = 1 if layout == "one_expert" else 2
     inputs, go = _make(21, 40, 24, 4, K, torch.float16, activation=act, transposed=transposed,
-                       bias=layout in ("plain_bias", "transposed_bias", "interleaved"), experts=experts)
+                       bias=layout in ("plain_bias", "transposed_bias"), experts=experts)
     ran = _record_calls(tm, monkeypatch)
-    flags = dict(_FLAGS, activation=act, transposed=transposed, interleaved=interleaved)
-    _check_against_oracle(tm, inputs, go, flags, _TOL[torch.float16])
+    _check_against_oracle(tm, inputs, go, dict(_FLAGS, activation=act, transposed=transposed), _TOL[torch.float16])
     assert sorted(set(ran)) == sorted(_TMA_TUNERS)
 
 
 def test_tma_off_for_what_it_cannot_read(tm, monkeypatch):
-    """fp32, rows not a multiple of 16 bytes and USE_TMA=False take the pointer kernels, with the
-    same results against the oracle."""
+    """fp32, rows not a multiple of 16 bytes, interleaved gate/up and USE_TMA=False take the
+    pointer kernels, with the same results against the oracle."""
     ran = _record_calls(tm, monkeypatch)
     inputs, go = _make(13, 36, 18, 3, 2, torch.float16)  # 72-, 36- and 72-byte rows (d, n, 2n)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
@@ -248,6 +245,9 @@ def test_tma_off_for_what_it_cannot_read(tm, monkeypatch):
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
     assert ran == []
     inputs, go = _make(13, 40, 24, 3, 2, torch.float16)
+    _check_against_oracle(tm, inputs, go, dict(_FLAGS, interleaved=True), _TOL[torch.float16])
+    assert "_up_tma" not in ran and "_scatter_tma" in ran  # interleaved W1: pointer up-projection only
+    ran.clear()
     monkeypatch.setattr(tm, "USE_TMA", False)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
     assert ran == []
@@ -1084,20 +1084,18 @@ def test_gpu_wgrad_auto_chooses_once_then_no_sync_and_capturable(first_config_on
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("provider,calls", [("triton", 0), ("grouped_mm", 4)])
-def test_gpu_gpt_oss_layout_with_biases(provider, calls, transposed, first_config_only, monkeypatch):
-    """gpt-oss's experts (transposed, interleaved gate/up, biases, clamped SwiGLU; also untransposed)
-    in bf16, the interleaved W1 through TMA: every gradient, biases included, as close to the
-    float64 oracle as the bf16 oracle is, by either weight-gradient provider (bf16 router weights:
-    grouped_mm takes both bias gradients too)."""
+def test_gpu_gpt_oss_layout_with_biases(provider, calls, first_config_only, monkeypatch):
+    """gpt-oss's experts (transposed, interleaved gate/up, biases, clamped SwiGLU) in bf16: every
+    gradient, biases included, as close to the float64 oracle as the bf16 oracle is, by either
+    weight-gradient provider (bf16 router weights: grouped_mm takes both bias gradients too)."""
     from codegen import wgrad_choice
     from codegen.ops import moe_experts
 
     monkeypatch.setattr(wgrad_choice, "PINNED", provider)
     seen = _count_grouped_mm(monkeypatch)
-    flags = dict(_FLAGS, activation="swiglu_oai", interleaved=True, transposed=transposed)
-    inputs, go = _make(1000, 256, 128, 8, 2, torch.bfloat16, activation="swiglu_oai", transposed=transposed, bias=True,
+    flags = dict(_FLAGS, activation="swiglu_oai", interleaved=True, transposed=True)
+    inputs, go = _make(1000, 256, 128, 8, 2, torch.bfloat16, activation="swiglu_oai", transposed=True, bias=True,
                        device="cuda")
     names = ["x", "topk_weights", "w1", "w2", "b1", "b2"]
 

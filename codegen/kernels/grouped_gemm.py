@@ -100,9 +100,8 @@ def _up_proj_kernel(
     width 2*BLOCK_N (the x tile is read from shared memory once per step instead of twice); the
     accumulator is split back into gate and up in the epilogue.
 
-    W_DESC (stacked weights): w1_ptr is a TMA descriptor over the weights (see `_w_tile`). Concatenated
-    gate/up: each step issues two dots (gate, up) on the tiles as the copy engine lands them;
-    interleaved: one dot on a tile twice as wide, whose columns alternate gate/up (as FUSED_GU).
+    W_DESC (stacked weights, not interleaved): w1_ptr is a TMA descriptor over the weights (see
+    `_w_tile`) and each step issues two dots (gate, up) on the tiles as the copy engine lands them.
     """
     tile, pid_n = _grouped_order(tl.program_id(0), tl.cdiv(TK, BLOCK_M) + E, tl.cdiv(n, BLOCK_N), GROUP_M)
     expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
@@ -143,18 +142,7 @@ def _up_proj_kernel(
         wg_ptrs = w1_ptr + gate_off + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
         wu_ptrs = w1_ptr + up_off + w_up_rows[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
 
-    if W_DESC != 0 and GATED and INTERLEAVED:
-        # the gate/up rows alternate: one [BLOCK_K, 2*BLOCK_N] tile from row 2*col0 holds both, as
-        # in the fused pointer path below; one dot, split in the epilogue
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, d, BLOCK_K):
-            k_mask = (k0 + ks) < d
-            xa = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w = _w_tile(w1_ptr, expert, 2 * pid_n * BLOCK_N, k0, 2 * BLOCK_N, BLOCK_K, W_DESC)
-            acc = tl.dot(xa, w, acc, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K * stride_x_d
-        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    elif W_DESC != 0:
+    if W_DESC != 0:
         col0 = pid_n * BLOCK_N
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
