@@ -52,7 +52,7 @@ SHAPES = {
     "tiny": (2048, 512, 256, 16, 4),  # smoke test
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
-PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
+PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-interleaved", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
 
@@ -143,6 +143,10 @@ def build_provider(name, master, shape):
     params = {k: v.detach().clone().requires_grad_() for k, v in master.items()}
     if name in ("ours", "ours-ptr", "ours-triton-wgrad"):  # the same op with TMA off / our wgrad kernel pinned
         return (lambda x: layer_ours(params, x, K)), params
+    if name == "ours-interleaved":  # W1's gate and up rows alternating (gpt-oss's layout), same values
+        g, u = master["w1"].detach().chunk(2, dim=1)
+        params = dict(params, w1=torch.stack((g, u), dim=2).reshape(E, 2 * n, d).requires_grad_())
+        return (lambda x: moe_experts(x, *route(x, params["wr"], K), params["w1"], params["w2"], interleaved=True)), params
     if name == "ours-fused-router":
         return (lambda x: layer_ours_fused_router(params, x, K)), params
     if name == "ours-list":  # each expert's weights in its own tensor, as nn.Linear holds them

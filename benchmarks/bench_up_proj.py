@@ -1,0 +1,70 @@
+"""The up-projection kernel alone, per W1 layout, with and without its TMA weight path (GPU).
+
+Question: what does a W1 layout cost the forward's largest GEMM? gpt-oss stores gate/up
+interleaved and transposed ([E, d, 2n]); the layer benchmark's `ours-interleaved` provider ran its
+forward at 293 TFLOPS against 497 for the same weights concatenated (H100, gpt-oss sizes).
+
+    python benchmarks/bench_up_proj.py --shape gpt-oss
+
+For each orientation (nn.Linear's [E, 2n, d], transposed [E, d, 2n]) and gate/up layout
+(concatenated, interleaved): median time and TFLOPS of `triton_moe.triton_moe_up` (gathered x,
+H and A = SwiGLU(H) stored) through the TMA weight descriptor where the launcher takes one, and
+with the descriptor refused (pointer loads), and how far apart the two A's are.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_layer import SHAPES  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from codegen import triton_moe  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="gpt-oss", help=f"one of {sorted(SHAPES)}")
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
+    args = ap.parse_args()
+    T, d, n, E, K = SHAPES[args.shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, d, device="cuda", generator=gen).bfloat16()
+    ids = torch.randn(T, E, device="cuda", generator=gen).topk(K, -1).indices
+    rows, offs = triton_moe.route(ids, E)
+    w1 = (torch.randn(E, 2 * n, d, device="cuda", generator=gen) / d**0.5).bfloat16()
+    flop = 2 * T * K * d * 2 * n
+    with_desc = triton_moe._weight_desc
+    print(f"device: {torch.cuda.get_device_name()}; {args.shape} (T, d, n, E, K) = {(T, d, n, E, K)}")
+    print("| W1 | gate/up | weight loads | us | TFLOPS |\n|---|---|---|---|---|")
+    try:
+        for transposed in (False, True):
+            w = w1.transpose(1, 2).contiguous() if transposed else w1
+            bank = triton_moe._stacked_banks(w, w, transposed)[0]
+            for interleaved in (False, True):
+                outs = []
+                for tma in (True, False):
+                    triton_moe._weight_desc = with_desc if tma else (lambda *a, **k: (None, 0))
+                    call = lambda: triton_moe.triton_moe_up(  # noqa: E731
+                        x, bank, None, rows, offs, n=n, top_k=K, activation="swiglu", interleaved=interleaved,
+                        alpha=1.702, limit=7.0)
+                    outs.append(call()[1].clone())
+                    t = do_bench(call, warmup=args.warmup, rep=args.rep, return_mode="median") * 1e3
+                    layout = "[E, d, 2n]" if transposed else "[E, 2n, d]"
+                    loads = "TMA if taken" if tma else "pointers"
+                    print(f"| {layout} | {'interleaved' if interleaved else 'concatenated'} | {loads} | {t:.0f} | "
+                          f"{flop / t * 1e-6:.0f} |", flush=True)
+                diff = ((outs[0].float() - outs[1].float()).norm() / outs[1].float().norm()).item()
+                print(f"|  | A, TMA vs pointers: rel diff {diff:.1e} (the two may tune other tiles) | | | |")
+    finally:
+        triton_moe._weight_desc = with_desc
+
+
+if __name__ == "__main__":
+    main()
