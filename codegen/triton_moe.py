@@ -14,8 +14,8 @@ Forward:  route (a Triton counting sort: one program for small batches, three la
           slots for larger ones up to 511 experts, else a torch sort; no host sync) -> _up_proj_kernel (gather x, H and A = act(H))
           -> _scatter_gemm_kernel (Y = A W2^T + b2, stored in slot order) -> _gather_sum_kernel (out).
 Backward: _up_proj_kernel as a gathered GEMM (dA' = gather(dO) W2) -> _act_grad_kernel (dS, dH,
-          A' = s A) -> _wgrad_kernel x2 (dW2, dW1, biases) -> _scatter_gemm_kernel (dX~ = dH W1, slot
-          order) -> _gather_sum_kernel (dX).
+          A' = s A) -> _wgrad_kernel x2 (dW2, dW1, biases; or torch._grouped_mm where `wgrad_choice`
+          measured it faster) -> _scatter_gemm_kernel (dX~ = dH W1, slot order) -> _gather_sum_kernel (dX).
 On Hopper, 16-bit stacked weights with 16-byte rows go through TMA descriptors (see "TMA paths"
 below): the scatter GEMMs become the persistent `_scatter_gemm_tma_kernel`, the others keep their
 structure with the weight (or expert-ordered) operand landing by TMA. Gathered operands stay pointer
