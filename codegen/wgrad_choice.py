@@ -4,7 +4,7 @@ dW[e] = Lhs_e^T Rhs_e, summed over expert e's rows, is the K-grouped form of `to
 (2D x 2D with `offs`: one [P, Q] product per group of rows). Our Triton kernel
 (`kernels.backward._wgrad_kernel`) reads the gathered operand (x for dW1, dO for dW2) in place;
 `_grouped_mm` needs it in expert order first, a [TK, Q or P] copy. Which is faster depends on the
-shape (H100, `benchmarks/bench_wgrad.py`, the gather not counted): CUTLASS takes 0.59-0.88x our
+shape (H100, `benchmarks/bench_wgrad.py`, the gather not counted): CUTLASS takes 0.59-0.94x our
 time at Mixtral's and gpt-oss's sizes, 0.72-0.91x at the fine-grained ones, where the copy it needs
 (one read and one write of [TK, d]) costs about as much as it saves. So neither is picked by a
 rule: the first call at a key times both on that call's own inputs, gather included, and keeps the
