@@ -112,7 +112,7 @@ def choose(key: tuple, candidates: dict[str, Callable[[], Tensor]], *, cuda: boo
     if name is None:
         if cuda and torch.cuda.is_current_stream_capturing():
             return candidates["triton"]
-        times = {name: _time(fn, cuda) for name, fn in candidates.items()}
+        times = {name: _time(fn, cuda, guarded=name != "triton") for name, fn in candidates.items()}
         name = min(times, key=times.get)
         _CHOSEN[key] = name
         log.info("weight gradient at %s: %s (%s)", key, name,
@@ -120,8 +120,9 @@ def choose(key: tuple, candidates: dict[str, Callable[[], Tensor]], *, cuda: boo
     return candidates[name]
 
 
-def _time(fn: Callable[[], Tensor], cuda: bool) -> float:
-    """Median ms of `fn` after a warm-up call; inf if it raises (that provider is then never chosen)."""
+def _time(fn: Callable[[], Tensor], cuda: bool, guarded: bool) -> float:
+    """Median ms of `fn` after a warm-up call. `guarded` (an alternative to our kernel): inf if it
+    raises, so it is never chosen; our kernel's own errors propagate (never hidden behind another)."""
     try:
         fn()
         if cuda:
@@ -135,6 +136,8 @@ def _time(fn: Callable[[], Tensor], cuda: bool) -> float:
             times.append((time.perf_counter() - start) * 1e3)
         return sorted(times)[1]
     except RuntimeError as exc:
+        if not guarded:
+            raise
         log.warning("weight gradient provider failed while measured, not used: %s", str(exc).split("\n")[0])
         return float("inf")
 

@@ -677,7 +677,8 @@ def test_wgrad_grouped_mm_only_where_it_can_write(tm, monkeypatch):
 
 def test_wgrad_choice_measures_each_key_once(monkeypatch):
     """"auto": the first call at a key times every candidate and keeps the fastest; later calls
-    reuse it untimed; a candidate that raises is never chosen; a pinned provider is not timed."""
+    reuse it untimed; an alternative that raises is never chosen, our kernel raising propagates; a
+    pinned provider is not timed."""
     import time
 
     from codegen import wgrad_choice
@@ -698,6 +699,8 @@ def test_wgrad_choice_measures_each_key_once(monkeypatch):
         raise RuntimeError("grouped_mm: unsupported")
 
     assert wgrad_choice.choose(("c",), {"triton": slow, "grouped_mm": broken}, cuda=False) is slow
+    with pytest.raises(RuntimeError, match="unsupported"):  # our kernel failing is an error, not a reason to switch
+        wgrad_choice.choose(("c2",), {"triton": broken, "grouped_mm": fast}, cuda=False)
     assert wgrad_choice.choose(("d",), {"triton": slow}, cuda=False) is slow  # nothing to choose from
     monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
     ran.clear()
