@@ -685,7 +685,8 @@ def _weight_grad(lhs, rhs, out: GradBuffer, *, gather_lhs, gather_rhs, sorted_ro
 
     candidates = {"triton": triton_kernel}
     if wgrad_choice.usable(lhs, rhs, out.like, bias_scale=s_flat, bias_grad=db is not None,
-                           token_map=row_token is not None, interpreted=INTERPRETED):
+                           token_map=row_token is not None, interpreted=INTERPRETED,
+                           major=_major(lhs.device) if lhs.is_cuda else 0):
         candidates["grouped_mm"] = lambda: wgrad_choice.grouped_mm_wgrad(
             lhs, rhs, gather_lhs=gather_lhs, gather_rhs=gather_rhs, sorted_rows=sorted_rows, offsets=offsets,
             top_k=top_k, transposed=out.transposed, db=db, bias_scale=s_flat)

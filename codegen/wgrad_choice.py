@@ -45,7 +45,7 @@ _CHOSEN: dict[tuple, str] = {}
 
 
 def usable(lhs: Tensor, rhs: Tensor, like: Tensor, *, bias_scale: Tensor | None, bias_grad: bool, token_map: bool,
-           interpreted: bool) -> bool:
+           interpreted: bool, major: int) -> bool:
     """Whether `grouped_mm_wgrad` can compute this weight gradient (and its bias gradient).
 
     Not for: the slot form (its padding rows carry no token to gather), a weight whose gradient is
@@ -53,29 +53,19 @@ def usable(lhs: Tensor, rhs: Tensor, like: Tensor, *, bias_scale: Tensor | None,
     tensor), operands off 16-byte strides, a bias gradient scaled by router weights of another
     dtype than the operands (it would round them). CUDA: bfloat16 only (torch 2.11's
     `_grouped_mm`), Hopper or newer; the interpreter's CPU runs take any float dtype (torch's CPU
-    fallback), so the path is tested without a GPU.
+    fallback), so the path is tested without a GPU. `major`: the CUDA device's compute capability.
     """
     if token_map or not like.is_contiguous() or lhs.dtype != rhs.dtype:
         return False
     if bias_grad and bias_scale is not None and bias_scale.dtype != lhs.dtype:
         return False
     if lhs.is_cuda:
-        if lhs.dtype != torch.bfloat16 or _major(lhs.device) < 9:
+        if lhs.dtype != torch.bfloat16 or major < 9:
             return False
     elif not interpreted:
         return False
     vector = max(1, 16 // lhs.element_size())
     return lhs.shape[1] % vector == 0 and rhs.shape[1] % vector == 0 and lhs.shape[0] > 0
-
-
-_MAJOR: dict[int, int] = {}
-
-
-def _major(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _MAJOR:
-        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
-    return _MAJOR[index]
 
 
 def grouped_mm_wgrad(lhs: Tensor, rhs: Tensor, *, gather_lhs: bool, gather_rhs: bool, sorted_rows: Tensor,
@@ -87,13 +77,14 @@ def grouped_mm_wgrad(lhs: Tensor, rhs: Tensor, *, gather_lhs: bool, gather_rhs: 
     db [E, P] (optional) gets each expert's column sums of Lhs, weighted by `bias_scale` (slot
     order) when given: one more K-grouped product, Lhs^T times a [TK, 8] block whose first column
     holds the weights (or ones), accumulated in float32 as the kernel's own sums are."""
-    tokens = sorted_rows.long() // top_k
+    rows = sorted_rows.long()
+    tokens = rows // top_k
     lhs = lhs.index_select(0, tokens) if gather_lhs else lhs
     rhs = rhs.index_select(0, tokens) if gather_rhs else rhs
     ends = offsets[1:]
     if db is not None:
         block = lhs.new_zeros(lhs.shape[0], max(1, 16 // lhs.element_size()))
-        block[:, 0] = 1 if bias_scale is None else bias_scale.reshape(-1)[sorted_rows.long()]
+        block[:, 0] = 1 if bias_scale is None else bias_scale.reshape(-1)[rows]
         db.copy_(torch._grouped_mm(lhs.t(), block, offs=ends)[:, :, 0])
     if transposed:
         return torch._grouped_mm(rhs.t(), lhs, offs=ends)
@@ -145,8 +136,3 @@ def _time(fn: Callable[[], Tensor], cuda: bool, guarded: bool) -> float:
 def chosen() -> dict[tuple, str]:
     """A copy of the choices made so far (key -> provider)."""
     return dict(_CHOSEN)
-
-
-def forget_choices() -> None:
-    """Measure every key again at its next call (tests)."""
-    _CHOSEN.clear()
