@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_layer import graphed, plot  # noqa: E402  (its CUDA-graph capture and fwd+bwd TFLOPS bar chart)
 
+from codegen import wgrad_choice  # noqa: E402
 from codegen.ops import moe_experts  # noqa: E402
 from codegen.token_rounding import M_TILE, round_routing, slot_capacity  # noqa: E402
 
@@ -163,6 +164,39 @@ def count_host_syncs(step, device):
     return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
+def host_profile(step, zero, name, steps=10):
+    """Host ms per step: `steps` steps enqueued behind a GPU sleep, so the host never waits on the
+    GPU (the step's launches and Python alone); then the Python functions taking the most host time
+    over as many steps under cProfile (which slows them), printed."""
+    import cProfile
+    import pstats
+
+    for _ in range(3):  # warm: allocator pools, compiled entries
+        zero()
+        step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of GPU time ahead of the host
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        zero()
+        step()
+    host_ms = (time.perf_counter() - t0) * 1e3 / steps
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    torch.cuda._sleep(int(2e9))
+    prof.enable()
+    for _ in range(steps):
+        zero()
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"\n{name}: host {host_ms:.3f} ms per step; under cProfile, {steps} steps:", flush=True)
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumtime").print_stats(30)
+    return host_ms
+
+
 def bench_provider(name, params, x, dy, shape, args):
     T, d, n, E, K = shape
     mode = PROVIDERS[name]
@@ -198,6 +232,7 @@ def bench_provider(name, params, x, dy, shape, args):
             sync(args.device)
         print(f"\n{name}: the GPU kernels of one step\n"
               + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    host_ms = host_profile(step, zero, name) if args.host_profile and args.device.type == "cuda" else None
     times = time_steps(step, zero, args.iters, args.warmup, args.device)
     zero()
     ms = statistics.median(times)
@@ -213,7 +248,7 @@ def bench_provider(name, params, x, dy, shape, args):
         capacity=T * K if mode in (None, "slots") else slot_capacity(T, E, K, M_TILE, mode),
         pad_rows=pad, pad_fraction=pad / max(pairs + pad, 1),
         counts_off_tile=int((counts % M_TILE != 0).sum()), counts=counts.tolist(),
-        host_syncs=host_syncs, first_call_s=first_call_s,
+        host_syncs=host_syncs, first_call_s=first_call_s, host_ms=host_ms,
     )
 
 
@@ -258,6 +293,8 @@ def main(argv=None):
                          "instead of kept by its best expert (whose count then leaves the tile multiple)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--profile", action="store_true", help="print each provider's GPU kernel times for one step")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="print each provider's host ms per step (enqueued behind a GPU sleep) and a cProfile")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time each provider's step replayed from a CUDA graph (GPU time, no launch cost)")
     ap.add_argument("--compile", choices=COMPILE_SCOPES, default=None,
@@ -291,6 +328,7 @@ def main(argv=None):
             r.update(shape=sname, T=T, d=d, n=n, E=E, K=K, dtype=str(dtype))
             results.append(r)
             graph = "" if r["graph_ms"] is None else f" (graph {r['graph_ms']:.3f} ms)"
+            graph += "" if r["host_ms"] is None else f" (host {r['host_ms']:.3f} ms)"
             print(f"{sname:>11} {prov:>13}: {r['fwdbwd_ms']:8.3f} ms{graph}  pairs {r['pairs']} / {T * K}  "
                   f"padded rows {r['pad_rows']} ({r['pad_fraction']:.2%})  first {r['first_call_s']:.1f}s", flush=True)
         del params, x, dy
@@ -303,12 +341,15 @@ def main(argv=None):
             r["graph_speedup_vs_topk"] = base["graph_ms"] / r["graph_ms"]
 
     print_table(results)
+    choices = {str(k[:6]): v for k, v in wgrad_choice.chosen().items()}  # (P, Q, E, K, slot form, gathered lhs)
+    print(f"weight gradients ({wgrad_choice.PINNED}): {choices}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "token_rounding.json")
     with open(path, "w") as f:
         json.dump(dict(device=device_name, torch=torch.__version__, command=command, tile=M_TILE,
                        compile=args.compile,
-                       keep_every_token=not args.drop_orphans, results=results), f, indent=1)
+                       keep_every_token=not args.drop_orphans, wgrad=wgrad_choice.PINNED, wgrad_choice=choices,
+                       results=results), f, indent=1)
     plot(results, args.out)
     print(f"\nwrote {path} (+ tflops.png if matplotlib is installed)")
     return results

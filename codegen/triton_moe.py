@@ -19,7 +19,7 @@ Backward: _up_proj_kernel as a gathered GEMM (dA' = gather(dO) W2) -> _act_grad_
 On Hopper, 16-bit stacked weights with 16-byte rows go through TMA descriptors (see "TMA paths"
 below): the scatter GEMMs become the persistent `_scatter_gemm_tma_kernel`, the others keep their
 structure with the weight (or expert-ordered) operand landing by TMA. Gathered operands stay pointer
-loads. Per-expert tensors (the list form), interleaved gate/up and misaligned rows use pointers.
+loads. Per-expert tensors (the list form) and misaligned rows use pointers.
 
 Tuning. Each GEMM kernel autotunes over a small config set, keyed on the problem's (d, n, E, K)
 dims and the tensors' dtypes (Triton adds those), never on T: the row count TK is a runtime int
@@ -157,8 +157,11 @@ USE_TMA = os.environ.get("SONIC_MOE_TMA", "1") != "0"
 
 
 def _w_block_hook(nargs):
-    """Autotune pre-hook: give the weight descriptor the config's tile (see kernels `_w_tile`)."""
+    """Autotune pre-hook: give the weight descriptor the config's tile (see kernels `_w_tile`); an
+    interleaved gated W1's tile is twice as wide (its gate and up rows alternate)."""
     bn, bk = nargs["BLOCK_N"], nargs["BLOCK_K"]
+    if nargs.get("INTERLEAVED") and nargs.get("GATED"):
+        bn *= 2
     desc = nargs["w_desc"] if "w_desc" in nargs else nargs["w1_ptr"]
     desc.block_shape = [1, bn, bk] if nargs["W_DESC"] == 1 else [1, bk, bn]
     if "in_desc" in nargs:
@@ -503,7 +506,7 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
         return h, a
     b1c = b1.contiguous() if b1 is not None else x
     w_ptr, w_table, has_table, align = w1.kernel_args()
-    desc, w_desc = (None, 0) if interleaved and gated else _weight_desc(w1, E, w1_out, d, *w1.strides[1:])
+    desc, w_desc = _weight_desc(w1, E, w1_out, d, *w1.strides[1:])
     kernel = _up_tma if desc is not None else _up
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _launch(
@@ -684,14 +687,13 @@ def _weight_grad(lhs, rhs, out: GradBuffer, *, gather_lhs, gather_rhs, sorted_ro
                                 row_token=row_token)
 
     candidates = {"triton": triton_kernel}
-    if wgrad_choice.usable(lhs, rhs, out.like, bias_scale=s_flat, bias_grad=db is not None,
-                           token_map=row_token is not None, interpreted=INTERPRETED,
+    if wgrad_choice.usable(lhs, rhs, out.like, bias_scale=s_flat, bias_grad=db is not None, interpreted=INTERPRETED,
                            major=_major(lhs.device) if lhs.is_cuda else 0):
         candidates["grouped_mm"] = lambda: wgrad_choice.grouped_mm_wgrad(
             lhs, rhs, gather_lhs=gather_lhs, gather_rhs=gather_rhs, sorted_rows=sorted_rows, offsets=offsets,
-            top_k=top_k, transposed=out.transposed, db=db, bias_scale=s_flat)
-    key = (lhs.shape[1], rhs.shape[1], offsets.numel() - 1, top_k, gather_lhs, out.transposed, db is not None,
-           lhs.dtype, lhs.device.type)
+            top_k=top_k, transposed=out.transposed, row_token=row_token, db=db, bias_scale=s_flat)
+    key = (lhs.shape[1], rhs.shape[1], offsets.numel() - 1, top_k, row_token is not None, gather_lhs, out.transposed,
+           db is not None, lhs.dtype, lhs.device.type)
     return wgrad_choice.choose(key, candidates, cuda=lhs.is_cuda)()
 
 

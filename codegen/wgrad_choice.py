@@ -44,18 +44,17 @@ PINNED = _pinned(os.environ.get("SONIC_MOE_WGRAD", "auto"))
 _CHOSEN: dict[tuple, str] = {}
 
 
-def usable(lhs: Tensor, rhs: Tensor, like: Tensor, *, bias_scale: Tensor | None, bias_grad: bool, token_map: bool,
+def usable(lhs: Tensor, rhs: Tensor, like: Tensor, *, bias_scale: Tensor | None, bias_grad: bool,
            interpreted: bool, major: int) -> bool:
     """Whether `grouped_mm_wgrad` can compute this weight gradient (and its bias gradient).
 
-    Not for: the slot form (its padding rows carry no token to gather), a weight whose gradient is
-    not dense and contiguous in its own layout (`_grouped_mm` writes a fresh contiguous [E, ., .]
+    Not for: a weight whose gradient is not dense and contiguous in its own layout (`_grouped_mm` writes a fresh contiguous [E, ., .]
     tensor), operands off 16-byte strides, a bias gradient scaled by router weights of another
     dtype than the operands (it would round them). CUDA: bfloat16 only (torch 2.11's
     `_grouped_mm`), Hopper or newer; the interpreter's CPU runs take any float dtype (torch's CPU
     fallback), so the path is tested without a GPU. `major`: the CUDA device's compute capability.
     """
-    if token_map or not like.is_contiguous() or lhs.dtype != rhs.dtype:
+    if not like.is_contiguous() or lhs.dtype != rhs.dtype:
         return False
     if bias_grad and bias_scale is not None and bias_scale.dtype != lhs.dtype:
         return False
@@ -69,16 +68,24 @@ def usable(lhs: Tensor, rhs: Tensor, like: Tensor, *, bias_scale: Tensor | None,
 
 
 def grouped_mm_wgrad(lhs: Tensor, rhs: Tensor, *, gather_lhs: bool, gather_rhs: bool, sorted_rows: Tensor,
-                     offsets: Tensor, top_k: int, transposed: bool, db: Tensor | None = None,
-                     bias_scale: Tensor | None = None) -> Tensor:
+                     offsets: Tensor, top_k: int, transposed: bool, row_token: Tensor | None = None,
+                     db: Tensor | None = None, bias_scale: Tensor | None = None) -> Tensor:
     """dW by `torch._grouped_mm`: [E, P, Q] (or [E, Q, P] when `transposed`, the layout of a
     transposed weight), contiguous. The gathered operand is copied into expert order first.
+
+    `row_token` (the slot form): the token of each expert-ordered row. The padding rows sort after
+    every expert, past offsets[E], where the grouped GEMM reads nothing; their token (which may be
+    T) is clamped only so that the copy stays in bounds.
 
     db [E, P] (optional) gets each expert's column sums of Lhs, weighted by `bias_scale` (slot
     order) when given: one more K-grouped product, Lhs^T times a [TK, 8] block whose first column
     holds the weights (or ones), accumulated in float32 as the kernel's own sums are."""
     rows = sorted_rows.long()
-    tokens = rows // top_k
+    if row_token is None:
+        tokens = rows // top_k
+    else:
+        gathered = lhs if gather_lhs else rhs
+        tokens = row_token.long().clamp(max=max(gathered.shape[0] - 1, 0))
     lhs = lhs.index_select(0, tokens) if gather_lhs else lhs
     rhs = rhs.index_select(0, tokens) if gather_rhs else rhs
     ends = offsets[1:]

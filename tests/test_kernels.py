@@ -218,26 +218,29 @@ def _record_calls(tm, monkeypatch):
     return ran
 
 
-@pytest.mark.parametrize("layout", ["gated", "plain_bias", "transposed_bias", "one_expert", "empty_experts"])
+@pytest.mark.parametrize("layout", ["gated", "plain_bias", "transposed_bias", "one_expert", "empty_experts",
+                                    "interleaved", "interleaved_transposed"])
 def test_tma_paths_match_oracle(tm, layout, monkeypatch):
     """fp16 with 16-byte rows: every GEMM reads its stacked weights (and the scatter GEMM and the
     weight gradients their expert-ordered operand) through TMA descriptors, and each of the four
     TMA kernels is seen to run. Row counts are not tile multiples, so the persistent scatter GEMM's
     tiles run into the next expert and the weight gradients take their masked tail chunk."""
     act = "relu2" if layout == "plain_bias" else "swiglu"
-    transposed = layout == "transposed_bias"
+    transposed = layout in ("transposed_bias", "interleaved_transposed")
+    interleaved = layout.startswith("interleaved")  # one TMA tile holds the alternating gate/up rows
     experts = {"one_expert": [2], "empty_experts": [0, 3]}.get(layout)
     K = 1 if layout == "one_expert" else 2
     inputs, go = _make(21, 40, 24, 4, K, torch.float16, activation=act, transposed=transposed,
-                       bias=layout in ("plain_bias", "transposed_bias"), experts=experts)
+                       bias=layout in ("plain_bias", "transposed_bias", "interleaved"), experts=experts)
     ran = _record_calls(tm, monkeypatch)
-    _check_against_oracle(tm, inputs, go, dict(_FLAGS, activation=act, transposed=transposed), _TOL[torch.float16])
+    flags = dict(_FLAGS, activation=act, transposed=transposed, interleaved=interleaved)
+    _check_against_oracle(tm, inputs, go, flags, _TOL[torch.float16])
     assert sorted(set(ran)) == sorted(_TMA_TUNERS)
 
 
 def test_tma_off_for_what_it_cannot_read(tm, monkeypatch):
-    """fp32, rows not a multiple of 16 bytes, interleaved gate/up and USE_TMA=False take the
-    pointer kernels, with the same results against the oracle."""
+    """fp32, rows not a multiple of 16 bytes and USE_TMA=False take the pointer kernels, with the
+    same results against the oracle."""
     ran = _record_calls(tm, monkeypatch)
     inputs, go = _make(13, 36, 18, 3, 2, torch.float16)  # 72-, 36- and 72-byte rows (d, n, 2n)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
@@ -245,9 +248,6 @@ def test_tma_off_for_what_it_cannot_read(tm, monkeypatch):
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
     assert ran == []
     inputs, go = _make(13, 40, 24, 3, 2, torch.float16)
-    _check_against_oracle(tm, inputs, go, dict(_FLAGS, interleaved=True), _TOL[torch.float16])
-    assert "_up_tma" not in ran and "_scatter_tma" in ran  # interleaved W1: pointer up-projection only
-    ran.clear()
     monkeypatch.setattr(tm, "USE_TMA", False)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
     assert ran == []
@@ -649,8 +649,7 @@ def test_wgrad_through_grouped_mm(tm, case, calls, monkeypatch):
 
 def test_wgrad_grouped_mm_only_where_it_can_write(tm, monkeypatch):
     """A weight that is not contiguous in its own layout keeps our kernel (which writes through any
-    strides); the slot form (padding rows without a token) and the list form's stacked gradients
-    follow the same rule: the slot form never, the list form always."""
+    strides); the list form's stacked gradients are contiguous, so grouped_mm computes both."""
     from codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
@@ -660,9 +659,6 @@ def test_wgrad_grouped_mm_only_where_it_can_write(tm, monkeypatch):
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
     assert len(calls) == 1  # dW2 only
     calls.clear()
-    slot_inputs = _slot_form(_make(12, 32, 16, 4, 2, torch.float32, seed=4)[0], mode="nearest", tile=4)
-    _check_against_oracle(tm, slot_inputs, go, _FLAGS, _TOL[torch.float32])
-    assert calls == []
     inputs, go = _make(13, 40, 24, 4, 2, torch.float32, seed=5)
     gate, up, down = _as_lists(inputs, "separate")
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
@@ -673,6 +669,31 @@ def test_wgrad_grouped_mm_only_where_it_can_write(tm, monkeypatch):
     assert len(calls) == 2
     _, ref = _oracle(inputs, go, _FLAGS)
     assert _rel(dw1, ref["w1"]) <= _TOL[torch.float32] and _rel(dw2, ref["w2"]) <= _TOL[torch.float32]
+
+
+@pytest.mark.parametrize("mode,dtype,bias", [("up", torch.float32, False), ("down", torch.float16, False),
+                                             ("nearest", torch.float32, True), ("padded", torch.float16, True)])
+def test_wgrad_grouped_mm_slot_form(tm, mode, dtype, bias, monkeypatch):
+    """The slot form through torch._grouped_mm: the gathered operand is copied by each row's token;
+    the padding rows (sorted past offsets[E], their token possibly T) are read by no group, so the
+    gradients match the oracle and every expert without a real row gets exact zeros."""
+    from codegen import wgrad_choice
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
+    calls = _count_grouped_mm(monkeypatch)
+    inputs, go = _make(29, 32, 16, 6, 2, dtype, bias=bias, seed=12, experts=[0, 2, 3, 5])
+    if mode == "padded":
+        slots = _slot_form(inputs, drop=(0, 5, 6, 57))  # padding slots in the middle and at both ends
+    else:
+        slots = _slot_form(inputs, mode=mode)
+    assert (slots["topk_ids"] == -1).any() or mode == "down"
+    _check_against_oracle(tm, slots, go, _FLAGS, _TOL[dtype])
+    assert len(calls) == (4 if bias else 2), calls
+    _, (_, _, dw1, dw2, _, _) = _run_ours(tm, slots, go, _FLAGS)
+    real = set(slots["topk_ids"].tolist()) - {-1}
+    empty = [e for e in range(6) if e not in real]
+    assert empty and torch.equal(dw1[empty], torch.zeros_like(dw1[empty]))
+    assert torch.equal(dw2[empty], torch.zeros_like(dw2[empty]))
 
 
 def test_wgrad_choice_measures_each_key_once(monkeypatch):
@@ -1027,11 +1048,11 @@ def test_gpu_list_form_equals_stacked_without_sync(layout, first_config_only):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,calls", [("moderate", 2), ("empty_experts", 2), ("one_expert_k1", 2),
-                                        ("non_contiguous", 1), ("rounded_nearest", 0)])
+                                        ("non_contiguous", 1), ("rounded_nearest", 2)])
 def test_gpu_wgrad_grouped_mm_matches_oracle(case, calls, first_config_only, monkeypatch):
     """SONIC_MOE_WGRAD=grouped_mm on the GPU cases: CUTLASS's K-grouped GEMM (empty experts and
-    all), as close to the float64 oracle as the bf16 oracle is; dW1 of a non-contiguous W1 and the
-    slot form keep our kernel."""
+    all, and the slot form), as close to the float64 oracle as the bf16 oracle is; dW1 of a
+    non-contiguous W1 keeps our kernel."""
     from codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
@@ -1082,18 +1103,20 @@ def test_gpu_wgrad_auto_chooses_once_then_no_sync_and_capturable(first_config_on
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("provider,calls", [("triton", 0), ("grouped_mm", 4)])
-def test_gpu_gpt_oss_layout_with_biases(provider, calls, first_config_only, monkeypatch):
-    """gpt-oss's experts (transposed, interleaved gate/up, biases, clamped SwiGLU) in bf16: every
-    gradient, biases included, as close to the float64 oracle as the bf16 oracle is, by either
-    weight-gradient provider (bf16 router weights: grouped_mm takes both bias gradients too)."""
+def test_gpu_gpt_oss_layout_with_biases(provider, calls, transposed, first_config_only, monkeypatch):
+    """gpt-oss's experts (transposed, interleaved gate/up, biases, clamped SwiGLU; also untransposed)
+    in bf16, the interleaved W1 through TMA: every gradient, biases included, as close to the
+    float64 oracle as the bf16 oracle is, by either weight-gradient provider (bf16 router weights:
+    grouped_mm takes both bias gradients too)."""
     from codegen import wgrad_choice
     from codegen.ops import moe_experts
 
     monkeypatch.setattr(wgrad_choice, "PINNED", provider)
     seen = _count_grouped_mm(monkeypatch)
-    flags = dict(_FLAGS, activation="swiglu_oai", interleaved=True, transposed=True)
-    inputs, go = _make(1000, 256, 128, 8, 2, torch.bfloat16, activation="swiglu_oai", transposed=True, bias=True,
+    flags = dict(_FLAGS, activation="swiglu_oai", interleaved=True, transposed=transposed)
+    inputs, go = _make(1000, 256, 128, 8, 2, torch.bfloat16, activation="swiglu_oai", transposed=transposed, bias=True,
                        device="cuda")
     names = ["x", "topk_weights", "w1", "w2", "b1", "b2"]
 

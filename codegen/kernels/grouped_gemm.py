@@ -100,8 +100,16 @@ def _up_proj_kernel(
     width 2*BLOCK_N (the x tile is read from shared memory once per step instead of twice); the
     accumulator is split back into gate and up in the epilogue.
 
-    W_DESC (stacked weights, not interleaved): w1_ptr is a TMA descriptor over the weights (see
-    `_w_tile`) and each step issues two dots (gate, up) on the tiles as the copy engine lands them.
+    W_DESC (stacked weights): w1_ptr is a TMA descriptor over the weights (see `_w_tile`).
+    Concatenated gate/up: each step issues two dots (gate, up) on the tiles as the copy engine lands
+    them. Interleaved: one dot on a [BLOCK_K, 2*BLOCK_N] tile of consecutive W1 rows, whose columns
+    alternate gate/up as H's do.
+
+    Interleaved gate/up with one 2*BLOCK_N-wide accumulator (FUSED_GU or W_DESC): its columns are
+    H's own, so H is stored from it as one contiguous tile; gate and up are split apart only for the
+    activation (each pair of columns sits in one thread's registers). Storing H's gate and up halves
+    separately, at a stride of two elements, ran the up-projection at half the concatenated layout's
+    speed (H100, gpt-oss sizes, `benchmarks/bench_up_proj.py`).
     """
     tile, pid_n = _grouped_order(tl.program_id(0), tl.cdiv(TK, BLOCK_M) + E, tl.cdiv(n, BLOCK_N), GROUP_M)
     expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
@@ -142,7 +150,15 @@ def _up_proj_kernel(
         wg_ptrs = w1_ptr + gate_off + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
         wu_ptrs = w1_ptr + up_off + w_up_rows[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
 
-    if W_DESC != 0:
+    if W_DESC != 0 and GATED and INTERLEAVED:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            k_mask = (k0 + ks) < d
+            xa = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = _w_tile(w1_ptr, expert, 2 * pid_n * BLOCK_N, k0, 2 * BLOCK_N, BLOCK_K, W_DESC)
+            acc = tl.dot(xa, w, acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_x_d
+    elif W_DESC != 0:
         col0 = pid_n * BLOCK_N
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -174,7 +190,8 @@ def _up_proj_kernel(
             acc = tl.dot(xa, w, acc, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K * stride_x_d
             w_ptrs += BLOCK_K * stride_w1_i
-        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        if not INTERLEAVED:  # concatenated H: its gate and up halves are stored apart
+            acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -190,21 +207,30 @@ def _up_proj_kernel(
             x_ptrs += BLOCK_K * stride_x_d
             wg_ptrs += BLOCK_K * stride_w1_i
 
-    if HAS_B1:
-        b_base = b1_ptr + expert.to(tl.int64) * stride_b1_e
-        acc_g += tl.load(b_base + gate_cols * stride_b1_o, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_u += tl.load(b_base + up_cols * stride_b1_o, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-
     out_dtype = h_ptr.dtype.element_ty
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
-    h_g = acc_g.to(out_dtype)
-    h_u = acc_u.to(out_dtype)
-    if STORE_H:
-        tl.store(h_ptr + rows64[:, None] * w1_out + gate_cols[None, :], h_g, mask=mask)
-        if GATED:
-            tl.store(h_ptr + rows64[:, None] * w1_out + up_cols[None, :], h_u, mask=mask)
+    b_base = b1_ptr + expert.to(tl.int64) * stride_b1_e
+    if GATED and INTERLEAVED and (W_DESC != 0 or FUSED_GU):  # `acc` holds H's columns 2j .. 2j + 2 BLOCK_N
+        h_cols = 2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        h_col_mask = h_cols < w1_out
+        if HAS_B1:
+            acc += tl.load(b_base + h_cols * stride_b1_o, mask=h_col_mask, other=0.0).to(tl.float32)[None, :]
+        h = acc.to(out_dtype)
+        if STORE_H:
+            tl.store(h_ptr + rows64[:, None] * w1_out + h_cols[None, :], h, mask=row_mask[:, None] & h_col_mask[None, :])
+        h_g, h_u = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        if HAS_B1:
+            acc_g += tl.load(b_base + gate_cols * stride_b1_o, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(b_base + up_cols * stride_b1_o, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        h_g = acc_g.to(out_dtype)
+        h_u = acc_u.to(out_dtype)
+        if STORE_H:
+            tl.store(h_ptr + rows64[:, None] * w1_out + gate_cols[None, :], h_g, mask=mask)
+            if GATED:
+                tl.store(h_ptr + rows64[:, None] * w1_out + up_cols[None, :], h_u, mask=mask)
     if STORE_A:
         # act() reads H as stored (rounded to x.dtype), exactly what the backward will recompute from
         a = _act_fwd(h_g.to(tl.float32), h_u.to(tl.float32), alpha, limit, ACTIVATION)
