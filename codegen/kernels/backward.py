@@ -62,16 +62,26 @@ def _act_grad_kernel(
             gate_cols = cols
             up_cols = cols
         da = tl.load(da_ptr + rows64[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(h_ptr + rows64[:, None] * w1_out + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if GATED:
-            u = tl.load(h_ptr + rows64[:, None] * w1_out + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATED and INTERLEAVED:  # H's gate/up pairs read (and dH's written) as one contiguous tile
+            pair_cols = 2 * c0 + tl.arange(0, 2 * BLOCK_C)
+            pair_mask = row_mask[:, None] & (pair_cols < w1_out)[None, :]
+            h = tl.load(h_ptr + rows64[:, None] * w1_out + pair_cols[None, :], mask=pair_mask, other=0.0)
+            g, u = tl.split(tl.reshape(h.to(tl.float32), (BLOCK_R, BLOCK_C, 2)))
         else:
-            u = g
+            g = tl.load(h_ptr + rows64[:, None] * w1_out + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if GATED:
+                u = tl.load(h_ptr + rows64[:, None] * w1_out + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                u = g
         a, dg, du = _act_bwd(g, u, da * s[:, None], alpha, limit, ACTIVATION)
         ds += tl.sum(tl.where(mask, da * a, 0.0), 1)
-        tl.store(dh_ptr + rows64[:, None] * w1_out + gate_cols[None, :], dg.to(out_dtype), mask=mask)
-        if GATED:
-            tl.store(dh_ptr + rows64[:, None] * w1_out + up_cols[None, :], du.to(out_dtype), mask=mask)
+        if GATED and INTERLEAVED:
+            dh = tl.reshape(tl.join(dg, du), (BLOCK_R, 2 * BLOCK_C))
+            tl.store(dh_ptr + rows64[:, None] * w1_out + pair_cols[None, :], dh.to(out_dtype), mask=pair_mask)
+        else:
+            tl.store(dh_ptr + rows64[:, None] * w1_out + gate_cols[None, :], dg.to(out_dtype), mask=mask)
+            if GATED:
+                tl.store(dh_ptr + rows64[:, None] * w1_out + up_cols[None, :], du.to(out_dtype), mask=mask)
         tl.store(a_scaled_ptr + rows64[:, None] * n + cols[None, :], (a * s[:, None]).to(out_dtype), mask=mask)
     tl.store(ds_ptr + slots, ds, mask=row_mask)
 
