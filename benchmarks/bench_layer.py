@@ -52,7 +52,7 @@ SHAPES = {
     "tiny": (2048, 512, 256, 16, 4),  # smoke test
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
-PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-interleaved", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
+PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-interleaved", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
 
@@ -141,7 +141,7 @@ def make_sonic(p, E, K, d, n):
 def build_provider(name, master, shape):
     T, d, n, E, K = shape
     params = {k: v.detach().clone().requires_grad_() for k, v in master.items()}
-    if name in ("ours", "ours-ptr", "ours-triton-wgrad"):  # the same op with TMA off / our wgrad kernel pinned
+    if name in ("ours", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up"):  # the same op, a path switched
         return (lambda x: layer_ours(params, x, K)), params
     if name == "ours-interleaved":  # W1's gate and up rows alternating (gpt-oss's layout), same values
         g, u = master["w1"].detach().chunk(2, dim=1)
@@ -209,19 +209,28 @@ def rel(a, b):
 
 def bench_one(name, master, shape, x, dy, ref, args):
     """One provider's figures; ours-ptr runs our op with pointer loads instead of TMA, ours-triton-wgrad
-    with our weight-gradient kernel pinned (`ours` measures it against torch._grouped_mm)."""
+    with our weight-gradient kernel pinned (`ours` measures it against torch._grouped_mm),
+    ours-two-dot-up with the up-projection's gate and up tiles in two dots (`triton_moe.WIDE_UP`
+    off; its autotuner then tunes again, so neither side runs the other's config)."""
     from codegen import triton_moe, wgrad_choice
 
-    saved = triton_moe.USE_TMA, wgrad_choice.PINNED
+    saved = triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP
     triton_moe.USE_TMA = saved[0] and name != "ours-ptr"
     wgrad_choice.PINNED = "triton" if name == "ours-triton-wgrad" else saved[1]
+    if (name == "ours-two-dot-up") == saved[2]:
+        triton_moe.WIDE_UP = not saved[2]
+        triton_moe._up_tma.cache.clear()
+        triton_moe.forget_tuned_launches()
     try:
         result = _bench_one(name, master, shape, x, dy, ref, args)
         if name == "ours":
             result["wgrad_choice"] = {str(k[:5]): v for k, v in wgrad_choice.chosen().items()}
         return result
     finally:
-        triton_moe.USE_TMA, wgrad_choice.PINNED = saved
+        if triton_moe.WIDE_UP != saved[2]:
+            triton_moe._up_tma.cache.clear()
+            triton_moe.forget_tuned_launches()
+        triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP = saved
 
 
 def _bench_one(name, master, shape, x, dy, ref, args):

@@ -154,16 +154,20 @@ _wgrad = triton.autotune(_configs("wgrad"), key=["P", "Q", "E", "top_k"])(_wgrad
 # (`_scatter_gemm_tma_kernel`, its A operand too). Gathered operands stay pointer loads. `USE_TMA`
 # (env SONIC_MOE_TMA=0 turns it off at import; benchmarks flip it for A/B runs) selects them.
 USE_TMA = os.environ.get("SONIC_MOE_TMA", "1") != "0"
+# The up-projection of a concatenated gated W1 through one wide dot (`_up_weight_desc`); env
+# SONIC_MOE_WIDE_UP=0 (or the module attribute, which the benchmarks flip for A/B runs) turns it off.
+WIDE_UP = os.environ.get("SONIC_MOE_WIDE_UP", "1") != "0"
 
 
 def _w_block_hook(nargs):
     """Autotune pre-hook: give the weight descriptor the config's tile (see kernels `_w_tile`); an
-    interleaved gated W1's tile is twice as wide (its gate and up rows alternate)."""
+    interleaved gated W1's tile is twice as wide (its gate and up rows alternate); a concatenated
+    one's (W_DESC 3, `_up_weight_desc`) holds the gate and the up rows as a dim of 2."""
     bn, bk = nargs["BLOCK_N"], nargs["BLOCK_K"]
     if nargs.get("INTERLEAVED") and nargs.get("GATED"):
         bn *= 2
     desc = nargs["w_desc"] if "w_desc" in nargs else nargs["w1_ptr"]
-    desc.block_shape = [1, bn, bk] if nargs["W_DESC"] == 1 else [1, bk, bn]
+    desc.block_shape = {1: [1, bn, bk], 2: [1, bk, bn], 3: [1, 2, bn, bk]}[nargs["W_DESC"]]
     if "in_desc" in nargs:
         nargs["in_desc"].block_shape = [nargs["BLOCK_M"], bk]
 
@@ -261,6 +265,21 @@ def _weight_desc(bank: Bank, E: int, n_out: int, k_in: int, s_out: int, s_in: in
         desc = _tma_operand(bank.ptr, (E, k_in, n_out), (se, s_in, 1))
         return desc, 2 if desc is not None else 0
     return None, 0
+
+
+def _up_weight_desc(bank: Bank, E: int, n: int, d: int, gated: bool, interleaved: bool) -> tuple[TensorDescriptor | None, int]:
+    """The up-projection's W1 descriptor. A concatenated gated W1 in nn.Linear's orientation is read
+    as [E, 2, n, d] (W_DESC 3): one copy lands a gate tile and its up tile together and the kernel
+    issues one dot of width 2*BLOCK_N, as for an interleaved W1. H100, `bench_up_proj.py`: 6-18%
+    faster than two dots (7b-256 707 -> 634 us, Qwen3 1720 -> 1615, gpt-oss sizes 4508 -> 3804).
+    Not for a transposed W1: its [E, d, 2, n] tile ran 1.25x slower than two dots at those shapes.
+    `WIDE_UP` False: two dots on separate tiles (W_DESC 1 / 2)."""
+    s_out, s_in = bank.strides[1:]
+    if WIDE_UP and gated and not interleaved and bank.table is None and s_in == 1:
+        desc = _tma_operand(bank.ptr, (E, 2, n, d), (bank.strides[0], n * s_out, s_out, 1))
+        if desc is not None:
+            return desc, 3
+    return _weight_desc(bank, E, 2 * n if gated else n, d, s_out, s_in)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -506,7 +525,7 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
         return h, a
     b1c = b1.contiguous() if b1 is not None else x
     w_ptr, w_table, has_table, align = w1.kernel_args()
-    desc, w_desc = _weight_desc(w1, E, w1_out, d, *w1.strides[1:])
+    desc, w_desc = _up_weight_desc(w1, E, n, d, gated, interleaved)
     kernel = _up_tma if desc is not None else _up
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _launch(

@@ -253,6 +253,39 @@ def test_tma_off_for_what_it_cannot_read(tm, monkeypatch):
     assert ran == []
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_up_projection_wide_dot(tm, bias, monkeypatch):
+    """A concatenated gated W1 in nn.Linear's orientation goes through the [E, 2, n, d] descriptor
+    (one dot on the gate and up tiles, W_DESC 3); transposed, interleaved or WIDE_UP off keep their
+    own descriptors. Both ways agree with the oracle and with each other; the gate/up columns past
+    n (n not a multiple of the tile) read as zeros within each half."""
+    seen = []
+    real = tm._up_weight_desc
+
+    def spy(*args):
+        desc, kind = real(*args)
+        seen.append(kind)
+        return desc, kind
+
+    monkeypatch.setattr(tm, "_up_weight_desc", spy)
+    inputs, go = _make(21, 40, 24, 4, 2, torch.float16, bias=bias)  # n = 24: the second N tile is partial
+    outs = {}
+    for wide in (True, False):
+        monkeypatch.setattr(tm, "WIDE_UP", wide)
+        tm._up_tma.cache.clear()
+        tm.forget_tuned_launches()
+        _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
+        outs[wide] = _run_ours(tm, inputs, go, _FLAGS)[0][0]
+    assert seen[0] == 3 and seen[-1] == 1
+    assert torch.allclose(outs[True].float(), outs[False].float(), rtol=1e-3, atol=1e-3)
+    seen.clear()
+    monkeypatch.setattr(tm, "WIDE_UP", True)
+    transposed, _ = _make(21, 40, 24, 4, 2, torch.float16, transposed=True, seed=1)
+    _check_against_oracle(tm, transposed, go, dict(_FLAGS, transposed=True), _TOL[torch.float16])
+    _check_against_oracle(tm, inputs, go, dict(_FLAGS, interleaved=True), _TOL[torch.float16])
+    assert 3 not in seen and 2 in seen and 1 in seen
+
+
 def test_empty_experts(tm):
     inputs, go = _make(10, 32, 16, 6, 2, torch.float32, experts=[1, 4])  # experts 0, 2, 3, 5 get no rows
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])

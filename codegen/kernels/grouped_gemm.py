@@ -101,8 +101,9 @@ def _up_proj_kernel(
     accumulator is split back into gate and up in the epilogue.
 
     W_DESC (stacked weights): w1_ptr is a TMA descriptor over the weights (see `_w_tile`).
-    Concatenated gate/up: each step issues two dots (gate, up) on the tiles as the copy engine lands
-    them. Interleaved: one dot on a [BLOCK_K, 2*BLOCK_N] tile of consecutive W1 rows, whose columns
+    Concatenated gate/up: W_DESC 1 / 2, each step issues two dots (gate, up) on the tiles as the
+    copy engine lands them; W_DESC 3 (the descriptor over [E, 2, n, d]), one copy lands both tiles
+    and one dot of width 2*BLOCK_N runs on them. Interleaved: one dot on a [BLOCK_K, 2*BLOCK_N] tile of consecutive W1 rows, whose columns
     alternate gate/up as H's do.
 
     Interleaved gate/up with one 2*BLOCK_N-wide accumulator (FUSED_GU or W_DESC): its columns are
@@ -150,7 +151,16 @@ def _up_proj_kernel(
         wg_ptrs = w1_ptr + gate_off + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
         wu_ptrs = w1_ptr + up_off + w_up_rows[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
 
-    if W_DESC != 0 and GATED and INTERLEAVED:
+    if W_DESC == 3:  # concatenated gate/up, the descriptor over [E, 2, n, d]: one [BLOCK_K, 2*BLOCK_N] tile, gate then up
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            k_mask = (k0 + ks) < d
+            xa = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = w1_ptr.load([expert, 0, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
+            acc = tl.dot(xa, w, acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_x_d
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    elif W_DESC != 0 and GATED and INTERLEAVED:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k0 in range(0, d, BLOCK_K):
             k_mask = (k0 + ks) < d
