@@ -492,7 +492,8 @@ def test_slot_form_bad_tokens_raise(tm, bad):
 
 def test_slot_check_kernel_equals_reference(tm):
     """The one-launch check of the slot form's tokens agrees with `slot_tokens_ok` on valid and bad
-    tokens, across the kernel's 1024-slot chunks."""
+    tokens, across the kernel's 1024-slot blocks (one program each; a fault in any block, the
+    first, a middle or the last, clears the flag)."""
     from codegen.kernels.routing import _slot_check_kernel
     from codegen.reference import PAD, slot_tokens_ok
 
@@ -502,14 +503,14 @@ def test_slot_check_kernel_equals_reference(tm):
     tok = torch.sort(torch.randint(0, T, (S,))).values
     tok[-40:] = T  # padding may carry T
     cases = {"valid": (ids, tok)}
-    for name, where, value in [("unsorted at a chunk edge", 1024, 0), ("negative", 0, -1),
-                               ("real past T", S - 41, T), ("padding past T", S - 1, T + 5)]:
+    for name, where, value in [("unsorted at a block edge", 1024, 0), ("unsorted in a middle block", 1500, 0),
+                               ("negative", 0, -1), ("real past T", S - 41, T), ("padding past T", S - 1, T + 5)]:
         bad = tok.clone()
         bad[where] = value
         cases[name] = (ids, bad)
     for name, (i, t) in cases.items():
-        ok = torch.empty(1, dtype=torch.int32)
-        _slot_check_kernel[(1,)](i, t, ok, S, T, PAD=PAD, BLOCK=1024)
+        ok = torch.ones(1, dtype=torch.int32)
+        _slot_check_kernel[(3,)](i, t, ok, S, T, PAD=PAD, BLOCK=1024)
         assert bool(ok[0]) == bool(slot_tokens_ok(i, t, T)), name
     assert not bool(slot_tokens_ok(*cases["negative"], T)) and bool(slot_tokens_ok(*cases["padding past T"], T))
 
