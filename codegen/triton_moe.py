@@ -267,7 +267,8 @@ def _weight_desc(bank: Bank, E: int, n_out: int, k_in: int, s_out: int, s_in: in
     return None, 0
 
 
-def _up_weight_desc(bank: Bank, E: int, n: int, d: int, gated: bool, interleaved: bool) -> tuple[TensorDescriptor | None, int]:
+def _up_weight_desc(bank: Bank, E: int, n: int, d: int, gated: bool,
+                    interleaved: bool) -> tuple[TensorDescriptor | None, int]:
     """The up-projection's W1 descriptor. A concatenated gated W1 in nn.Linear's orientation is read
     as [E, 2, n, d] (W_DESC 3): one copy lands a gate tile and its up tile together and the kernel
     issues one dot of width 2*BLOCK_N, as for an interleaved W1. H100, `bench_up_proj.py`: 6-18%

@@ -48,11 +48,12 @@ def usable(lhs: Tensor, rhs: Tensor, like: Tensor, *, bias_scale: Tensor | None,
            interpreted: bool, major: int) -> bool:
     """Whether `grouped_mm_wgrad` can compute this weight gradient (and its bias gradient).
 
-    Not for: a weight whose gradient is not dense and contiguous in its own layout (`_grouped_mm` writes a fresh contiguous [E, ., .]
-    tensor), operands off 16-byte strides, a bias gradient scaled by router weights of another
-    dtype than the operands (it would round them). CUDA: bfloat16 only (torch 2.11's
-    `_grouped_mm`), Hopper or newer; the interpreter's CPU runs take any float dtype (torch's CPU
-    fallback), so the path is tested without a GPU. `major`: the CUDA device's compute capability.
+    Not for: a weight whose gradient is not dense and contiguous in its own layout (`_grouped_mm`
+    writes a fresh contiguous [E, ., .] tensor), operands off 16-byte strides, a bias gradient
+    scaled by router weights of another dtype than the operands (it would round them). CUDA:
+    bfloat16 only (torch 2.11's `_grouped_mm`), Hopper or newer; the interpreter's CPU runs take any
+    float dtype (torch's CPU fallback), so the path is tested without a GPU. The slot form is
+    taken too (`grouped_mm_wgrad`'s `row_token`). `major`: the CUDA device's compute capability.
     """
     if not like.is_contiguous() or lhs.dtype != rhs.dtype:
         return False

@@ -103,8 +103,8 @@ def _up_proj_kernel(
     W_DESC (stacked weights): w1_ptr is a TMA descriptor over the weights (see `_w_tile`).
     Concatenated gate/up: W_DESC 1 / 2, each step issues two dots (gate, up) on the tiles as the
     copy engine lands them; W_DESC 3 (the descriptor over [E, 2, n, d]), one copy lands both tiles
-    and one dot of width 2*BLOCK_N runs on them. Interleaved: one dot on a [BLOCK_K, 2*BLOCK_N] tile of consecutive W1 rows, whose columns
-    alternate gate/up as H's do.
+    and one dot of width 2*BLOCK_N runs on them. Interleaved: one dot on a [BLOCK_K, 2*BLOCK_N]
+    tile of consecutive W1 rows, whose columns alternate gate/up as H's do.
 
     Interleaved gate/up with one 2*BLOCK_N-wide accumulator (FUSED_GU or W_DESC): its columns are
     H's own, so H is stored from it as one contiguous tile; gate and up are split apart only for the
@@ -151,7 +151,7 @@ def _up_proj_kernel(
         wg_ptrs = w1_ptr + gate_off + gate_cols[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
         wu_ptrs = w1_ptr + up_off + w_up_rows[None, :].to(tl.int64) * stride_w1_o + ks[:, None] * stride_w1_i
 
-    if W_DESC == 3:  # concatenated gate/up, the descriptor over [E, 2, n, d]: one [BLOCK_K, 2*BLOCK_N] tile, gate then up
+    if W_DESC == 3:  # concatenated, the descriptor over [E, 2, n, d]: one [BLOCK_K, 2*BLOCK_N] tile, gate then up
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k0 in range(0, d, BLOCK_K):
             k_mask = (k0 + ks) < d
@@ -228,7 +228,8 @@ def _up_proj_kernel(
             acc += tl.load(b_base + h_cols * stride_b1_o, mask=h_col_mask, other=0.0).to(tl.float32)[None, :]
         h = acc.to(out_dtype)
         if STORE_H:
-            tl.store(h_ptr + rows64[:, None] * w1_out + h_cols[None, :], h, mask=row_mask[:, None] & h_col_mask[None, :])
+            h_mask = row_mask[:, None] & h_col_mask[None, :]
+            tl.store(h_ptr + rows64[:, None] * w1_out + h_cols[None, :], h, mask=h_mask)
         h_g, h_u = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_N, 2)))
     else:
         if HAS_B1:
