@@ -42,7 +42,7 @@ def main():
     rows, offs = triton_moe.route(ids, E)
     w1 = (torch.randn(E, 2 * n, d, device="cuda", generator=gen) / d**0.5).bfloat16()
     flop = 2 * T * K * d * 2 * n
-    with_desc = triton_moe._weight_desc
+    with_desc, wide_up = triton_moe._weight_desc, triton_moe.WIDE_UP
     print(f"device: {torch.cuda.get_device_name()}; {args.shape} (T, d, n, E, K) = {(T, d, n, E, K)}")
     print("| W1 | gate/up | weight loads | us | TFLOPS |\n|---|---|---|---|---|")
     try:
@@ -69,7 +69,7 @@ def main():
                 print(f"|  | A, TMA vs pointers: rel diff {diff:.1e} (the two may tune other tiles) | | | |")
     finally:
         triton_moe._weight_desc = with_desc
-        triton_moe.WIDE_UP = True
+        triton_moe.WIDE_UP = wide_up
 
 
 if __name__ == "__main__":
