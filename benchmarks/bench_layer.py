@@ -211,27 +211,25 @@ def rel(a, b):
 def bench_one(name, master, shape, x, dy, ref, args):
     """One provider's figures; ours-ptr runs our op with pointer loads instead of TMA, ours-triton-wgrad
     with our weight-gradient kernel pinned (`ours` measures it against torch._grouped_mm),
-    ours-two-dot-up with the up-projection's gate and up tiles in two dots (`triton_moe.WIDE_UP`
-    off; its autotuner then tunes again, so neither side runs the other's config)."""
+    ours-two-dot-up with the up-projection's gate and up tiles in two dots (`triton_moe.set_wide_up`,
+    which tunes that kernel again, so neither side runs the other's config)."""
     from codegen import triton_moe, wgrad_choice
 
     saved = triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP
     triton_moe.USE_TMA = saved[0] and name != "ours-ptr"
     wgrad_choice.PINNED = "triton" if name == "ours-triton-wgrad" else saved[1]
-    if (name == "ours-two-dot-up") == saved[2]:
-        triton_moe.WIDE_UP = not saved[2]
-        triton_moe._up_tma.cache.clear()
-        triton_moe.forget_tuned_launches()
+    flip = (name == "ours-two-dot-up") == saved[2]
+    if flip:
+        triton_moe.set_wide_up(not saved[2])
     try:
         result = _bench_one(name, master, shape, x, dy, ref, args)
         if name == "ours":
             result["wgrad_choice"] = {str(k[:5]): v for k, v in wgrad_choice.chosen().items()}
         return result
     finally:
-        if triton_moe.WIDE_UP != saved[2]:
-            triton_moe._up_tma.cache.clear()
-            triton_moe.forget_tuned_launches()
-        triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP = saved
+        if flip:
+            triton_moe.set_wide_up(saved[2])
+        triton_moe.USE_TMA, wgrad_choice.PINNED = saved[:2]
 
 
 def _bench_one(name, master, shape, x, dy, ref, args):

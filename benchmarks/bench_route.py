@@ -16,10 +16,14 @@ from codegen.reference import torch_route
 CASES = [(128, 196608), (64, 131072), (256, 65536), (128, 32768)]
 
 
-def host_us(fn, calls=50):
+def host_us(fn, calls=50, ahead_cycles=0):
+    """Median host us of `fn` over `calls` calls after 20 warm-ups. `ahead_cycles` > 0: a GPU sleep
+    of that many cycles is enqueued first, so the host never waits on the GPU while timed."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
+    if ahead_cycles:
+        torch.cuda._sleep(ahead_cycles)
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()

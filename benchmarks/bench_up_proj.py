@@ -10,7 +10,7 @@ For each orientation (nn.Linear's [E, 2n, d], transposed [E, d, 2n]) and gate/up
 (concatenated, interleaved): median time and TFLOPS of `triton_moe.triton_moe_up` (gathered x,
 H and A = SwiGLU(H) stored) through the TMA weight descriptor where the launcher takes one, and
 with the descriptor refused (pointer loads), and how far apart the A's are. A concatenated W1
-through TMA runs twice: one dot of width 2*BLOCK_N on a 4D tile (`triton_moe.WIDE_UP`, the
+through TMA runs twice: one dot of width 2*BLOCK_N on a 4D tile (`triton_moe.set_wide_up`, the
 default), and two dots on separate gate and up tiles.
 """
 from __future__ import annotations
@@ -53,9 +53,7 @@ def main():
                 outs = []
                 for tma, wide in ((True, True), (True, False), (False, False))[0 if not interleaved else 1:]:
                     triton_moe._weight_desc = with_desc if tma else (lambda *a, **k: (None, 0))
-                    triton_moe.WIDE_UP = wide
-                    triton_moe._up_tma.cache.clear()
-                    triton_moe.forget_tuned_launches()
+                    triton_moe.set_wide_up(wide)
                     call = lambda: triton_moe.triton_moe_up(  # noqa: E731
                         x, bank, None, rows, offs, n=n, top_k=K, activation="swiglu", interleaved=interleaved,
                         alpha=1.702, limit=7.0)
@@ -69,7 +67,7 @@ def main():
                 print(f"|  | A, TMA vs pointers: rel diff {diff:.1e} (the two may tune other tiles) | | | |")
     finally:
         triton_moe._weight_desc = with_desc
-        triton_moe.WIDE_UP = wide_up
+        triton_moe.set_wide_up(wide_up)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ _wgrad = triton.autotune(_configs("wgrad"), key=["P", "Q", "E", "top_k"])(_wgrad
 # (env SONIC_MOE_TMA=0 turns it off at import; benchmarks flip it for A/B runs) selects them.
 USE_TMA = os.environ.get("SONIC_MOE_TMA", "1") != "0"
 # The up-projection of a concatenated gated W1 through one wide dot (`_up_weight_desc`); env
-# SONIC_MOE_WIDE_UP=0 (or the module attribute, which the benchmarks flip for A/B runs) turns it off.
+# SONIC_MOE_WIDE_UP=0 (or `set_wide_up`, which the benchmarks call for A/B runs) turns it off.
 WIDE_UP = os.environ.get("SONIC_MOE_WIDE_UP", "1") != "0"
 
 
@@ -236,6 +236,15 @@ def _launch(tuner, grid, *args, **kwargs) -> None:
 def forget_tuned_launches() -> None:
     """Send every launch through its autotuner again (tests that swap a tuner's configs)."""
     _TUNED.clear()
+
+
+def set_wide_up(wide: bool) -> None:
+    """Switch `WIDE_UP` at run time. The up-projection's TMA autotuner keys on the problem's dims
+    alone, so its configs are tuned again: neither path runs a config picked on the other."""
+    global WIDE_UP
+    WIDE_UP = wide
+    _up_tma.cache.clear()
+    forget_tuned_launches()
 
 
 def _tma_operand(t: Tensor, dims: tuple[int, ...], strides: tuple[int, ...]) -> TensorDescriptor | None:

@@ -7,26 +7,17 @@ behind a GPU sleep so the host never waits on the GPU. Median us over --calls ca
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 
-from codegen import triton_moe
-from codegen.ops import moe_experts_backward_op, moe_experts_op
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+from bench_route import host_us  # noqa: E402  (its timing loop, here with the GPU kept busy ahead)
 
-def host_us(fn, calls):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    torch.cuda._sleep(int(3e9))
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+from codegen import triton_moe  # noqa: E402
+from codegen.ops import moe_experts_backward_op, moe_experts_op  # noqa: E402
 
 
 def main():
@@ -51,7 +42,7 @@ def main():
     bwd_direct = lambda: triton_moe.triton_moe_experts_bwd(dy, x, ids, wts, w1, w2, None, None, h, rows, offs, **flags)  # noqa: E731
     for name, fn in [("fwd op", fwd_op), ("fwd direct", fwd_direct), ("bwd op", bwd_op), ("bwd direct", bwd_direct),
                      ("fwd op", fwd_op), ("bwd op", bwd_op)]:
-        print(f"{name:>10}: {host_us(fn, args.calls):8.1f} us host per call", flush=True)
+        print(f"{name:>10}: {host_us(fn, args.calls, ahead_cycles=int(3e9)):8.1f} us host per call", flush=True)
     # the same through torch.profiler's CPU view: which calls take the host time in one backward
     torch.cuda.synchronize()
     torch.cuda._sleep(int(3e9))

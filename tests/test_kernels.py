@@ -268,18 +268,17 @@ def test_up_projection_wide_dot(tm, bias, monkeypatch):
         return desc, kind
 
     monkeypatch.setattr(tm, "_up_weight_desc", spy)
+    monkeypatch.setattr(tm, "WIDE_UP", tm.WIDE_UP)  # restored after the test; set_wide_up switches it
     inputs, go = _make(21, 40, 24, 4, 2, torch.float16, bias=bias)  # n = 24: the second N tile is partial
     outs = {}
     for wide in (True, False):
-        monkeypatch.setattr(tm, "WIDE_UP", wide)
-        tm._up_tma.cache.clear()
-        tm.forget_tuned_launches()
+        tm.set_wide_up(wide)
         _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
         outs[wide] = _run_ours(tm, inputs, go, _FLAGS)[0][0]
     assert seen[0] == 3 and seen[-1] == 1
     assert torch.allclose(outs[True].float(), outs[False].float(), rtol=1e-3, atol=1e-3)
     seen.clear()
-    monkeypatch.setattr(tm, "WIDE_UP", True)
+    tm.set_wide_up(True)
     transposed, _ = _make(21, 40, 24, 4, 2, torch.float16, transposed=True, seed=1)
     _check_against_oracle(tm, transposed, go, dict(_FLAGS, transposed=True), _TOL[torch.float16])
     _check_against_oracle(tm, inputs, go, dict(_FLAGS, interleaved=True), _TOL[torch.float16])
