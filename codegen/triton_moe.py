@@ -624,11 +624,9 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     E = offsets.numel() - 1
     TK = sorted_rows.numel()
     gated = GATED[activation]
-    dh = torch.empty_like(h)
-    a_scaled = h.new_empty(TK, n)
     ds = torch.zeros(TK, dtype=torch.float32, device=h.device)  # padding slots (slot form) stay 0
     if TK == 0:
-        return dh, a_scaled, ds
+        return torch.empty_like(h), h.new_empty(TK, n), ds
     # dA' [TK, n] = gather(dO) @ W2[e]: the up-projection kernel with W2 read as (e, out=n, in=d)
     da = h.new_empty(TK, n)
     sw = w2.strides  # (e, d, n)
@@ -651,6 +649,10 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     )
     block_c = min(256, triton.next_power_of_2(n))
     block_r = 4 if INTERPRETED else max(1, 2048 // block_c)
+    dh = torch.empty_like(h)
+    # A' overwrites dA' in place (the kernel's barrier orders each tile's loads before its stores),
+    # and dA' is not needed afterwards: one [TK, n] buffer less at the backward's peak
+    a_scaled = da
     _act_grad_kernel[(triton.cdiv(TK, block_r),)](
         da, h, s_flat, sorted_rows, offsets, dh, a_scaled, ds,
         TK, n, E, float(alpha), float(limit),

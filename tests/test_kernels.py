@@ -874,6 +874,34 @@ def _check_gpu_case(case):
 
 
 @pytest.mark.gpu
+def test_gpu_backward_transient_memory(first_config_only, monkeypatch):
+    """The backward holds no more than dH and one [TK, n] buffer (dA', then A' written over it)
+    besides its outputs. A shape with n >> d and few experts, where these dominate: a second
+    [TK, n] buffer (A' beside dA') would exceed the bound by ~10 MB."""
+    from codegen import wgrad_choice
+    from codegen.ops import moe_experts_backward_op, moe_experts_op
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "triton")  # the CUTLASS path copies a gathered operand
+    T, d, n, E, K = 4096, 128, 2048, 2, 1
+    inputs, go = _gpu_case(T, d, n, E, K, seed=3)
+    args = [inputs[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "b1", "b2")]
+    flags = ["swiglu", False, False, 1.702, 7.0]
+    out, h, rows, offs = moe_experts_op(*args, *flags, True)
+    moe_experts_backward_op(go, *args, h, rows, offs, *flags)  # tunes the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = moe_experts_backward_op(go, *args, h, rows, offs, *flags)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - base
+    TK, b = T * K, 2
+    outputs = sum(g.numel() * g.element_size() for g in grads if g is not None)
+    bound = outputs + TK * 2 * n * b + TK * n * b + TK * 4 + (1 << 20)  # + dS and 1 MiB of slack
+    assert transient <= bound, (transient / 2**20, bound / 2**20)
+    del grads
+
+
+@pytest.mark.gpu
 def test_gpu_zero_tokens(first_config_only):
     from codegen.ops import moe_experts
 

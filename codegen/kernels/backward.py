@@ -25,7 +25,7 @@ def _act_grad_kernel(
     sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
     offsets_ptr,  # [E+1] int32; rows from offsets[E] on are padding (slot form) and are skipped
     dh_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order, H's gate/up layout
-    a_scaled_ptr,  # [TK, n] x.dtype, contiguous, expert order: A' = s * A
+    a_scaled_ptr,  # [TK, n] x.dtype, contiguous, expert order: A' = s * A (may be da_ptr: written in place)
     ds_ptr,  # [TK] float32, slot order: dS = <dA', A> (padding slots are not written)
     TK, n, E,
     alpha, limit,
@@ -75,6 +75,9 @@ def _act_grad_kernel(
                 u = g
         a, dg, du = _act_bwd(g, u, da * s[:, None], alpha, limit, ACTIVATION)
         ds += tl.sum(tl.where(mask, da * a, 0.0), 1)
+        # A' may be written over dA' (the launcher passes one buffer for both): every thread's loads
+        # of this tile come before any thread's stores, whatever layouts the compiler gives them
+        tl.debug_barrier()
         if GATED and INTERLEAVED:
             dh = tl.reshape(tl.join(dg, du), (BLOCK_R, 2 * BLOCK_C))
             tl.store(dh_ptr + rows64[:, None] * w1_out + pair_cols[None, :], dh.to(out_dtype), mask=pair_mask)
