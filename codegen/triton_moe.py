@@ -611,7 +611,7 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
     grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
     ids, offs = slots if slots is not None else (y, y)
     _gather_sum_kernel[grid](
-        y, _or(s, y), ids, offs, out, T, d, top_k,
+        y, _or(s, y), ids, offs, out, T, d, TOP_K=top_k if slots is None else 1,
         HAS_WEIGHTS=s is not None, SLOTS=slots is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
     )
     return out
@@ -648,7 +648,9 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
         W_DESC=w_desc,
     )
     block_c = min(256, triton.next_power_of_2(n))
-    block_r = 4 if INTERPRETED else max(1, 2048 // block_c)
+    # 1024-element tiles (4 rows at n >= 256): 213 against 226 us for 2048 at the 7b-256 shape, H100
+    # (`scripts/probe_memory_passes.py`); 2.85 TB/s, as the gather-sums move theirs
+    block_r = 4 if INTERPRETED else max(1, 1024 // block_c)
     dh = torch.empty_like(h)
     # A' overwrites dA' in place (the kernel's barrier orders each tile's loads before its stores),
     # and dA' is not needed afterwards: one [TK, n] buffer less at the backward's peak

@@ -12,6 +12,17 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _weighted_row(y_ptr, s_ptr, slot, live, cols, d, HAS_WEIGHTS: tl.constexpr):
+    """(s[slot]) * y[slot, cols] in float32, zeros where not `live`."""
+    mask = live[:, None] & (cols < d)[None, :]
+    y = tl.load(y_ptr + slot[:, None] * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHTS:
+        s = tl.load(s_ptr + slot, mask=live, other=0.0).to(tl.float32)
+        y = y * s[:, None]
+    return y
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gather_sum_kernel(
     y_ptr,  # [TK, d] x.dtype, contiguous, slot order
@@ -19,10 +30,12 @@ def _gather_sum_kernel(
     ids_ptr,  # [TK] int expert id per slot (-1: padding); read when SLOTS
     token_offsets_ptr,  # [T+1] int32, first slot of each token; read when SLOTS
     out_ptr,  # [T, d] out dtype, contiguous
-    T, d, top_k,
+    T, d,
+    TOP_K: tl.constexpr,  # K of [T, K] routing (the slot form reads each token's count instead)
     HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid: (cdiv(T, BLOCK_T), cdiv(d, BLOCK_D))."""
+    """Grid: (cdiv(T, BLOCK_T), cdiv(d, BLOCK_D)). With [T, K] routing the K slots' loop is unrolled
+    (K a constexpr), so all K row loads of a token are in flight together."""
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_mask = toks < T
@@ -31,21 +44,16 @@ def _gather_sum_kernel(
         first = tl.load(token_offsets_ptr + toks, mask=t_mask, other=0).to(tl.int64)
         count = tl.load(token_offsets_ptr + toks + 1, mask=t_mask, other=0).to(tl.int64) - first
         n_slots = tl.max(count, 0)
-    else:
-        first = toks64 * top_k
-        count = tl.full((BLOCK_T,), top_k, tl.int64)
-        n_slots = top_k
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for k in range(0, n_slots):
-        slot = first + k
-        live = t_mask & (k < count)
-        if SLOTS:
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for k in range(0, n_slots):
+            slot = first + k
+            live = t_mask & (k < count)
             live = live & (tl.load(ids_ptr + slot, mask=live, other=-1) >= 0)
-        mask = live[:, None] & (cols < d)[None, :]
-        y = tl.load(y_ptr + slot[:, None] * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHTS:
-            s = tl.load(s_ptr + slot, mask=live, other=0.0).to(tl.float32)
-            y = y * s[:, None]
-        acc += y
+            acc += _weighted_row(y_ptr, s_ptr, slot, live, cols, d, HAS_WEIGHTS)
+    else:
+        first = toks64 * TOP_K
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            acc += _weighted_row(y_ptr, s_ptr, first + k, t_mask, cols, d, HAS_WEIGHTS)
     mask = t_mask[:, None] & (cols < d)[None, :]
     tl.store(out_ptr + toks64[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

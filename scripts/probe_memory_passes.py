@@ -1,0 +1,99 @@
+"""Block sizes of the two memory-bound passes of a fwd+bwd (GPU): the gather-sum
+(`kernels.combine._gather_sum_kernel`, run twice a step) and the activation gradient
+(`kernels.backward._act_grad_kernel`). Each is launched directly with each candidate block shape
+and timed (median us, triton.testing.do_bench) beside the bytes it must move, as GB/s.
+
+    PYTHONPATH=. python scripts/probe_memory_passes.py --shapes 7b-256,qwen3
+
+The launchers' current choices are marked with *.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from bench_layer import SHAPES  # noqa: E402
+
+from codegen import triton_moe  # noqa: E402
+from codegen.kernels.backward import _act_grad_kernel  # noqa: E402
+from codegen.kernels.combine import _gather_sum_kernel  # noqa: E402
+
+
+def _time(fn, rep):
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
+
+
+def gather_sum(T, d, K, rep):
+    TK = T * K
+    y = torch.randn(TK, d, device="cuda").bfloat16()
+    s = torch.rand(TK, device="cuda").bfloat16()
+    out = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
+    nbytes = TK * d * 2 + T * d * 2 + TK * 2
+    lowbit = d & -d
+    current = (4, min(1024, lowbit if lowbit >= 128 else triton.next_power_of_2(d)), 4)
+    rows = []
+    for bt, bd, warps in itertools.product((1, 2, 4, 8), (256, 512, 1024), (4, 8)):
+        if bd > triton.next_power_of_2(d):
+            continue
+        grid = (triton.cdiv(T, bt), triton.cdiv(d, bd))
+        fn = lambda: _gather_sum_kernel[grid](y, s, y, y, out, T, d, TOP_K=K, HAS_WEIGHTS=True,  # noqa: E731
+                                              SLOTS=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
+        us = _time(fn, rep)
+        rows.append((us, f"BLOCK_T {bt} BLOCK_D {bd} warps {warps}{' *' if (bt, bd, warps) == current else ''}",
+                     nbytes / us * 1e-3))
+    return rows
+
+
+def act_grad(T, n, E, K, rep):
+    TK = T * K
+    da = torch.randn(TK, n, device="cuda").bfloat16()
+    h = torch.randn(TK, 2 * n, device="cuda").bfloat16()
+    s = torch.rand(TK, device="cuda").bfloat16()
+    ids = torch.randn(T, E, device="cuda").topk(K, -1).indices
+    sorted_rows, offsets = triton_moe.route(ids, E)
+    dh = torch.empty_like(h)
+    ds = torch.zeros(TK, device="cuda")
+    nbytes = TK * n * 2 * 2 + TK * 2 * n * 2 * 2 + TK * (4 + 2 + 4)
+    block_c0 = min(256, triton.next_power_of_2(n))
+    current = (max(1, 2048 // block_c0), block_c0, 4)
+    rows = []
+    for br, bc, warps in itertools.product((4, 8, 16, 32), (64, 128, 256), (4, 8)):
+        if bc > triton.next_power_of_2(n):
+            continue
+        grid = (triton.cdiv(TK, br),)
+        fn = lambda: _act_grad_kernel[grid](da, h, s, sorted_rows, offsets, dh, da, ds, TK, n, E, 1.702, 7.0,  # noqa: E731
+                                            ACTIVATION=triton_moe._ACT_CODE["swiglu"], GATED=True, INTERLEAVED=False, BLOCK_R=br, BLOCK_C=bc,
+                                            num_warps=warps)
+        us = _time(fn, rep)  # in place, as the launcher runs it: the values drift, the bytes do not
+        rows.append((us, f"BLOCK_R {br} BLOCK_C {bc} warps {warps}{' *' if (br, bc, warps) == current else ''}",
+                     nbytes / us * 1e-3))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="7b-256,qwen3")
+    ap.add_argument("--rep", type=int, default=50)
+    ap.add_argument("--top", type=int, default=6, help="rows printed per table (the current choice always)")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}")
+    for name in args.shapes.split(","):
+        T, d, n, E, K = SHAPES[name]
+        for what, rows in (("gather-sum", gather_sum(T, d, K, args.rep)), ("act-grad", act_grad(T, n, E, K, args.rep))):
+            rows.sort()
+            print(f"\n{name} {what}:")
+            for us, label, gbs in rows:
+                if rows.index((us, label, gbs)) < args.top or label.endswith("*"):
+                    print(f"  {us:8.1f} us  {gbs:7.0f} GB/s  {label}")
+
+
+if __name__ == "__main__":
+    main()
