@@ -653,7 +653,7 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     block_r = 4 if INTERPRETED else max(1, 1024 // block_c)
     dh = torch.empty_like(h)
     # A' overwrites dA' in place (the kernel's barrier orders each tile's loads before its stores),
-    # and dA' is not needed afterwards: one [TK, n] buffer less at the backward's peak
+    # and dA' is not needed afterwards: one [TK, n] buffer less while dH and A' are live
     a_scaled = da
     _act_grad_kernel[(triton.cdiv(TK, block_r),)](
         da, h, s_flat, sorted_rows, offsets, dh, a_scaled, ds,
