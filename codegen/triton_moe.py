@@ -592,6 +592,24 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
     return out
 
 
+def gather_sum_blocks(d: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_D) of the gather-sum over rows of width d."""
+    if INTERPRETED:
+        return 2, min(16, triton.next_power_of_2(d))
+    lowbit = d & -d  # widest power-of-two block that tiles d exactly (no half-empty last block)
+    return 4, min(1024, lowbit if lowbit >= 128 else triton.next_power_of_2(d))
+
+
+def act_grad_blocks(n: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of the activation-gradient pass over rows of n columns: 1024-element tiles
+    (4 rows at n >= 256), 213 against 226 us for 2048 at the 7b-256 shape, H100
+    (`scripts/probe_memory_passes.py`); 2.85 TB/s, as the gather-sums move theirs."""
+    block_c = min(256, triton.next_power_of_2(n))
+    if INTERPRETED:
+        return 4, min(block_c, 16)
+    return max(1, 1024 // block_c), block_c
+
+
 def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype,
                           slots: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """out [T, d] = sum_k (s[t, k]) y[t*K + k], float32 accumulation; y [T*K, d] in slot order.
@@ -603,11 +621,7 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
     out = torch.empty(T, d, dtype=out_dtype, device=y.device)
     if T == 0 or d == 0:
         return out
-    lowbit = d & -d  # widest power-of-two block that tiles d exactly (no half-empty last block)
-    block_d = min(1024, lowbit if lowbit >= 128 else triton.next_power_of_2(d))
-    if INTERPRETED:
-        block_d = min(block_d, 16)
-    block_t = 2 if INTERPRETED else 4
+    block_t, block_d = gather_sum_blocks(d)
     grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
     ids, offs = slots if slots is not None else (y, y)
     _gather_sum_kernel[grid](
@@ -647,10 +661,7 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
         DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table, W_ALIGN=align,
         W_DESC=w_desc,
     )
-    block_c = min(256, triton.next_power_of_2(n))
-    # 1024-element tiles (4 rows at n >= 256): 213 against 226 us for 2048 at the 7b-256 shape, H100
-    # (`scripts/probe_memory_passes.py`); 2.85 TB/s, as the gather-sums move theirs
-    block_r = 4 if INTERPRETED else max(1, 1024 // block_c)
+    block_r, block_c = act_grad_blocks(n)
     dh = torch.empty_like(h)
     # A' overwrites dA' in place (the kernel's barrier orders each tile's loads before its stores),
     # and dA' is not needed afterwards: one [TK, n] buffer less while dH and A' are live
@@ -659,7 +670,7 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
         da, h, s_flat, sorted_rows, offsets, dh, a_scaled, ds,
         TK, n, E, float(alpha), float(limit),
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
-        BLOCK_R=block_r, BLOCK_C=block_c if not INTERPRETED else min(block_c, 16), num_warps=4,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
     )
     return dh, a_scaled, ds
 

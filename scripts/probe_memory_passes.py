@@ -37,8 +37,7 @@ def gather_sum(T, d, K, rep):
     s = torch.rand(TK, device="cuda").bfloat16()
     out = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
     nbytes = TK * d * 2 + T * d * 2 + TK * 2
-    lowbit = d & -d
-    current = (4, min(1024, lowbit if lowbit >= 128 else triton.next_power_of_2(d)), 4)
+    current = (*triton_moe.gather_sum_blocks(d), 4)
     rows = []
     for bt, bd, warps in itertools.product((1, 2, 4, 8), (256, 512, 1024), (4, 8)):
         if bd > triton.next_power_of_2(d):
@@ -62,8 +61,7 @@ def act_grad(T, n, E, K, rep):
     dh = torch.empty_like(h)
     ds = torch.zeros(TK, device="cuda")
     nbytes = TK * n * 2 * 2 + TK * 2 * n * 2 * 2 + TK * (4 + 2 + 4)
-    block_c0 = min(256, triton.next_power_of_2(n))
-    current = (max(1, 2048 // block_c0), block_c0, 4)
+    current = (*triton_moe.act_grad_blocks(n), 4)
     rows = []
     for br, bc, warps in itertools.product((4, 8, 16, 32), (64, 128, 256), (4, 8)):
         if bc > triton.next_power_of_2(n):

@@ -40,11 +40,11 @@ def _gather_sum_kernel(
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_mask = toks < T
     toks64 = toks.to(tl.int64)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     if SLOTS:
         first = tl.load(token_offsets_ptr + toks, mask=t_mask, other=0).to(tl.int64)
         count = tl.load(token_offsets_ptr + toks + 1, mask=t_mask, other=0).to(tl.int64) - first
         n_slots = tl.max(count, 0)
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for k in range(0, n_slots):
             slot = first + k
             live = t_mask & (k < count)
@@ -52,7 +52,6 @@ def _gather_sum_kernel(
             acc += _weighted_row(y_ptr, s_ptr, slot, live, cols, d, HAS_WEIGHTS)
     else:
         first = toks64 * TOP_K
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
             acc += _weighted_row(y_ptr, s_ptr, first + k, t_mask, cols, d, HAS_WEIGHTS)
     mask = t_mask[:, None] & (cols < d)[None, :]
