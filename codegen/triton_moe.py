@@ -14,8 +14,9 @@ Forward:  route (a Triton counting sort: one program for small batches, three la
           slots for larger ones up to 511 experts, else a torch sort; no host sync) -> _up_proj_kernel (gather x, H and A = act(H))
           -> _scatter_gemm_kernel (Y = A W2^T + b2, stored in slot order) -> _gather_sum_kernel (out).
 Backward: _up_proj_kernel as a gathered GEMM (dA' = gather(dO) W2) -> _act_grad_kernel (dS, dH,
-          A' = s A) -> _wgrad_kernel x2 (dW2, dW1, biases; or torch._grouped_mm where `wgrad_choice`
-          measured it faster) -> _scatter_gemm_kernel (dX~ = dH W1, slot order) -> _gather_sum_kernel (dX).
+          A' = s A) -> then, in the order `backward_order` finds holds the fewest bytes at once:
+          _wgrad_kernel for dW2 and for dW1 (and the biases; or torch._grouped_mm where `wgrad_choice`
+          measured it faster), _scatter_gemm_kernel (dX~ = dH W1, slot order) -> _gather_sum_kernel (dX).
 On Hopper, 16-bit stacked weights with 16-byte rows go through TMA descriptors (see "TMA paths"
 below): the scatter GEMMs become the persistent `_scatter_gemm_tma_kernel`, the others keep their
 structure with the weight (or expert-ordered) operand landing by TMA. Gathered operands stay pointer
@@ -36,6 +37,7 @@ every kernel runs one small config (autotuning with several configs needs a GPU)
 from __future__ import annotations
 
 import os
+from itertools import permutations
 from typing import NamedTuple
 
 import torch
@@ -731,14 +733,75 @@ def _weight_grad(lhs, rhs, out: GradBuffer, *, gather_lhs, gather_rhs, sorted_ro
                                 row_token=row_token)
 
     candidates = {"triton": triton_kernel}
-    if wgrad_choice.usable(lhs, rhs, out.like, bias_scale=s_flat, bias_grad=db is not None, interpreted=INTERPRETED,
-                           major=_major(lhs.device) if lhs.is_cuda else 0):
+    if _grouped_mm_usable(lhs, rhs, out, db=db, s_flat=s_flat):
         candidates["grouped_mm"] = lambda: wgrad_choice.grouped_mm_wgrad(
             lhs, rhs, gather_lhs=gather_lhs, gather_rhs=gather_rhs, sorted_rows=sorted_rows, offsets=offsets,
             top_k=top_k, transposed=out.transposed, row_token=row_token, db=db, bias_scale=s_flat)
-    key = (lhs.shape[1], rhs.shape[1], offsets.numel() - 1, top_k, row_token is not None, gather_lhs, out.transposed,
-           db is not None, lhs.dtype, lhs.device.type)
+    key = _wgrad_key(lhs, rhs, out, gather_lhs=gather_lhs, offsets=offsets, top_k=top_k, row_token=row_token, db=db)
     return wgrad_choice.choose(key, candidates, cuda=lhs.is_cuda)()
+
+
+def _grouped_mm_usable(lhs, rhs, out: GradBuffer, *, db, s_flat) -> bool:
+    return wgrad_choice.usable(lhs, rhs, out.like, bias_scale=s_flat, bias_grad=db is not None,
+                               interpreted=INTERPRETED, major=_major(lhs.device) if lhs.is_cuda else 0)
+
+
+def _wgrad_key(lhs, rhs, out: GradBuffer, *, gather_lhs, offsets, top_k, row_token, db) -> tuple:
+    """`wgrad_choice`'s key: the problem's dims and layout, never the row count."""
+    return (lhs.shape[1], rhs.shape[1], offsets.numel() - 1, top_k, row_token is not None, gather_lhs, out.transposed,
+            db is not None, lhs.dtype, lhs.device.type)
+
+
+def _wgrad_copy_bytes(lhs, rhs, out: GradBuffer, *, gather_lhs, offsets, top_k, row_token, db, s_flat, **_) -> int:
+    """Bytes of the gathered operand's expert-order copy the weight gradient will make: torch's
+    grouped GEMM needs one ([TK, Q or P]); our kernel reads it in place."""
+    if not _grouped_mm_usable(lhs, rhs, out, db=db, s_flat=s_flat):
+        return 0
+    key = _wgrad_key(lhs, rhs, out, gather_lhs=gather_lhs, offsets=offsets, top_k=top_k, row_token=row_token, db=db)
+    if wgrad_choice.expected(key, ("triton", "grouped_mm")) != "grouped_mm":
+        return 0
+    gathered = lhs if gather_lhs else rhs
+    return (rhs if gather_lhs else lhs).shape[0] * gathered.shape[1] * gathered.element_size()
+
+
+BACKWARD_STEPS = ("dw2", "dw1", "dx")
+
+
+def backward_peak(order: tuple[str, ...], *, a_scaled: int, dh: int, dw1: int, dw2: int, dx_rows: int, dx: int,
+                  dw1_copy: int = 0, dw2_copy: int = 0) -> int:
+    """The most bytes the backward's three products hold at once when run in `order` (a permutation
+    of BACKWARD_STEPS), counted from the activation gradient's outputs A' and dH:
+
+        "dw2": dW2 from gather(dO) and A' (A' dies after it); holds dw2_copy while it runs
+        "dw1": dW1 from dH and gather(x); holds dw1_copy while it runs
+        "dx":  dX~ rows [TK, d] from dH, then their gather-sum into dx [T, d] (the rows die)
+
+    dH dies after the later of "dw1" and "dx". Buffers held throughout (x, dO, H) are the same in
+    every order and left out."""
+    live, peak = a_scaled + dh, 0
+    dh_last = max(order.index("dw1"), order.index("dx"))
+    for i, step in enumerate(order):
+        if step == "dw2":
+            peak = max(peak, live + dw2 + dw2_copy)
+            live += dw2 - a_scaled
+        elif step == "dw1":
+            peak = max(peak, live + dw1 + dw1_copy)
+            live += dw1
+        else:
+            peak = max(peak, live + dx_rows + dx)
+            live += dx
+        if i == dh_last:
+            live -= dh
+    return peak
+
+
+def backward_order(**sizes: int) -> tuple[tuple[str, ...], int]:
+    """(order, peak): the order of the backward's three products with the lowest `backward_peak`
+    at these sizes (ties keep BACKWARD_STEPS' order). It depends on the shape: at (T, d, n, E, K) =
+    (24576, 1536, 256, 128, 8), "dx" before "dw1" keeps dW1 out of the dX~ stage (0.98 against
+    1.18 GB); at Qwen3-30B-A3B's sizes, dW1 and dX~ before dW2 free dH before dW2 is allocated."""
+    orders = sorted(permutations(BACKWARD_STEPS), key=lambda order: order != BACKWARD_STEPS)
+    return min(((order, backward_peak(order, **sizes)) for order in orders), key=lambda item: item[1])
 
 
 # -------------------------------------------------------------------------------------- entry points
@@ -854,17 +917,32 @@ def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h
     dh, a_scaled, ds = triton_moe_dact(grad_out, W2, h, s_flat, n=n, **routing, **flags)
 
     db2 = None if b2 is None else torch.empty(b2.shape, dtype=b2.dtype, device=b2.device)
-    dw2 = _weight_grad(grad_out, a_scaled, dw2, gather_lhs=True, gather_rhs=False, db=db2, s_flat=s_flat,
-                       **routing)  # dW2 as [E, P=d, Q=n]
-    del a_scaled
-
     db1 = None if b1 is None else torch.empty(b1.shape, dtype=b1.dtype, device=b1.device)
-    dw1 = _weight_grad(dh, x, dw1, gather_lhs=False, gather_rhs=True, db=db1, **routing)  # dW1 as [E, P=w1_out, Q=d]
-
-    # dX~ = dH @ B[e] with B[e] = W1[e] [w1_out, d]
-    dx_rows = triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, expert_offsets, n_dim=d, split=W1.split)
-    del dh
-    dx = triton_moe_gather_sum(dx_rows, None, T, K, x.dtype, slots)
+    wgrad2 = dict(gather_lhs=True, gather_rhs=False, db=db2, s_flat=s_flat)  # dW2 as [E, P=d, Q=n]
+    wgrad1 = dict(gather_lhs=False, gather_rhs=True, db=db1)  # dW1 as [E, P=w1_out, Q=d]
+    routed = dict(offsets=expert_offsets, top_k=K, row_token=row_token)
+    es = x.element_size()
+    order, _ = backward_order(
+        a_scaled=a_scaled.numel() * es, dh=dh.numel() * es, dx_rows=TK * d * es, dx=T * d * es,
+        dw1=dw1.like.numel() * dw1.like.element_size(), dw2=dw2.like.numel() * dw2.like.element_size(),
+        dw1_copy=_wgrad_copy_bytes(dh, x, dw1, **wgrad1, s_flat=None, **routed),
+        dw2_copy=_wgrad_copy_bytes(grad_out, a_scaled, dw2, **wgrad2, **routed))
+    dh_last = max(order.index("dw1"), order.index("dx"))
+    grads = {}
+    for i, step in enumerate(order):
+        if step == "dw2":
+            grads[step] = _weight_grad(grad_out, a_scaled, dw2, **wgrad2, **routing)
+            a_scaled = None
+        elif step == "dw1":
+            grads[step] = _weight_grad(dh, x, dw1, **wgrad1, **routing)
+        else:  # dX~ = dH @ B[e] with B[e] = W1[e] [w1_out, d], in slot order; then each token's K rows summed
+            dx_rows = triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, expert_offsets, n_dim=d,
+                                              split=W1.split)
+            grads[step] = triton_moe_gather_sum(dx_rows, None, T, K, x.dtype, slots)
+            del dx_rows
+        if i == dh_last:
+            dh = None
+    dw1, dw2, dx = grads["dw1"], grads["dw2"], grads["dx"]
 
     if b2 is not None:  # dS also gets <dO[t], b2[e]>: one [T, E] product, read at each slot's (token, expert)
         dob2 = (grad_out.float() @ b2.float().t()).reshape(-1)

@@ -99,6 +99,14 @@ def grouped_mm_wgrad(lhs: Tensor, rhs: Tensor, *, gather_lhs: bool, gather_rhs: 
     return torch._grouped_mm(lhs.t(), rhs, offs=ends)
 
 
+def expected(key: tuple, names: tuple[str, ...]) -> str:
+    """The provider `choose` will run at `key` among `names`, as far as it is known before the call:
+    the pinned one, else the one measured there; "triton" while unmeasured (the caller plans for
+    the common case; the measuring call itself runs every candidate anyway)."""
+    name = PINNED if PINNED != "auto" else _CHOSEN.get(key, "triton")
+    return name if name in names else "triton"
+
+
 def choose(key: tuple, candidates: dict[str, Callable[[], Tensor]], *, cuda: bool) -> Callable[[], Tensor]:
     """The candidate to run at `key` ("triton" always among them): the pinned one, else the one
     measured fastest at the first call there. Inside a CUDA-graph capture nothing is timed (timing

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import os
 import subprocess
 import sys
@@ -519,6 +520,21 @@ def test_backward_recomputes_h_without_save_h(tm):
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32], save_h=False)
 
 
+@pytest.mark.parametrize("order", list(itertools.permutations(("dw2", "dw1", "dx"))), ids="-".join)
+def test_every_backward_order_matches_oracle(tm, order, monkeypatch):
+    # the backward runs its weight gradients and dX~ in the order `backward_order` picks per shape:
+    # every order must give the same gradients, with biases (both bias gradients) and torch's grouped
+    # GEMM for the weight gradients too (its copy of the gathered operand)
+    monkeypatch.setattr(tm, "backward_order", lambda **sizes: (order, tm.backward_peak(order, **sizes)))
+    inputs, go = _make(13, 32, 16, 4, 2, torch.float32, bias=True, seed=11)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
+    from codegen import wgrad_choice
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
+    inputs, go = _make(13, 32, 16, 4, 2, torch.float32, seed=12)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
+
+
 def test_deterministic(tm):
     inputs, go = _make(15, 32, 16, 4, 3, torch.float32, seed=7)
     first = _run_ours(tm, inputs, go, _FLAGS)
@@ -764,6 +780,24 @@ def test_wgrad_choice_measures_each_key_once(monkeypatch):
         wgrad_choice._pinned("cutlass")
 
 
+def test_backward_peak_counted_by_hand():
+    from codegen.triton_moe import BACKWARD_STEPS, backward_order, backward_peak
+
+    # A' 1, dH 2, dW1 4, dW2 1, dX~ rows 10, dx 1. BACKWARD_STEPS' order (dW2, dW1, dX~): dW2 holds
+    # 3 + 1, then A' dies (3 live); dW1 3 + 4 (7 live); dX~ 7 + 10 + 1 = 18
+    sizes = dict(a_scaled=1, dh=2, dw1=4, dw2=1, dx_rows=10, dx=1)
+    assert backward_peak(BACKWARD_STEPS, **sizes) == 18
+    # dX~ before dW1 keeps dW1 out of the big stage: dW2 4 (3 live); dX~ 3 + 11 = 14 (4 live); dW1 8
+    assert backward_peak(("dw2", "dx", "dw1"), **sizes) == 14
+    assert backward_order(**sizes) == (("dw2", "dx", "dw1"), 14)  # ties with dX~ first; dW2 stays first
+    # Qwen3-like proportions with a copy of x for dW1 (torch's grouped GEMM): dW1 and dX~ before dW2,
+    # so dH dies before dW2 is allocated. dW1 6 + 8 + 5 = 19 (14 live); dX~ 14 + 6 = 20 (15 - 4 = 11
+    # live); dW2 15. In BACKWARD_STEPS' order: 10 (8 live); 8 + 13 = 21 (16 live); 16 + 6 = 22
+    sizes = dict(a_scaled=2, dh=4, dw1=8, dw2=4, dx_rows=5, dx=1, dw1_copy=5)
+    assert backward_peak(BACKWARD_STEPS, **sizes) == 22
+    assert backward_order(**sizes) == (("dw1", "dx", "dw2"), 20)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
@@ -873,32 +907,58 @@ def _check_gpu_case(case):
         assert ours <= 2 * base + eps, (name, ours, base)
 
 
+def _backward_transient(T, d, n, E, K, seed):
+    """(bytes the op's backward allocates beyond what it started with, at most, at once; its outputs),
+    measured on a second call (the first tunes the kernels), our weight-gradient kernel pinned."""
+    from codegen.ops import moe_experts_backward_op, moe_experts_op
+
+    inputs, go = _gpu_case(T, d, n, E, K, seed=seed)
+    args = [inputs[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "b1", "b2")]
+    flags = ["swiglu", False, False, 1.702, 7.0]
+    out, h, rows, offs = moe_experts_op(*args, *flags, True)
+    moe_experts_backward_op(go, *args, h, rows, offs, *flags)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = moe_experts_backward_op(go, *args, h, rows, offs, *flags)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, grads
+
+
 @pytest.mark.gpu
 def test_gpu_backward_transient_memory(first_config_only, monkeypatch):
     """The backward holds no more than dH and one [TK, n] buffer (dA', then A' written over it)
     besides its outputs. A shape with n >> d and few experts, where these dominate: a second
     [TK, n] buffer (A' beside dA') would exceed the bound by ~10 MB."""
     from codegen import wgrad_choice
-    from codegen.ops import moe_experts_backward_op, moe_experts_op
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "triton")  # the CUTLASS path copies a gathered operand
     T, d, n, E, K = 4096, 128, 2048, 2, 1
-    inputs, go = _gpu_case(T, d, n, E, K, seed=3)
-    args = [inputs[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "b1", "b2")]
-    flags = ["swiglu", False, False, 1.702, 7.0]
-    out, h, rows, offs = moe_experts_op(*args, *flags, True)
-    moe_experts_backward_op(go, *args, h, rows, offs, *flags)  # tunes the kernels first
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    grads = moe_experts_backward_op(go, *args, h, rows, offs, *flags)
-    torch.cuda.synchronize()
-    transient = torch.cuda.max_memory_allocated() - base
+    transient, grads = _backward_transient(T, d, n, E, K, seed=3)
     TK, b = T * K, 2
     outputs = sum(g.numel() * g.element_size() for g in grads if g is not None)
     bound = outputs + TK * 2 * n * b + TK * n * b + TK * 4 + (1 << 20)  # + dS and 1 MiB of slack
     assert transient <= bound, (transient / 2**20, bound / 2**20)
-    del grads
+
+
+@pytest.mark.gpu
+def test_gpu_backward_peak_follows_the_chosen_order(first_config_only, monkeypatch):
+    """At 7b-like proportions (n << d, many experts) the backward runs dX~ before dW1: its transient
+    memory stays within `backward_peak` of the chosen order (+ dS and 1 MiB), at least a dW1 below
+    what the fixed order of earlier versions (dW2, dW1, dX~) held."""
+    from codegen import triton_moe, wgrad_choice
+
+    monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
+    T, d, n, E, K = 2048, 1536, 256, 16, 8
+    transient, _ = _backward_transient(T, d, n, E, K, seed=4)
+    TK, b = T * K, 2
+    sizes = dict(a_scaled=TK * n * b, dh=TK * 2 * n * b, dw1=E * 2 * n * d * b, dw2=E * d * n * b,
+                 dx_rows=TK * d * b, dx=T * d * b)
+    order, peak = triton_moe.backward_order(**sizes)
+    assert order.index("dx") < order.index("dw1"), order
+    fixed = triton_moe.backward_peak(triton_moe.BACKWARD_STEPS, **sizes)
+    assert fixed - peak >= sizes["dw1"]
+    assert transient <= peak + TK * 4 + (1 << 20), (transient / 2**20, peak / 2**20)
 
 
 @pytest.mark.gpu
