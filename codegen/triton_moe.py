@@ -36,6 +36,7 @@ every kernel runs one small config (autotuning with several configs needs a GPU)
 """
 from __future__ import annotations
 
+import logging
 import os
 from itertools import permutations
 from typing import NamedTuple
@@ -63,6 +64,8 @@ from .kernels.routing import (
 from . import wgrad_choice
 from .reference import PAD, tokens_of_slots
 from .token_rounding import M_TILE
+
+log = logging.getLogger("moe_compiler")
 
 # activation name -> the constexpr code of codegen/kernels/activation.py
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -733,12 +736,48 @@ def _weight_grad(lhs, rhs, out: GradBuffer, *, gather_lhs, gather_rhs, sorted_ro
                                 row_token=row_token)
 
     candidates = {"triton": triton_kernel}
+    gluon = _gluon_wgrad(lhs, rhs, out, gather_lhs=gather_lhs, db=db)
+    if gluon is not None:
+        def gluon_kernel():
+            dw, strides = out.empty(lhs.device)
+            return gluon.gluon_wgrad(lhs, rhs, gather_lhs=gather_lhs, sorted_rows=sorted_rows, offsets=offsets,
+                                     top_k=top_k, dw=dw, dw_strides=strides, row_token=row_token,
+                                     num_programs=_programs(lhs.device))
+
+        candidates["gluon"] = gluon_kernel
     if _grouped_mm_usable(lhs, rhs, out, db=db, s_flat=s_flat):
         candidates["grouped_mm"] = lambda: wgrad_choice.grouped_mm_wgrad(
             lhs, rhs, gather_lhs=gather_lhs, gather_rhs=gather_rhs, sorted_rows=sorted_rows, offsets=offsets,
             top_k=top_k, transposed=out.transposed, row_token=row_token, db=db, bias_scale=s_flat)
     key = _wgrad_key(lhs, rhs, out, gather_lhs=gather_lhs, offsets=offsets, top_k=top_k, row_token=row_token, db=db)
     return wgrad_choice.choose(key, candidates, cuda=lhs.is_cuda)()
+
+
+# Triton versions the Gluon weight gradient was checked on (bit-equal to `_wgrad_kernel` on the H100).
+# Gluon is experimental and its API and code generation change between releases; elsewhere the
+# kernel is not offered.
+GLUON_TRITON_VERSIONS = ("3.6.",)
+_GLUON: list = []  # [module or None], imported at the first CUDA call
+
+
+def _gluon_wgrad(lhs, rhs, out: GradBuffer, *, gather_lhs, db):
+    """`kernels.gluon_wgrad` where it can compute this weight gradient (Hopper, a checked Triton,
+    16-bit contiguous operands, no bias gradient), else None."""
+    if not lhs.is_cuda or INTERPRETED or db is not None or _major(lhs.device) != 9:
+        return None
+    if not _GLUON:
+        module = None
+        if triton.__version__.startswith(GLUON_TRITON_VERSIONS):
+            try:
+                from .kernels import gluon_wgrad as module
+            except Exception as exc:  # an import-time failure of the experimental dialect
+                log.info("Gluon weight gradient unavailable: %s: %s", type(exc).__name__, exc)
+                module = None
+        _GLUON.append(module if module is not None and module.HAS_GLUON else None)
+    module = _GLUON[0]
+    if module is None or module.supports(lhs, rhs, gather_lhs=gather_lhs, dw=out.like) is not None:
+        return None
+    return module
 
 
 def _grouped_mm_usable(lhs, rhs, out: GradBuffer, *, db, s_flat) -> bool:

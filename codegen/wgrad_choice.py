@@ -1,4 +1,4 @@
-"""The weight gradients through torch's CUTLASS grouped GEMM, and the measured choice between it and ours.
+"""The weight gradients through torch's CUTLASS grouped GEMM, and the measured choice among the providers.
 
 dW[e] = Lhs_e^T Rhs_e, summed over expert e's rows, is the K-grouped form of `torch._grouped_mm`
 (2D x 2D with `offs`: one [P, Q] product per group of rows). Our Triton kernel
@@ -7,15 +7,18 @@ dW[e] = Lhs_e^T Rhs_e, summed over expert e's rows, is the K-grouped form of `to
 shape (H100, `benchmarks/bench_wgrad.py`, the gather not counted): CUTLASS takes 0.59-0.94x our
 time at Mixtral's and gpt-oss's sizes, 0.72-0.91x at the fine-grained ones, where the copy it needs
 (one read and one write of [TK, d]) costs about as much as it saves. So neither is picked by a
-rule: the first call at a key times both on that call's own inputs, gather included, and keeps the
-faster, as Triton's autotuner does for a config. The key holds the problem's dims, never T.
+rule: the first call at a key times every candidate on that call's own inputs, gather included, and
+keeps the fastest, as Triton's autotuner does for a config. The key holds the problem's dims, never T.
+On Hopper a third candidate is our warp-specialized Gluon kernel (`kernels.gluon_wgrad`), where
+`triton_moe` finds it usable.
 
     SONIC_MOE_WGRAD=auto        (default) measure once per key
     SONIC_MOE_WGRAD=triton      always our kernel
-    SONIC_MOE_WGRAD=grouped_mm  torch._grouped_mm wherever it can run (see `usable`)
+    SONIC_MOE_WGRAD=grouped_mm  torch._grouped_mm wherever it can run (see `usable`), else our kernel
+    SONIC_MOE_WGRAD=gluon       the Gluon kernel wherever it can run, else our kernel
 
-Both sum each expert's rows in order in float32; `bench_wgrad.py` found their results bit-identical
-at the shapes it ran.
+All sum each expert's rows in order in float32; `bench_wgrad.py` and `bench_gluon_wgrad.py` found
+their results bit-identical at the shapes they ran.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from torch import Tensor
 
 log = logging.getLogger("moe_compiler")
 
-PROVIDERS = ("auto", "triton", "grouped_mm")
+PROVIDERS = ("auto", "triton", "grouped_mm", "gluon")
 
 
 def _pinned(value: str) -> str:
@@ -116,6 +119,8 @@ def choose(key: tuple, candidates: dict[str, Callable[[], Tensor]], *, cuda: boo
     if len(candidates) == 1:
         return candidates["triton"]
     name = _CHOSEN.get(key)
+    if name is not None and name not in candidates:  # chosen where it ran; these inputs it cannot take
+        return candidates["triton"]
     if name is None:
         if cuda and torch.cuda.is_current_stream_capturing():
             return candidates["triton"]
@@ -142,10 +147,11 @@ def _time(fn: Callable[[], Tensor], cuda: bool, guarded: bool) -> float:
             fn()
             times.append((time.perf_counter() - start) * 1e3)
         return sorted(times)[1]
-    except RuntimeError as exc:
+    except Exception as exc:  # an alternative's compile errors are not RuntimeErrors
         if not guarded:
             raise
-        log.warning("weight gradient provider failed while measured, not used: %s", str(exc).split("\n")[0])
+        log.warning("weight gradient provider failed while measured, not used: %s: %s", type(exc).__name__,
+                    str(exc).split("\n")[0])
         return float("inf")
 
 

@@ -907,6 +907,71 @@ def _check_gpu_case(case):
         assert ours <= 2 * base + eps, (name, ours, base)
 
 
+@pytest.fixture
+def gluon_pinned(monkeypatch):
+    """The weight gradients through the Gluon kernel wherever it runs; yields the list of its calls."""
+    from codegen import triton_moe, wgrad_choice
+
+    if triton_moe._gluon_wgrad(torch.empty(64, 64, dtype=torch.bfloat16, device="cuda"),
+                               torch.empty(64, 64, dtype=torch.bfloat16, device="cuda"),
+                               triton_moe.GradBuffer(torch.empty(1, 64, 64, dtype=torch.bfloat16, device="meta"),
+                                                     False), gather_lhs=True, db=None) is None:
+        pytest.skip("no Gluon weight gradient here (needs Hopper and a checked Triton version)")
+    from codegen.kernels import gluon_wgrad
+
+    calls = []
+    real = gluon_wgrad.gluon_wgrad
+    monkeypatch.setattr(gluon_wgrad, "gluon_wgrad", lambda *a, **k: calls.append(k["gather_lhs"]) or real(*a, **k))
+    monkeypatch.setattr(wgrad_choice, "PINNED", "gluon")
+    yield calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(_GPU_CASES))
+def test_gpu_gluon_wgrad_matches_oracle(case, first_config_only, gluon_pinned):
+    _check_gpu_case(case)
+    # both weight gradients, except where x is a strided view (dW1 then runs our Triton kernel)
+    assert sorted(set(gluon_pinned)) == ([True] if case == "non_contiguous" else [False, True]), gluon_pinned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gather_lhs", [False, True], ids=["dW1", "dW2"])
+def test_gpu_gluon_wgrad_keeps_inf_in_its_expert(gather_lhs, gluon_pinned):
+    """An inf in one expert's first expert-ordered row makes that expert's dW non-finite and no
+    other's: the previous expert's last, partial chunk must not read it (an unshifted TMA box
+    would). Experts of fewer than 64 rows have no room to shift (kernels/gluon_wgrad.py)."""
+    from codegen.kernels.gluon_wgrad import gluon_wgrad
+    from codegen.triton_moe import route
+
+    T, d, n, E, K = 1000, 256, 128, 8, 2
+    gen = torch.Generator().manual_seed(7)
+    ids, _ = _routing(T, E, K, gen)
+    rows, offs = route(ids.cuda(), E)
+    TK = T * K
+    width = 2 * n if not gather_lhs else n
+    dense = torch.randn(TK, width, generator=gen).to("cuda", torch.bfloat16)
+    gathered = torch.randn(T, d, generator=gen).to("cuda", torch.bfloat16)
+    counts = (offs[1:] - offs[:-1]).tolist()
+    e = next(e for e in range(1, E) if counts[e - 1] % 64 and counts[e - 1] > 64 and counts[e])  # ends mid-chunk
+    dense[int(offs[e])] = float("inf")
+    lhs, rhs = (gathered, dense) if gather_lhs else (dense, gathered)
+    P, Q = lhs.shape[1], rhs.shape[1]
+    dw = torch.full((E, P, Q), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gluon_wgrad(lhs, rhs, gather_lhs=gather_lhs, sorted_rows=rows, offsets=offs, top_k=K, dw=dw,
+                dw_strides=dw.stride())
+    tokens = rows.long() // K
+    for x in range(E):
+        r = slice(int(offs[x]), int(offs[x + 1]))
+        l_rows = lhs[tokens[r]] if gather_lhs else lhs[r]
+        r_rows = rhs[r] if gather_lhs else rhs[tokens[r]]
+        ref = l_rows.float().t() @ r_rows.float()
+        if x == e:
+            assert not torch.isfinite(dw[x]).all()
+        else:
+            assert torch.isfinite(dw[x]).all(), x
+            assert _rel(dw[x], ref) <= 1e-2, (x, _rel(dw[x], ref))
+
+
 def _backward_transient(T, d, n, E, K, seed):
     """(bytes the op's backward allocates beyond what it started with, at most, at once; its outputs),
     measured on a second call (the first tunes the kernels), our weight-gradient kernel pinned."""

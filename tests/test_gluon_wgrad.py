@@ -1,0 +1,45 @@
+"""The Gluon weight gradient's host side on the CPU: tile specs, what it refuses, when the backward
+offers it, and (with Triton 3.6, the version it is written for) that both variants compile for sm90
+without a GPU. Its results are checked on the GPU in tests/test_kernels.py (`test_gpu_gluon_*`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from codegen.kernels import gluon_wgrad as gw
+
+
+def test_tile_specs_round_trip_and_bad_specs_raise():
+    tile = gw.WgradTile.parse("128x256x64x4x8x88")
+    assert (tile.block_p, tile.block_q, tile.block_m, tile.stages, tile.num_warps, tile.loader_regs) == (
+        128, 256, 64, 4, 8, 88)
+    assert gw.WgradTile.parse(str(tile)) == tile
+    assert gw.default_tile(True).block_q == gw.default_tile(False).block_p == 256  # the TMA side is the wide one
+    for bad in ("128x128x64", "128x96x64x4", "128x512x64x4", "128x128x64x1", "64x128x64x4x8", "128x128x64x4x4x90"):
+        with pytest.raises(ValueError):
+            gw.WgradTile.parse(bad)
+
+
+def test_supports_says_why_not_on_the_cpu():
+    a = torch.empty(64, 64, dtype=torch.bfloat16)
+    why = gw.supports(a, a, gather_lhs=True, dw=torch.empty(1, 64, 64, dtype=torch.bfloat16))
+    assert why is not None and ("Hopper" in why or "Gluon" in why)
+
+
+def test_backward_never_offers_it_off_hopper():
+    from codegen import triton_moe, wgrad_choice
+
+    assert "gluon" in wgrad_choice.PROVIDERS
+    a = torch.empty(64, 64, dtype=torch.bfloat16)
+    out = triton_moe.GradBuffer(torch.empty(1, 64, 64, dtype=torch.bfloat16, device="meta"), False)
+    assert triton_moe._gluon_wgrad(a, a, out, gather_lhs=True, db=None) is None
+
+
+@pytest.mark.skipif(not (gw.HAS_GLUON and triton.__version__.startswith("3.6.")),
+                    reason="the kernel is written for Triton 3.6's Gluon")
+@pytest.mark.parametrize("gather_lhs", [False, True], ids=["dW1", "dW2"])
+def test_compiles_for_sm90_without_a_gpu(gather_lhs):
+    P, Q = (512, 1536) if not gather_lhs else (1536, 256)
+    kernel = gw.compile_sm90(gather_lhs=gather_lhs, P=P, Q=Q, top_k=8)
+    assert kernel.asm["cubin"] and "wgmma" in kernel.asm["ptx"] and "cp.async.mbarrier.arrive" in kernel.asm["ptx"]
