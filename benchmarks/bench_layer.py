@@ -53,7 +53,7 @@ SHAPES = {
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
 PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order",
-             "ours-interleaved", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
+             "ours-no-gluon", "ours-interleaved", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
 
@@ -142,7 +142,7 @@ def make_sonic(p, E, K, d, n):
 def build_provider(name, master, shape):
     T, d, n, E, K = shape
     params = {k: v.detach().clone().requires_grad_() for k, v in master.items()}
-    if name in ("ours", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order"):  # a path switched
+    if name in ("ours", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order", "ours-no-gluon"):
         return (lambda x: layer_ours(params, x, K)), params
     if name == "ours-interleaved":  # W1's gate and up rows alternating (gpt-oss's layout), same values
         g, u = master["w1"].detach().chunk(2, dim=1)
@@ -213,10 +213,16 @@ def bench_one(name, master, shape, x, dy, ref, args):
     with our weight-gradient kernel pinned (`ours` measures it against torch._grouped_mm),
     ours-two-dot-up with the up-projection's gate and up tiles in two dots (`triton_moe.set_wide_up`,
     which tunes that kernel again, so neither side runs the other's config), ours-fixed-order with the
-    backward's products in the order of earlier versions (`triton_moe.BACKWARD_STEPS`) whatever the shape."""
+    backward's products in the order of earlier versions (`triton_moe.BACKWARD_STEPS`) whatever the shape,
+    ours-no-gluon without the Gluon kernels (the choices measured afresh among the others)."""
     from codegen import triton_moe, wgrad_choice
 
-    saved = triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP, triton_moe.backward_order
+    saved = (triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP, triton_moe.backward_order,
+             triton_moe.GLUON_TRITON_VERSIONS, dict(triton_moe._GLUON), dict(wgrad_choice._CHOSEN))
+    if name == "ours-no-gluon":
+        triton_moe.GLUON_TRITON_VERSIONS = ()
+        triton_moe._GLUON.clear()
+        wgrad_choice._CHOSEN.clear()
     if name == "ours-fixed-order":
         fixed = triton_moe.BACKWARD_STEPS
         triton_moe.backward_order = lambda **sizes: (fixed, triton_moe.backward_peak(fixed, **sizes))
@@ -235,6 +241,12 @@ def bench_one(name, master, shape, x, dy, ref, args):
             triton_moe.set_wide_up(saved[2])
         triton_moe.USE_TMA, wgrad_choice.PINNED = saved[:2]
         triton_moe.backward_order = saved[3]
+        if name == "ours-no-gluon":
+            triton_moe.GLUON_TRITON_VERSIONS = saved[4]
+            triton_moe._GLUON.clear()
+            triton_moe._GLUON.update(saved[5])
+            wgrad_choice._CHOSEN.clear()
+            wgrad_choice._CHOSEN.update(saved[6])
 
 
 def _bench_one(name, master, shape, x, dy, ref, args):

@@ -36,6 +36,7 @@ every kernel runs one small config (autotuning with several configs needs a GPU)
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from itertools import permutations
@@ -575,15 +576,31 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
         w_d, w_desc = _weight_desc(w, E, n_dim, k_dim, w_strides[2], w_strides[1])
         in_d = _tma_operand(inp, tuple(inp.shape), tuple(inp.stride())) if w_d is not None else None
         if in_d is not None:
-            upper = lambda META: (triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"])
-            grid = lambda META: (min(upper(META), _programs(inp.device)),)
-            _launch(
-                _scatter_tma, grid,
-                in_d, w_d, biasc, sorted_rows, offsets, out,
-                TK, k_dim, n_dim, E, n_dim,
-                HAS_BIAS=bias is not None, E_POW2=_e_pow2(E), W_DESC=w_desc,
-            )
-            return out
+            def triton_kernel():
+                upper = lambda META: (triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"])
+                grid = lambda META: (min(upper(META), _programs(inp.device)),)
+                _launch(
+                    _scatter_tma, grid,
+                    in_d, w_d, biasc, sorted_rows, offsets, out,
+                    TK, k_dim, n_dim, E, n_dim,
+                    HAS_BIAS=bias is not None, E_POW2=_e_pow2(E), W_DESC=w_desc,
+                )
+                return out
+
+            candidates = {"triton": triton_kernel}
+            gluon = _gluon_module("gluon_scatter", inp)
+            if gluon is not None:
+                # the stacked weight as the Gluon kernel's descriptor reads it (`_weight_desc`'s dims)
+                dims = (E, n_dim, k_dim) if w_desc == 1 else (E, k_dim, n_dim)
+                strides = (w.strides[0], w_strides[2] if w_desc == 1 else w_strides[1], 1)
+                w_view = w.ptr.as_strided(dims, strides)
+                b = biasc if bias is not None else None
+                if gluon.supports(inp, w_view, w_desc, b, n_dim=n_dim) is None:
+                    candidates["gluon"] = lambda: gluon.gluon_scatter_gemm(
+                        inp, w_view, w_desc, b, sorted_rows, offsets, n_dim=n_dim, num_programs=_programs(inp.device),
+                        out=out)
+            key = ("scatter", k_dim, n_dim, E, w_desc, bias is not None, inp.dtype)
+            return wgrad_choice.choose(key, candidates, cuda=True, pinned=wgrad_choice.SCATTER_PINNED)()
     w_ptr, w_table, has_table, align = w.kernel_args()
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"]),)
     _launch(
@@ -753,28 +770,33 @@ def _weight_grad(lhs, rhs, out: GradBuffer, *, gather_lhs, gather_rhs, sorted_ro
     return wgrad_choice.choose(key, candidates, cuda=lhs.is_cuda)()
 
 
-# Triton versions the Gluon weight gradient was checked on (bit-equal to `_wgrad_kernel` on the H100).
-# Gluon is experimental and its API and code generation change between releases; elsewhere the
-# kernel is not offered.
+# Triton versions the Gluon kernels (`kernels.gluon_wgrad`, `kernels.gluon_scatter`) were checked on
+# (H100: results equal to the Triton kernels'). Gluon is experimental and its API and code
+# generation change between releases; elsewhere they are not offered.
 GLUON_TRITON_VERSIONS = ("3.6.",)
-_GLUON: list = []  # [module or None], imported at the first CUDA call
+_GLUON: dict[str, object] = {}  # module name -> the module, or None where it cannot be used
+
+
+def _gluon_module(name: str, t: Tensor):
+    """`codegen.kernels.<name>` where its Gluon kernel can run on `t`'s device (Hopper, a checked
+    Triton), else None. Imported at the first CUDA call."""
+    if not t.is_cuda or INTERPRETED or _major(t.device) != 9:
+        return None
+    if name not in _GLUON:
+        module = None
+        if triton.__version__.startswith(GLUON_TRITON_VERSIONS):
+            try:
+                module = importlib.import_module(f"{__package__}.kernels.{name}")
+            except Exception as exc:  # an import-time failure of the experimental dialect
+                log.info("Gluon kernel %s unavailable: %s: %s", name, type(exc).__name__, exc)
+        _GLUON[name] = module if module is not None and module.HAS_GLUON else None
+    return _GLUON[name]
 
 
 def _gluon_wgrad(lhs, rhs, out: GradBuffer, *, gather_lhs, db):
     """`kernels.gluon_wgrad` where it can compute this weight gradient (Hopper, a checked Triton,
     16-bit contiguous operands, no bias gradient), else None."""
-    if not lhs.is_cuda or INTERPRETED or db is not None or _major(lhs.device) != 9:
-        return None
-    if not _GLUON:
-        module = None
-        if triton.__version__.startswith(GLUON_TRITON_VERSIONS):
-            try:
-                from .kernels import gluon_wgrad as module
-            except Exception as exc:  # an import-time failure of the experimental dialect
-                log.info("Gluon weight gradient unavailable: %s: %s", type(exc).__name__, exc)
-                module = None
-        _GLUON.append(module if module is not None and module.HAS_GLUON else None)
-    module = _GLUON[0]
+    module = None if db is not None else _gluon_module("gluon_wgrad", lhs)
     if module is None or module.supports(lhs, rhs, gather_lhs=gather_lhs, dw=out.like) is not None:
         return None
     return module

@@ -1,4 +1,5 @@
-"""The weight gradients through torch's CUTLASS grouped GEMM, and the measured choice among the providers.
+"""The weight gradients through torch's CUTLASS grouped GEMM, and the measured choice among the
+providers of a weight gradient (and, with the same mechanism, of the scatter GEMM).
 
 dW[e] = Lhs_e^T Rhs_e, summed over expert e's rows, is the K-grouped form of `torch._grouped_mm`
 (2D x 2D with `offs`: one [P, Q] product per group of rows). Our Triton kernel
@@ -16,6 +17,11 @@ On Hopper a third candidate is our warp-specialized Gluon kernel (`kernels.gluon
     SONIC_MOE_WGRAD=triton      always our kernel
     SONIC_MOE_WGRAD=grouped_mm  torch._grouped_mm wherever it can run (see `usable`), else our kernel
     SONIC_MOE_WGRAD=gluon       the Gluon kernel wherever it can run, else our kernel
+
+The scatter GEMM (`triton_moe.triton_moe_scatter_gemm`) chooses the same way between our
+persistent Triton kernel and the Gluon one (`kernels.gluon_scatter`, Hopper), under keys of its own:
+
+    SONIC_MOE_SCATTER=auto | triton | gluon
 
 All sum each expert's rows in order in float32; `bench_wgrad.py` and `bench_gluon_wgrad.py` found
 their results bit-identical at the shapes they ran.
@@ -35,13 +41,17 @@ log = logging.getLogger("moe_compiler")
 PROVIDERS = ("auto", "triton", "grouped_mm", "gluon")
 
 
-def _pinned(value: str) -> str:
-    if value not in PROVIDERS:
-        raise ValueError(f"SONIC_MOE_WGRAD={value!r}: one of {PROVIDERS}")
+SCATTER_PROVIDERS = ("auto", "triton", "gluon")
+
+
+def _pinned(value: str, variable: str = "SONIC_MOE_WGRAD", providers: tuple[str, ...] = PROVIDERS) -> str:
+    if value not in providers:
+        raise ValueError(f"{variable}={value!r}: one of {providers}")
     return value
 
 
 PINNED = _pinned(os.environ.get("SONIC_MOE_WGRAD", "auto"))
+SCATTER_PINNED = _pinned(os.environ.get("SONIC_MOE_SCATTER", "auto"), "SONIC_MOE_SCATTER", SCATTER_PROVIDERS)
 
 # key -> the provider measured fastest there
 _CHOSEN: dict[tuple, str] = {}
@@ -110,12 +120,15 @@ def expected(key: tuple, names: tuple[str, ...]) -> str:
     return name if name in names else "triton"
 
 
-def choose(key: tuple, candidates: dict[str, Callable[[], Tensor]], *, cuda: bool) -> Callable[[], Tensor]:
-    """The candidate to run at `key` ("triton" always among them): the pinned one, else the one
-    measured fastest at the first call there. Inside a CUDA-graph capture nothing is timed (timing
-    syncs): an unmeasured key runs "triton" there and is measured at its next call outside one."""
-    if PINNED != "auto":
-        return candidates.get(PINNED, candidates["triton"])
+def choose(key: tuple, candidates: dict[str, Callable[[], Tensor]], *, cuda: bool,
+           pinned: str | None = None) -> Callable[[], Tensor]:
+    """The candidate to run at `key` ("triton" always among them): the pinned one (`pinned`, default
+    SONIC_MOE_WGRAD's), else the one measured fastest at the first call there. Inside a CUDA-graph
+    capture nothing is timed (timing syncs): an unmeasured key runs "triton" there and is measured
+    at its next call outside one."""
+    pinned = PINNED if pinned is None else pinned
+    if pinned != "auto":
+        return candidates.get(pinned, candidates["triton"])
     if len(candidates) == 1:
         return candidates["triton"]
     name = _CHOSEN.get(key)

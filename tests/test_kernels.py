@@ -778,6 +778,11 @@ def test_wgrad_choice_measures_each_key_once(monkeypatch):
     assert ("d",) not in wgrad_choice.chosen() and ("e",) not in wgrad_choice.chosen()
     with pytest.raises(ValueError, match="SONIC_MOE_WGRAD"):
         wgrad_choice._pinned("cutlass")
+    # the scatter GEMM's own pin (SONIC_MOE_SCATTER) overrides the weight gradients'
+    assert wgrad_choice.choose(("f",), {"triton": slow, "gluon": fast}, cuda=False, pinned="gluon") is fast
+    assert wgrad_choice.choose(("f",), {"triton": slow}, cuda=False, pinned="gluon") is slow  # where it cannot run
+    with pytest.raises(ValueError, match="SONIC_MOE_SCATTER"):
+        wgrad_choice._pinned("grouped_mm", "SONIC_MOE_SCATTER", wgrad_choice.SCATTER_PROVIDERS)
 
 
 def test_backward_peak_counted_by_hand():
@@ -909,29 +914,34 @@ def _check_gpu_case(case):
 
 @pytest.fixture
 def gluon_pinned(monkeypatch):
-    """The weight gradients through the Gluon kernel wherever it runs; yields the list of its calls."""
+    """The weight gradients and the scatter GEMMs through the Gluon kernels wherever they run;
+    yields their calls: {"wgrad": [gather_lhs of each], "scatter": [w_layout of each]}."""
     from codegen import triton_moe, wgrad_choice
 
-    if triton_moe._gluon_wgrad(torch.empty(64, 64, dtype=torch.bfloat16, device="cuda"),
-                               torch.empty(64, 64, dtype=torch.bfloat16, device="cuda"),
-                               triton_moe.GradBuffer(torch.empty(1, 64, 64, dtype=torch.bfloat16, device="meta"),
-                                                     False), gather_lhs=True, db=None) is None:
-        pytest.skip("no Gluon weight gradient here (needs Hopper and a checked Triton version)")
-    from codegen.kernels import gluon_wgrad
+    if triton_moe._gluon_module("gluon_wgrad", torch.empty(1, device="cuda")) is None:
+        pytest.skip("no Gluon kernels here (they need Hopper and a checked Triton version)")
+    from codegen.kernels import gluon_scatter, gluon_wgrad
 
-    calls = []
-    real = gluon_wgrad.gluon_wgrad
-    monkeypatch.setattr(gluon_wgrad, "gluon_wgrad", lambda *a, **k: calls.append(k["gather_lhs"]) or real(*a, **k))
+    calls = {"wgrad": [], "scatter": []}
+    wgrad, scatter = gluon_wgrad.gluon_wgrad, gluon_scatter.gluon_scatter_gemm
+    monkeypatch.setattr(gluon_wgrad, "gluon_wgrad",
+                        lambda *a, **k: calls["wgrad"].append(k["gather_lhs"]) or wgrad(*a, **k))
+    monkeypatch.setattr(gluon_scatter, "gluon_scatter_gemm",
+                        lambda *a, **k: calls["scatter"].append(a[2]) or scatter(*a, **k))
     monkeypatch.setattr(wgrad_choice, "PINNED", "gluon")
+    monkeypatch.setattr(wgrad_choice, "SCATTER_PINNED", "gluon")
     yield calls
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(_GPU_CASES))
-def test_gpu_gluon_wgrad_matches_oracle(case, first_config_only, gluon_pinned):
+def test_gpu_gluon_kernels_match_oracle(case, first_config_only, gluon_pinned):
     _check_gpu_case(case)
-    # both weight gradients, except where x is a strided view (dW1 then runs our Triton kernel)
-    assert sorted(set(gluon_pinned)) == ([True] if case == "non_contiguous" else [False, True]), gluon_pinned
+    # both weight gradients, except where x is a strided view (dW1 then runs our Triton kernel),
+    # and both scatter GEMMs: Y (W2 read k-contiguous, layout 1) and dX~ (W1 [E, 2n, d]: layout 2,
+    # or 1 where the case lays W1 out transposed)
+    assert sorted(set(gluon_pinned["wgrad"])) == ([True] if case == "non_contiguous" else [False, True])
+    assert gluon_pinned["scatter"] == ([1, 1] if case == "non_contiguous" else [1, 2]), gluon_pinned
 
 
 @pytest.mark.gpu
@@ -1249,8 +1259,9 @@ def test_gpu_wgrad_grouped_mm_matches_oracle(case, calls, first_config_only, mon
 
 @pytest.mark.gpu
 def test_gpu_wgrad_auto_chooses_once_then_no_sync_and_capturable(first_config_only, monkeypatch):
-    """"auto" measures both providers at a key's first backward, reuses the choice with no host sync,
-    and inside a CUDA-graph capture of a key it has not measured runs our kernel untimed."""
+    """"auto" measures the providers at a key's first call (weight gradients; the scatter GEMMs under
+    keys of their own), reuses the choice with no host sync, and inside a CUDA-graph capture of a
+    key it has not measured runs our kernel untimed."""
     from codegen import wgrad_choice
     from codegen.ops import moe_experts_backward_op, moe_experts_op
 
@@ -1258,8 +1269,12 @@ def test_gpu_wgrad_auto_chooses_once_then_no_sync_and_capturable(first_config_on
     monkeypatch.setattr(wgrad_choice, "_CHOSEN", {})
     inputs, go = _gpu_case(2048, 512, 512, 8, 2, seed=7)
     _ops_fwd_bwd(inputs, go, _FLAGS)
-    assert set(wgrad_choice.chosen().values()) <= {"triton", "grouped_mm"} and len(wgrad_choice.chosen()) == 2
-    for pinned in ("triton", "grouped_mm"):  # both providers' results stand against the oracle
+    chosen = wgrad_choice.chosen()
+    wgrads = [v for k, v in chosen.items() if k[0] != "scatter"]
+    scatters = [v for k, v in chosen.items() if k[0] == "scatter"]
+    assert len(wgrads) == 2 and set(wgrads) <= {"triton", "grouped_mm", "gluon"}, chosen
+    assert len(scatters) == 2 and set(scatters) <= {"triton", "gluon"}, chosen  # Y and dX~
+    for pinned in ("triton", "grouped_mm", "gluon"):  # every provider's results stand against the oracle
         monkeypatch.setattr(wgrad_choice, "PINNED", pinned)
         _, again = _ops_fwd_bwd(inputs, go, _FLAGS)
         _, ref = _oracle(inputs, go, _FLAGS)
@@ -1280,7 +1295,8 @@ def test_gpu_wgrad_auto_chooses_once_then_no_sync_and_capturable(first_config_on
         with torch.cuda.graph(graph, stream=stream):
             captured = moe_experts_backward_op(go, *args, h, rows, offs, *flags)
     torch.cuda.synchronize()
-    assert wgrad_choice.chosen() == {}  # nothing was timed inside the capture
+    # nothing was timed inside the capture: only the forward's scatter GEMM (k_dim = n) was, before it
+    assert [k[:2] for k in wgrad_choice.chosen()] == [("scatter", inputs["w2"].shape[2])], wgrad_choice.chosen()
     graph.replay()
     torch.cuda.synchronize()
     monkeypatch.setattr(wgrad_choice, "PINNED", "triton")

@@ -1,12 +1,14 @@
-"""The Gluon weight gradient's host side on the CPU: tile specs, what it refuses, when the backward
-offers it, and (with Triton 3.6, the version it is written for) that both variants compile for sm90
-without a GPU. Its results are checked on the GPU in tests/test_kernels.py (`test_gpu_gluon_*`)."""
+"""The Gluon kernels' host side on the CPU (the weight gradient, the scatter GEMM): tile specs, what
+they refuse, when the op offers them, and (with Triton 3.6, the version they are written for) that
+they compile for sm90 without a GPU. Their results are checked on the GPU in tests/test_kernels.py
+(`test_gpu_gluon_*`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import triton
 
+from codegen.kernels import gluon_scatter as gs
 from codegen.kernels import gluon_wgrad as gw
 
 
@@ -43,3 +45,21 @@ def test_compiles_for_sm90_without_a_gpu(gather_lhs):
     P, Q = (512, 1536) if not gather_lhs else (1536, 256)
     kernel = gw.compile_sm90(gather_lhs=gather_lhs, P=P, Q=Q, top_k=8)
     assert kernel.asm["cubin"] and "wgmma" in kernel.asm["ptx"] and "cp.async.mbarrier.arrive" in kernel.asm["ptx"]
+
+
+def test_scatter_tile_specs_and_refusals():
+    tile = gs.ScatterTile.parse(str(gs.default_tile(1)))
+    assert tile == gs.default_tile(1)
+    with pytest.raises(ValueError):
+        gs.ScatterTile.parse("128x128")
+    inp = torch.empty(64, 64, dtype=torch.bfloat16)
+    why = gs.supports(inp, torch.empty(2, 64, 64, dtype=torch.bfloat16), 1, n_dim=64)
+    assert why is not None and ("Hopper" in why or "Gluon" in why)
+
+
+@pytest.mark.skipif(not (gs.HAS_GLUON and triton.__version__.startswith("3.6.")),
+                    reason="the kernel is written for Triton 3.6's Gluon")
+@pytest.mark.parametrize("w_layout,has_bias", [(1, True), (2, False)])
+def test_scatter_compiles_for_sm90_without_a_gpu(w_layout, has_bias):
+    kernel = gs.compile_sm90(w_layout=w_layout, has_bias=has_bias)
+    assert kernel.asm["cubin"] and "wgmma" in kernel.asm["ptx"]

@@ -1,0 +1,273 @@
+"""The Gluon (sm90, warp-specialized, ping-pong) scatter GEMM against our Triton one (H100; Triton 3.6).
+
+    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --shapes 7b-256,qwen3,olmoe
+    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --shapes 7b-256 --tiles auto,128x128x64x6
+    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --compile-only   # no GPU needed: sm90 cubins, registers
+    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --shapes "" --gemms Y --small-grids 2   # one small case
+
+The table in `gluon_scatter.default_tile`'s docstring came from
+    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --skip-small --shapes 7b-256,qwen3,olmoe \
+        --tiles 128x128x64x4x8x232x40x4,128x128x64x6x8x232x40x4,128x128x64x4x8x232x40x1
+(then `auto` was the first of those; it is now the last).
+
+Per shape (T, d, n, E, K), on top-k routing of random logits, the two scatter GEMMs of a SwiGLU layer:
+    Y   [TK, d] = A [TK, n] @ W2[e]^T     (forward down-projection; W2 [E, d, n]: w_layout 1)
+    dX~ [TK, d] = dH [TK, 2n] @ W1[e]     (backward input gradient; W1 [E, 2n, d]: w_layout 2)
+both stored in slot order, by `triton_moe.triton_moe_scatter_gemm` (the autotuned persistent TMA
+Triton kernel) and `gluon_scatter_gemm` per --tiles config: max |gluon - triton|, whether they are
+equal to the bit, the relative error of each against a float32 torch reference (--no-ref skips
+it), median times (triton.testing.do_bench), TFLOPS (2 TK k_dim n_dim flops) and the time ratio.
+First a small case with uneven and empty experts (T=300, E=8, K=2: expert 5 never chosen, expert 3
+with fewer rows than BLOCK_M, TK = 600 not a multiple of it, k_dim and n_dim not multiples of the
+tile, a bias on Y), against the float32 reference, out pre-filled with NaN so that an unwritten row
+shows, on the full grid and on a 2-CTA grid (many items per CTA: the ring wraps, both consumers
+alternate). Each case is caught on its own: one failure prints and the rest still run.
+
+--tiles: `auto` (gluon_scatter.default_tile) or MxNxKxS[xG[xC[xL[xW]]]] = BLOCK_M x BLOCK_N x BLOCK_K
+x STAGES, GROUP_M, consumer / loader registers, loader warps (see gluon_scatter.ScatterTile).
+--gemms picks Y and/or dX~; --small-grids the small case's grids (each its own process isolates a
+kernel fault: a launch failure poisons the CUDA context for every case after it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_gluon_wgrad import ptxas_usage  # noqa: E402
+
+from codegen.kernels import gluon_scatter as gs  # noqa: E402
+
+# name: (T, d, n, E, K), as in bench_layer.SHAPES
+SHAPES = {
+    "7b-256": (24576, 1536, 256, 128, 8),
+    "qwen3": (16384, 2048, 768, 128, 8),
+    "olmoe": (16384, 2048, 1024, 64, 8),
+}
+GEMMS = ("Y", "dX~")
+W_LAYOUT = {"Y": 1, "dX~": 2}
+
+
+def say(*args):
+    print(*args, flush=True)
+
+
+def resolve(tile, w_layout):
+    """A --tiles entry as the ScatterTile it runs: `auto` (None) is the default tile."""
+    return gs.default_tile(w_layout) if tile is None else tile
+
+
+def tile_name(tile, w_layout):
+    return f"auto={resolve(tile, w_layout)}" if tile is None else str(tile)
+
+
+def compile_only(tiles):
+    for gemm in GEMMS:
+        wl = W_LAYOUT[gemm]
+        for tile in tiles:
+            for has_bias in (False, True):
+                head = f"[compile sm90] {gemm} (w_layout {wl}, bias {has_bias}) {tile_name(tile, wl)}:"
+                try:
+                    say(head, ptxas_usage(gs.compile_sm90(w_layout=wl, has_bias=has_bias, tile=resolve(tile, wl))))
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    say(head, "FAILED", f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}")
+
+
+# ------------------------------------------------------------------------------------------ GPU runs
+def operands(gemm, T, d, n, E, K, gen, std=1.0):
+    """(inp, w, w_layout, k_dim): Y reads A [TK, n] and W2 [E, d, n]; dX~ reads dH [TK, 2n] and W1 [E, 2n, d]."""
+    rnd = lambda *s, std: (torch.randn(*s, device="cuda", generator=gen) * std).to(torch.bfloat16)  # noqa: E731
+    if gemm == "Y":
+        return rnd(T * K, n, std=std), rnd(E, d, n, std=n ** -0.5), 1, n
+    return rnd(T * K, 2 * n, std=std), rnd(E, 2 * n, d, std=d ** -0.5), 2, 2 * n
+
+
+def reference(inp, w, w_layout, bias, sorted_rows, offsets):
+    """float32 [TK, n_dim] in slot order, from the bf16 operands upcast."""
+    off = offsets.tolist()
+    n_dim = w.shape[1] if w_layout == 1 else w.shape[2]
+    out = torch.zeros(inp.shape[0], n_dim, device=inp.device, dtype=torch.float32)
+    slots = sorted_rows.long()
+    for e in range(len(off) - 1):
+        lo, hi = off[e], off[e + 1]
+        if hi == lo:
+            continue
+        b = w[e].float().t() if w_layout == 1 else w[e].float()
+        y = inp[lo:hi].float() @ b
+        if bias is not None:
+            y += bias[e].float()
+        out[slots[lo:hi]] = y
+    return out
+
+
+def rel_err(x, ref):
+    return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def run_triton(inp, w, w_layout, bias, sorted_rows, offsets, n_dim):
+    from codegen import triton_moe
+
+    s = w.stride()
+    if w_layout == 1:  # W2 [E, d, n] as a Bank (e, out=d, in=n); B[e] = W2[e]^T read through (e, k=n, n=d) strides
+        return triton_moe.triton_moe_scatter_gemm(inp, triton_moe.Bank(w, tuple(s)), (s[0], s[2], s[1]), bias,
+                                                  sorted_rows, offsets, n_dim=n_dim)
+    bank = triton_moe.Bank(w, tuple(s))  # W1 [E, 2n, d]: B[e] = W1[e], (e, k, n) strides as stored
+    return triton_moe.triton_moe_scatter_gemm(inp, bank, bank.strides, bias, sorted_rows, offsets, n_dim=n_dim)
+
+
+def run_gluon(inp, w, w_layout, bias, sorted_rows, offsets, n_dim, tile, out=None, num_programs=None):
+    return gs.gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, n_dim=n_dim, out=out,
+                                 num_programs=num_programs, **resolve(tile, w_layout).kwargs())
+
+
+def gluon_on_nan(inp, w, w_layout, bias, sorted_rows, offsets, n_dim, tile, num_programs=None):
+    """The Gluon output written over a NaN-filled tensor (an unwritten row shows), synchronized."""
+    out = torch.full((inp.shape[0], n_dim), float("nan"), device="cuda", dtype=inp.dtype)
+    run_gluon(inp, w, w_layout, bias, sorted_rows, offsets, n_dim, tile, out=out, num_programs=num_programs)
+    torch.cuda.synchronize()
+    return out
+
+
+def small_case(tiles, gemms=GEMMS, grids=(None, 2)):
+    """Uneven expert sizes, one empty expert, one smaller than BLOCK_M, ragged k_dim / n_dim, a bias."""
+    from codegen import triton_moe
+
+    T, d, n, E, K = 300, 320, 96, 8, 2
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    weight = torch.tensor([8.0, 1, 3, 0.5, 2, 0, 6, 1], device="cuda")  # expert 5 never chosen, 3 rarely
+    ids = torch.multinomial(weight.expand(T, E), K, replacement=False, generator=gen)
+    sorted_rows, offsets = triton_moe.route(ids, E)
+    say(f"[small] T={T} d={d} n={n} E={E} K={K}: rows per expert {offsets.diff().tolist()}")
+    for gemm in gemms:
+        inp, w, wl, k_dim = operands(gemm, T, d, n, E, K, gen)
+        bias = (torch.randn(E, d, device="cuda", generator=gen) * 0.1).to(torch.bfloat16) if gemm == "Y" else None
+        ref = reference(inp, w, wl, bias, sorted_rows, offsets)
+        for tile in tiles:
+            for progs in grids:
+                head = f"[small] {gemm} (k_dim {k_dim}, n_dim {d}, bias {bias is not None}) {tile_name(tile, wl)} grid {progs or 'SMs'}:"
+                try:
+                    out = gluon_on_nan(inp, w, wl, bias, sorted_rows, offsets, d, tile, num_programs=progs)
+                    err = (out.float() - ref).abs().max().item()
+                    tol = 2e-2 * ref.abs().max().item()  # bf16 rounding of the fp32 sums
+                    nan = out.isnan().any(1).sum().item()
+                    ok = err <= tol and nan == 0
+                    say(f"{head} {'PASS' if ok else 'FAIL'} max|gluon - ref32| {err:.3g} (tol {tol:.3g}), "
+                        f"rows with NaN {nan}, rel err {rel_err(out, ref):.3g}")
+                except Exception:  # noqa: BLE001
+                    say(f"{head} ERROR"), traceback.print_exc()
+        try:
+            out = run_triton(inp, w, wl, bias, sorted_rows, offsets, d)
+            say(f"[small] {gemm} triton: rel err {rel_err(out, ref):.3g}")
+        except Exception:  # noqa: BLE001
+            say(f"[small] {gemm} triton ERROR"), traceback.print_exc()
+
+
+def bench_shape(name, tiles, warmup, rep, with_ref, gemms=GEMMS):
+    from triton.testing import do_bench
+
+    from codegen import triton_moe
+
+    T, d, n, E, K = SHAPES[name]
+    TK = T * K
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randn(T, E, device="cuda", generator=gen).topk(K, -1).indices
+    sorted_rows, offsets = triton_moe.route(ids, E)
+    sizes = offsets.diff()
+    say(f"\n[{name}] T={T} d={d} n={n} E={E} K={K} TK={TK}; rows per expert min {sizes.min().item()} "
+        f"max {sizes.max().item()}")
+    rows = []
+    for gemm in gemms:
+        inp, w, wl, k_dim = operands(gemm, T, d, n, E, K, gen)
+        flop = 2 * TK * k_dim * d
+        args = (inp, w, wl, None, sorted_rows, offsets, d)
+        try:
+            out_t = run_triton(*args)
+            t_triton = do_bench(lambda: run_triton(*args), warmup=warmup, rep=rep, return_mode="median") * 1e3
+            say(f"[{name}] {gemm} (k_dim={k_dim}, n_dim={d}) triton: {t_triton:.1f} us, {flop / t_triton * 1e-6:.1f} TFLOPS")
+        except Exception:  # noqa: BLE001
+            say(f"[{name}] {gemm} triton ERROR"), traceback.print_exc()
+            continue
+        ref = None
+        if with_ref:
+            try:
+                ref = reference(inp, w, wl, None, sorted_rows, offsets)
+                say(f"[{name}] {gemm} triton rel err vs fp32 ref {rel_err(out_t, ref):.3g}")
+            except Exception:  # noqa: BLE001
+                say(f"[{name}] {gemm} reference ERROR"), traceback.print_exc()
+        for tile in tiles:
+            head = f"[{name}] {gemm} gluon {tile_name(tile, wl)}:"
+            try:
+                out_g = gluon_on_nan(*args, tile)
+                diff = (out_g.float() - out_t.float()).abs().max().item()
+                same = torch.equal(out_g, out_t)
+                extra = f", rel err vs fp32 ref {rel_err(out_g, ref):.3g}" if ref is not None else ""
+                say(f"{head} max|gluon - triton| {diff:.3g}, bit-equal {same}{extra}")
+                t = do_bench(lambda: run_gluon(*args, tile, out=out_g), warmup=warmup, rep=rep,
+                             return_mode="median") * 1e3
+                say(f"{head} {t:.1f} us, {flop / t * 1e-6:.1f} TFLOPS, gluon/triton time {t / t_triton:.3f}")
+                rows.append((name, gemm, tile_name(tile, wl), t_triton, flop / t_triton * 1e-6, t, flop / t * 1e-6,
+                             t / t_triton, diff, same))
+            except Exception:  # noqa: BLE001
+                say(f"{head} ERROR"), traceback.print_exc()
+        del ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="7b-256,qwen3,olmoe", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--tiles", default="auto", help="comma list of `auto` or MxNxKxS[xG[xC[xL]]] Gluon configs")
+    ap.add_argument("--gemms", default=",".join(GEMMS), help="comma list of Y, dX~")
+    ap.add_argument("--small-grids", default="sms,2", help="grids of the small case: `sms` (one CTA per SM) or a count")
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--no-ref", action="store_true", help="skip the float32 torch reference of the big shapes")
+    ap.add_argument("--skip-small", action="store_true", help="skip the uneven/empty-expert correctness case")
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm90 (no GPU needed) and report registers")
+    args = ap.parse_args()
+    shapes = [s for s in args.shapes.split(",") if s]
+    gemms = [g for g in args.gemms.split(",") if g]
+    grids = [None if g == "sms" else int(g) for g in args.small_grids.split(",") if g]
+    tiles = [None if t == "auto" else gs.ScatterTile.parse(t) for t in args.tiles.split(",") if t]
+    import triton
+
+    say(f"triton {triton.__version__}, torch {torch.__version__}, gluon available: {gs.HAS_GLUON}"
+        + ("" if gs.HAS_GLUON else f" ({gs.GLUON_IMPORT_ERROR})"))
+    say("command: PYTHONPATH=. python " + " ".join(sys.argv))
+    if args.compile_only:
+        compile_only(tiles)
+        return
+    say(f"device: {torch.cuda.get_device_name()}")
+    for tile in tiles:  # the registers of what will run (the launcher compiles the same code)
+        for gemm in gemms:
+            wl = W_LAYOUT[gemm]
+            try:
+                say(f"[compile] {gemm} {tile_name(tile, wl)}: "
+                    + ptxas_usage(gs.compile_sm90(w_layout=wl, tile=resolve(tile, wl))))
+            except Exception as exc:  # noqa: BLE001
+                say(f"[compile] {gemm} {tile_name(tile, wl)}: FAILED {type(exc).__name__}: {exc}")
+    if not args.skip_small:
+        small_case(tiles, gemms, grids)
+    rows = []
+    for name in shapes:
+        try:
+            rows += bench_shape(name, tiles, args.warmup, args.rep, not args.no_ref, gemms)
+        except Exception:  # noqa: BLE001
+            say(f"[{name}] ERROR"), traceback.print_exc()
+    say("\n| shape | GEMM | gluon tile | triton us | triton TFLOPS | gluon us | gluon TFLOPS | gluon/triton time "
+        "| max abs diff | bit-equal |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        say(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.3f} "
+            f"| {r[8]:.3g} | {r[9]} |")
+
+
+if __name__ == "__main__":
+    main()
