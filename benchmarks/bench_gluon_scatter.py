@@ -30,7 +30,6 @@ kernel fault: a launch failure poisons the CUDA context for every case after it)
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import traceback
@@ -38,24 +37,14 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_gluon_wgrad import ptxas_usage  # noqa: E402
+from gluon_bench_common import (  # noqa: E402
+    bench_and_tabulate, compare_and_time, make_parser, rel_err, report_compile, routed_shape, say, say_versions)
 
 from codegen.kernels import gluon_scatter as gs  # noqa: E402
 
-# name: (T, d, n, E, K), as in bench_layer.SHAPES
-SHAPES = {
-    "7b-256": (24576, 1536, 256, 128, 8),
-    "qwen3": (16384, 2048, 768, 128, 8),
-    "olmoe": (16384, 2048, 1024, 64, 8),
-}
 GEMMS = ("Y", "dX~")
 W_LAYOUT = {"Y": 1, "dX~": 2}
-
-
-def say(*args):
-    print(*args, flush=True)
 
 
 def resolve(tile, w_layout):
@@ -73,10 +62,7 @@ def compile_only(tiles):
         for tile in tiles:
             for has_bias in (False, True):
                 head = f"[compile sm90] {gemm} (w_layout {wl}, bias {has_bias}) {tile_name(tile, wl)}:"
-                try:
-                    say(head, ptxas_usage(gs.compile_sm90(w_layout=wl, has_bias=has_bias, tile=resolve(tile, wl))))
-                except Exception as exc:  # noqa: BLE001 - report and go on
-                    say(head, "FAILED", f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}")
+                report_compile(head, lambda: gs.compile_sm90(w_layout=wl, has_bias=has_bias, tile=resolve(tile, wl)))
 
 
 # ------------------------------------------------------------------------------------------ GPU runs
@@ -104,10 +90,6 @@ def reference(inp, w, w_layout, bias, sorted_rows, offsets):
             y += bias[e].float()
         out[slots[lo:hi]] = y
     return out
-
-
-def rel_err(x, ref):
-    return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def run_triton(inp, w, w_layout, bias, sorted_rows, offsets, n_dim):
@@ -169,78 +151,34 @@ def small_case(tiles, gemms=GEMMS, grids=(None, 2)):
 
 
 def bench_shape(name, tiles, warmup, rep, with_ref, gemms=GEMMS):
-    from triton.testing import do_bench
-
-    from codegen import triton_moe
-
-    T, d, n, E, K = SHAPES[name]
+    (T, d, n, E, K), sorted_rows, offsets, gen = routed_shape(name)
     TK = T * K
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randn(T, E, device="cuda", generator=gen).topk(K, -1).indices
-    sorted_rows, offsets = triton_moe.route(ids, E)
-    sizes = offsets.diff()
-    say(f"\n[{name}] T={T} d={d} n={n} E={E} K={K} TK={TK}; rows per expert min {sizes.min().item()} "
-        f"max {sizes.max().item()}")
     rows = []
     for gemm in gemms:
         inp, w, wl, k_dim = operands(gemm, T, d, n, E, K, gen)
-        flop = 2 * TK * k_dim * d
         args = (inp, w, wl, None, sorted_rows, offsets, d)
-        try:
-            out_t = run_triton(*args)
-            t_triton = do_bench(lambda: run_triton(*args), warmup=warmup, rep=rep, return_mode="median") * 1e3
-            say(f"[{name}] {gemm} (k_dim={k_dim}, n_dim={d}) triton: {t_triton:.1f} us, {flop / t_triton * 1e-6:.1f} TFLOPS")
-        except Exception:  # noqa: BLE001
-            say(f"[{name}] {gemm} triton ERROR"), traceback.print_exc()
-            continue
-        ref = None
-        if with_ref:
-            try:
-                ref = reference(inp, w, wl, None, sorted_rows, offsets)
-                say(f"[{name}] {gemm} triton rel err vs fp32 ref {rel_err(out_t, ref):.3g}")
-            except Exception:  # noqa: BLE001
-                say(f"[{name}] {gemm} reference ERROR"), traceback.print_exc()
-        for tile in tiles:
-            head = f"[{name}] {gemm} gluon {tile_name(tile, wl)}:"
-            try:
-                out_g = gluon_on_nan(*args, tile)
-                diff = (out_g.float() - out_t.float()).abs().max().item()
-                same = torch.equal(out_g, out_t)
-                extra = f", rel err vs fp32 ref {rel_err(out_g, ref):.3g}" if ref is not None else ""
-                say(f"{head} max|gluon - triton| {diff:.3g}, bit-equal {same}{extra}")
-                t = do_bench(lambda: run_gluon(*args, tile, out=out_g), warmup=warmup, rep=rep,
-                             return_mode="median") * 1e3
-                say(f"{head} {t:.1f} us, {flop / t * 1e-6:.1f} TFLOPS, gluon/triton time {t / t_triton:.3f}")
-                rows.append((name, gemm, tile_name(tile, wl), t_triton, flop / t_triton * 1e-6, t, flop / t * 1e-6,
-                             t / t_triton, diff, same))
-            except Exception:  # noqa: BLE001
-                say(f"{head} ERROR"), traceback.print_exc()
-        del ref
-        torch.cuda.empty_cache()
+        rows += compare_and_time(
+            name, gemm, f"(k_dim={k_dim}, n_dim={d})", 2 * TK * k_dim * d,
+            run_triton=lambda: run_triton(*args),
+            reference=(lambda: reference(inp, w, wl, None, sorted_rows, offsets)) if with_ref else None,
+            tiles=tiles, tile_name=lambda tile: tile_name(tile, wl),
+            gluon_on_nan=lambda tile: gluon_on_nan(*args, tile),
+            run_gluon=lambda tile, out: run_gluon(*args, tile, out=out),
+            warmup=warmup, rep=rep)
     return rows
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="7b-256,qwen3,olmoe", help=f"comma list of {', '.join(SHAPES)}")
-    ap.add_argument("--tiles", default="auto", help="comma list of `auto` or MxNxKxS[xG[xC[xL]]] Gluon configs")
-    ap.add_argument("--gemms", default=",".join(GEMMS), help="comma list of Y, dX~")
-    ap.add_argument("--small-grids", default="sms,2", help="grids of the small case: `sms` (one CTA per SM) or a count")
-    ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=100)
-    ap.add_argument("--no-ref", action="store_true", help="skip the float32 torch reference of the big shapes")
-    ap.add_argument("--skip-small", action="store_true", help="skip the uneven/empty-expert correctness case")
-    ap.add_argument("--compile-only", action="store_true", help="compile for sm90 (no GPU needed) and report registers")
+    ap = make_parser(
+        __doc__, "comma list of `auto` or MxNxKxS[xG[xC[xL]]] Gluon configs",
+        (["--gemms"], dict(default=",".join(GEMMS), help="comma list of Y, dX~")),
+        (["--small-grids"], dict(default="sms,2", help="grids of the small case: `sms` (one CTA per SM) or a count")))
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     gemms = [g for g in args.gemms.split(",") if g]
     grids = [None if g == "sms" else int(g) for g in args.small_grids.split(",") if g]
     tiles = [None if t == "auto" else gs.ScatterTile.parse(t) for t in args.tiles.split(",") if t]
-    import triton
-
-    say(f"triton {triton.__version__}, torch {torch.__version__}, gluon available: {gs.HAS_GLUON}"
-        + ("" if gs.HAS_GLUON else f" ({gs.GLUON_IMPORT_ERROR})"))
-    say("command: PYTHONPATH=. python " + " ".join(sys.argv))
+    say_versions(gs)
     if args.compile_only:
         compile_only(tiles)
         return
@@ -248,25 +186,11 @@ def main():
     for tile in tiles:  # the registers of what will run (the launcher compiles the same code)
         for gemm in gemms:
             wl = W_LAYOUT[gemm]
-            try:
-                say(f"[compile] {gemm} {tile_name(tile, wl)}: "
-                    + ptxas_usage(gs.compile_sm90(w_layout=wl, tile=resolve(tile, wl))))
-            except Exception as exc:  # noqa: BLE001
-                say(f"[compile] {gemm} {tile_name(tile, wl)}: FAILED {type(exc).__name__}: {exc}")
+            report_compile(f"[compile] {gemm} {tile_name(tile, wl)}:",
+                           lambda: gs.compile_sm90(w_layout=wl, tile=resolve(tile, wl)), last_line=False)
     if not args.skip_small:
         small_case(tiles, gemms, grids)
-    rows = []
-    for name in shapes:
-        try:
-            rows += bench_shape(name, tiles, args.warmup, args.rep, not args.no_ref, gemms)
-        except Exception:  # noqa: BLE001
-            say(f"[{name}] ERROR"), traceback.print_exc()
-    say("\n| shape | GEMM | gluon tile | triton us | triton TFLOPS | gluon us | gluon TFLOPS | gluon/triton time "
-        "| max abs diff | bit-equal |")
-    say("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        say(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.3f} "
-            f"| {r[8]:.3g} | {r[9]} |")
+    bench_and_tabulate(shapes, lambda name: bench_shape(name, tiles, args.warmup, args.rep, not args.no_ref, gemms))
 
 
 if __name__ == "__main__":

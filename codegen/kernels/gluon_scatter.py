@@ -45,8 +45,9 @@ the next expert's rows (or zeros past TK); they are computed and never stored. T
 k_dim reads zeros on both operands (the weight descriptor is 3-D: the tail never reaches into the
 next expert's rows).
 
-Gluon (`triton.experimental.gluon`) is experimental: written against Triton 3.6. Importing this
-module never fails; `HAS_GLUON` says whether the kernel can be built, `GLUON_IMPORT_ERROR` why not.
+Written against Triton 3.6's Gluon (`triton.experimental.gluon`, experimental). Importing this
+module never fails (the guarded import is `gluon_common`'s, shared with `gluon_wgrad` with the
+layouts): `HAS_GLUON` says whether the kernel can be built, `GLUON_IMPORT_ERROR` why not.
 """
 from __future__ import annotations
 
@@ -54,23 +55,9 @@ from dataclasses import dataclass
 
 import triton
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAS_GLUON = True
-    GLUON_IMPORT_ERROR = None
-except ImportError as exc:  # no Gluon (older Triton) or a Gluon without the Hopper ops
-    HAS_GLUON = False
-    GLUON_IMPORT_ERROR = exc
+from .gluon_common import (GLUON_IMPORT_ERROR, HAS_GLUON, TensorDescriptor, bf16_desc_type, compile_for_sm90,
+                           copy_layout, fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
+                           warpgroup_mma_wait, wgmma_acc_layout)
 
 
 @dataclass(frozen=True)
@@ -141,17 +128,6 @@ def weight_block(tile: ScatterTile, w_layout: int) -> list[int]:
 
 
 if HAS_GLUON:
-
-    @gluon.constexpr_function
-    def _copy_layout(rows, cols, num_warps):
-        """A [rows, cols] 16-bit tile, 8 contiguous columns (16 bytes) per thread, a row's threads adjacent."""
-        per_row = min(32, cols // 8)
-        return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [num_warps, 1], [1, 0])
-
-    @gluon.constexpr_function
-    def _acc_layout(block_n, num_warps):
-        """wgmma accumulator: the warpgroup's warps stacked along M (16 rows each), one instruction N = BLOCK_N."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 16])
 
     @gluon.constexpr_function
     def _expert_layout(num_warps):
@@ -240,8 +216,8 @@ if HAS_GLUON:
     ):
         """One consumer warpgroup (ROLE 0: the default partition, 1: a worker): items ROLE, ROLE + 2, ..."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
-        acc_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
-        out_layout: gl.constexpr = _copy_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
+        acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, NUM_WARPS)
+        out_layout: gl.constexpr = copy_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
         lo, hi, tiles, cum, num_m, num_n, mine = _num_items(offsets_ptr, n_dim, E, BLOCK_M, BLOCK_N, E_POW2)
         ksteps = gl.cdiv(k_dim, BLOCK_K)
         pid = gl.program_id(0)
@@ -412,29 +388,15 @@ def compile_sm90(*, w_layout: int, E: int = 128, has_bias: bool = False, tile: S
     """Compile the kernel for sm90 without a GPU (triton.compile on a GPUTarget); returns the
     CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`). Argument specialization as
     the launcher's would be (16-divisible pointers, k_dim and n_dim)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     tile = tile or default_tile(w_layout)
-    in_block = [tile.block_m, tile.block_k]
-    w_block = weight_block(tile, w_layout)
-    in_layout = gl.NVMMASharedLayout.get_default_for(in_block, gl.bfloat16)
-    w_layout_smem = gl.NVMMASharedLayout.get_default_for(w_block, gl.bfloat16)
-    fn = _gluon_scatter_kernel
     signature = {
-        "in_desc": f"tensordesc<bf16[{in_block[0]}, {in_block[1]}],{in_layout!r}>",
-        "w_desc": f"tensordesc<bf16[{', '.join(map(str, w_block))}],{w_layout_smem!r}>",
+        "in_desc": bf16_desc_type([tile.block_m, tile.block_k]), "w_desc": bf16_desc_type(weight_block(tile, w_layout)),
         "bias_ptr": "*bf16", "sorted_rows_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": "*bf16",
         "k_dim": "i32", "n_dim": "i32", "E": "i32", "stride_bias_e": "i32",
     }
     constexprs = dict(HAS_BIAS=has_bias, W_LAYOUT=w_layout, E_POW2=_e_pow2(E), BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=tile.stages,
                       CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, LOADER_WARPS=tile.loader_warps)
-    for k in constexprs:
-        signature[k] = "constexpr"
-    signature = {k: signature[k] for k in fn.arg_names}
     divisible = ["bias_ptr", "sorted_rows_ptr", "offsets_ptr", "out_ptr", "k_dim", "n_dim", "stride_bias_e"]
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible}
-    src = GluonASTSource(fn, signature, constexprs, attrs)
-    options = dict(num_warps=4, maxnreg=tile.kernel_maxnreg())
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+    return compile_for_sm90(_gluon_scatter_kernel, signature, constexprs, divisible, num_warps=4,
+                            maxnreg=tile.kernel_maxnreg(), capability=capability)

@@ -35,8 +35,9 @@ the gathered rows there are zero, unless they hold inf or NaN (0 * inf = NaN), w
 makes this expert's dW NaN. Such a value in dH or A' makes dX~ = dH W1 or the forward's output
 non-finite as well, and with it every gradient upstream; the Triton kernel masks both operands.
 
-Gluon (`triton.experimental.gluon`) is experimental: written against Triton 3.6. Importing this
-module never fails; `HAS_GLUON` says whether the kernel can be built, `GLUON_IMPORT_ERROR` why not.
+Gluon (`triton.experimental.gluon`) is experimental: written against Triton 3.6. `gluon_common`
+holds the guarded Gluon import and the layouts shared with `gluon_scatter`: importing this module
+never fails; `HAS_GLUON` says whether the kernel can be built, `GLUON_IMPORT_ERROR` why not.
 """
 from __future__ import annotations
 
@@ -44,24 +45,9 @@ from dataclasses import dataclass
 
 import triton
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAS_GLUON = True
-    GLUON_IMPORT_ERROR = None
-except ImportError as exc:  # no Gluon (older Triton) or a Gluon without the Hopper ops
-    HAS_GLUON = False
-    GLUON_IMPORT_ERROR = exc
+from .gluon_common import GLUON_IMPORT_ERROR, HAS_GLUON, TensorDescriptor, gl, gluon
+from .gluon_common import bf16_desc_type, compile_for_sm90, copy_layout, wgmma_acc_layout
+from .gluon_common import async_copy, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 
 @dataclass(frozen=True)
@@ -119,17 +105,6 @@ class WgradTile:
 
 if HAS_GLUON:
 
-    @gluon.constexpr_function
-    def _copy_layout(rows, cols, num_warps):
-        """A [rows, cols] 16-bit tile, 8 contiguous columns (16 bytes) per thread, a row's threads adjacent."""
-        per_row = min(32, cols // 8)
-        return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [num_warps, 1], [1, 0])
-
-    @gluon.constexpr_function
-    def _acc_layout(block_p, block_q, num_warps):
-        """wgmma accumulator: warps stacked along P (16 rows each), one instruction as wide as the tile."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_q, 16])
-
     @gluon.jit
     def _tile_coords(tile, num_p, num_q):
         """(expert, p-tile, q-tile) of output tile `tile`, q fastest."""
@@ -170,7 +145,7 @@ if HAS_GLUON:
     ):
         """Worker partition: per ring slot, the dense tile by TMA and the gathered tile by cp.async."""
         BLOCK_G: gl.constexpr = BLOCK_P if GATHER_LHS else BLOCK_Q  # gathered tile width
-        layout: gl.constexpr = _copy_layout(BLOCK_M, BLOCK_G, gl.num_warps())
+        layout: gl.constexpr = copy_layout(BLOCK_M, BLOCK_G, gl.num_warps())
         row_layout: gl.constexpr = gl.SliceLayout(1, layout)
         DENSE_BYTES: gl.constexpr = dense_desc.block_type.nbytes
         G = P if GATHER_LHS else Q  # the gathered operand's width
@@ -229,8 +204,8 @@ if HAS_GLUON:
     ):
         """Default partition: wgmma over the ring, one MMA in flight, then each tile's epilogue."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
-        acc_layout: gl.constexpr = _acc_layout(BLOCK_P, BLOCK_Q, NUM_WARPS)
-        out_layout: gl.constexpr = _copy_layout(BLOCK_P, BLOCK_Q, NUM_WARPS)
+        acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_Q, NUM_WARPS)
+        out_layout: gl.constexpr = copy_layout(BLOCK_P, BLOCK_Q, NUM_WARPS)
         if GATHER_LHS:
             lhs_bufs = gath_bufs
             rhs_bufs = dense_bufs
@@ -384,28 +359,16 @@ def compile_sm90(*, gather_lhs: bool, P: int, Q: int, top_k: int, tile: WgradTil
     """Compile the kernel for sm90 without a GPU (triton.compile on a GPUTarget); returns the
     CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.n_regs`, `.n_spills` once loaded). Argument
     specialization as the launcher's would be (16-divisible pointers and sizes, stride_dw_q = 1)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     tile = tile or default_tile(gather_lhs)
-    block = dense_block(tile, gather_lhs)
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    fn = _gluon_wgrad_kernel
     signature = {
-        "dense_desc": f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>",
+        "dense_desc": bf16_desc_type(dense_block(tile, gather_lhs)),
         "gath_ptr": "*bf16", "sorted_rows_ptr": "*i32", "offsets_ptr": "*i32", "dw_ptr": "*bf16",
-        "P": "i32", "Q": "i32", "E": "i32", "stride_gath_r": "i32",
-        "stride_dw_e": "i32", "stride_dw_p": "i32", "stride_dw_q": "constexpr",
+        "P": "i32", "Q": "i32", "E": "i32", "stride_gath_r": "i32", "stride_dw_e": "i32", "stride_dw_p": "i32",
     }
     constexprs = dict(stride_dw_q=1, TOP_K=top_k, GATHER_LHS=gather_lhs, BLOCK_P=tile.block_p, BLOCK_Q=tile.block_q,
                       BLOCK_M=tile.block_m, STAGES=tile.stages, LOADER_WARPS=tile.loader_warps,
                       LOADER_REGS=tile.loader_regs)
-    for k in constexprs:
-        signature[k] = "constexpr"
-    signature = {k: signature[k] for k in fn.arg_names}
     divisible = ["gath_ptr", "sorted_rows_ptr", "offsets_ptr", "dw_ptr", "P", "Q", "stride_gath_r", "stride_dw_e",
                  "stride_dw_p"]
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible}
-    src = GluonASTSource(fn, signature, constexprs, attrs)
-    options = dict(num_warps=tile.num_warps, maxnreg=tile.kernel_maxnreg())
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+    return compile_for_sm90(_gluon_wgrad_kernel, signature, constexprs, divisible, num_warps=tile.num_warps,
+                            maxnreg=tile.kernel_maxnreg(), capability=capability)
