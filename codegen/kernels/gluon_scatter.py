@@ -1,4 +1,5 @@
-"""Hopper (sm90) scatter GEMM in Gluon: an experiment against `grouped_gemm._scatter_gemm_tma_kernel`.
+"""Hopper (sm90) scatter GEMM in Gluon, a candidate beside `grouped_gemm._scatter_gemm_tma_kernel`
+that `wgrad_choice` times at each key's first call (`triton_moe.triton_moe_scatter_gemm`).
 
     out[sorted_rows[r]] = In[r] @ B[e] (+ bias[e])   for expert e's rows r in [offsets[e], offsets[e+1])
 
