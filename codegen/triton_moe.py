@@ -64,6 +64,7 @@ from .kernels.routing import (
     _route_prefix_kernel,
     _route_small_kernel,
     _slot_check_kernel,
+    e_pow2,
 )
 from . import wgrad_choice
 from .reference import PAD, tokens_of_slots
@@ -332,10 +333,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _e_pow2(E: int) -> int:
-    return max(2, triton.next_power_of_2(E))
-
-
 class Bank(NamedTuple):
     """One projection's expert weights as the GEMM kernels address them.
 
@@ -556,7 +553,7 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
         w1_out if b1 is not None else 0, 1,
         float(alpha), float(limit),
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
-        HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=_e_pow2(E),
+        HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=e_pow2(E),
         DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table, W_ALIGN=align,
         W_DESC=w_desc,
     )
@@ -586,7 +583,7 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
                     _scatter_tma, grid,
                     in_d, w_d, biasc, sorted_rows, offsets, out,
                     TK, k_dim, n_dim, E, n_dim,
-                    HAS_BIAS=bias is not None, E_POW2=_e_pow2(E), W_DESC=w_desc,
+                    HAS_BIAS=bias is not None, E_POW2=e_pow2(E), W_DESC=w_desc,
                 )
                 return out
 
@@ -611,7 +608,7 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
         inp, w_ptr, biasc, sorted_rows, offsets, out, w_table,
         TK, k_dim, n_dim, E, split,
         *w_strides, n_dim,
-        HAS_BIAS=bias is not None, E_POW2=_e_pow2(E), DOT_PRECISION=_dot_precision(inp.dtype),
+        HAS_BIAS=bias is not None, E_POW2=e_pow2(E), DOT_PRECISION=_dot_precision(inp.dtype),
         W_TABLE=has_table, SPLIT_K=split > 0, W_ALIGN=align,
     )
     return out
@@ -682,7 +679,7 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
         0, 0,
         0.0, 0.0,
         ACTIVATION=_IDENTITY, GATED=False, INTERLEAVED=False,
-        HAS_B1=False, STORE_H=False, STORE_A=True, E_POW2=_e_pow2(E),
+        HAS_B1=False, STORE_H=False, STORE_A=True, E_POW2=e_pow2(E),
         DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table, W_ALIGN=align,
         W_DESC=w_desc,
     )

@@ -59,6 +59,7 @@ import triton
 from .gluon_common import (GLUON_IMPORT_ERROR, HAS_GLUON, TensorDescriptor, bf16_desc_type, compile_for_sm90,
                            copy_layout, fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
                            warpgroup_mma_wait, wgmma_acc_layout)
+from .routing import e_pow2
 
 
 @dataclass(frozen=True)
@@ -112,10 +113,6 @@ class ScatterTile:
     def kwargs(self) -> dict:
         """The fields as `gluon_scatter_gemm(**tile)` takes them."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
-
-    def smem_bytes(self, elem_bytes: int = 2) -> int:
-        """The ring (the compiler adds its layout-conversion scratch: 2 x 8 KB at 128x128)."""
-        return self.stages * self.block_k * (self.block_m + self.block_n) * elem_bytes
 
     def kernel_maxnreg(self) -> int:
         # 4 + 4 consumer warps + the loader's 1-4; registers are handed out by warpgroup: 12 warps
@@ -312,10 +309,6 @@ def default_tile(w_layout: int, k_dim: int | None = None) -> ScatterTile:
     return ScatterTile()
 
 
-def _e_pow2(E: int) -> int:
-    return max(2, triton.next_power_of_2(E))
-
-
 def supports(inp, w, w_layout: int, bias=None, *, n_dim: int) -> str | None:
     """None if `gluon_scatter_gemm` runs these operands, else why not."""
     import torch
@@ -376,7 +369,7 @@ def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, n
     _gluon_scatter_kernel[grid](
         in_desc, w_desc, inp if bias is None else bias, sorted_rows, offsets, out,
         k_dim, n_dim, E, 0 if bias is None else bias.stride(0),
-        HAS_BIAS=bias is not None, W_LAYOUT=w_layout, E_POW2=_e_pow2(E),
+        HAS_BIAS=bias is not None, W_LAYOUT=w_layout, E_POW2=e_pow2(E),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, LOADER_WARPS=cfg.loader_warps,
         num_warps=4, maxnreg=cfg.kernel_maxnreg(),
@@ -395,7 +388,7 @@ def compile_sm90(*, w_layout: int, E: int = 128, has_bias: bool = False, tile: S
         "bias_ptr": "*bf16", "sorted_rows_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": "*bf16",
         "k_dim": "i32", "n_dim": "i32", "E": "i32", "stride_bias_e": "i32",
     }
-    constexprs = dict(HAS_BIAS=has_bias, W_LAYOUT=w_layout, E_POW2=_e_pow2(E), BLOCK_M=tile.block_m,
+    constexprs = dict(HAS_BIAS=has_bias, W_LAYOUT=w_layout, E_POW2=e_pow2(E), BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=tile.stages,
                       CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, LOADER_WARPS=tile.loader_warps)
     divisible = ["bias_ptr", "sorted_rows_ptr", "offsets_ptr", "out_ptr", "k_dim", "n_dim", "stride_bias_e"]

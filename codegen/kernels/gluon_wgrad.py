@@ -95,10 +95,6 @@ class WgradTile:
         """The fields as `gluon_wgrad(**tile)` takes them."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
-    def smem_bytes(self, elem_bytes: int = 2) -> int:
-        """The ring's shared memory (the epilogue's layout conversion takes BLOCK_P x BLOCK_Q more)."""
-        return self.stages * self.block_m * (self.block_p + self.block_q) * elem_bytes
-
     def kernel_maxnreg(self) -> int:
         warps = self.num_warps + 4 * triton.cdiv(self.loader_warps, 4)  # warps are allocated by warpgroup
         return self.maxnreg or min(256, 65536 // (32 * warps) // 8 * 8)

@@ -13,6 +13,11 @@ import triton
 import triton.language as tl
 
 
+def e_pow2(E: int) -> int:
+    """E_POW2, the width of the schedule's per-expert vectors: E rounded up to a power of two (>= 2)."""
+    return max(2, triton.next_power_of_2(E))
+
+
 @triton.jit
 def _tile_schedule(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """(first row, end row, M tiles, inclusive cumsum of the M tiles) of every expert, as E_POW2-wide
