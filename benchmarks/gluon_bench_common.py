@@ -16,13 +16,7 @@ import tempfile
 import traceback
 
 import torch
-
-# name: (T, d, n, E, K), as in bench_layer.SHAPES
-SHAPES = {
-    "7b-256": (24576, 1536, 256, 128, 8),
-    "qwen3": (16384, 2048, 768, 128, 8),
-    "olmoe": (16384, 2048, 1024, 64, 8),
-}
+from bench_layer import SHAPES  # name -> (T, d, n, E, K), as the other GEMM benchmarks take them
 
 
 def say(*args):
