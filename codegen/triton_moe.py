@@ -981,13 +981,12 @@ def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h
     db1 = None if b1 is None else torch.empty(b1.shape, dtype=b1.dtype, device=b1.device)
     wgrad2 = dict(gather_lhs=True, gather_rhs=False, db=db2, s_flat=s_flat)  # dW2 as [E, P=d, Q=n]
     wgrad1 = dict(gather_lhs=False, gather_rhs=True, db=db1)  # dW1 as [E, P=w1_out, Q=d]
-    routed = dict(offsets=expert_offsets, top_k=K, row_token=row_token)
     es = x.element_size()
     order, _ = backward_order(
         a_scaled=a_scaled.numel() * es, dh=dh.numel() * es, dx_rows=TK * d * es, dx=T * d * es,
         dw1=dw1.like.numel() * dw1.like.element_size(), dw2=dw2.like.numel() * dw2.like.element_size(),
-        dw1_copy=_wgrad_copy_bytes(dh, x, dw1, **wgrad1, s_flat=None, **routed),
-        dw2_copy=_wgrad_copy_bytes(grad_out, a_scaled, dw2, **wgrad2, **routed))
+        dw1_copy=_wgrad_copy_bytes(dh, x, dw1, **wgrad1, s_flat=None, **routing),
+        dw2_copy=_wgrad_copy_bytes(grad_out, a_scaled, dw2, **wgrad2, **routing))
     dh_last = max(order.index("dw1"), order.index("dx"))
     grads = {}
     for i, step in enumerate(order):
