@@ -249,9 +249,24 @@ def bench_one(name, master, shape, x, dy, ref, args):
             wgrad_choice._CHOSEN.update(saved[6])
 
 
-def _bench_one(name, master, shape, x, dy, ref, args):
+def median_ms(fn, args, grad_to_none=None):
+    """do_bench's median ms of `fn`, over at least --min-steps timed calls: do_bench times
+    max(1, rep / its estimate of one call) calls, so a fixed --rep gives a 40 ms step one sample."""
     from triton.testing import do_bench
 
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one_ms = (time.perf_counter() - t0) * 1e3
+    if grad_to_none is not None:
+        for t in grad_to_none:
+            t.grad = None
+    rep = max(args.rep, args.min_steps * one_ms)
+    return do_bench(fn, warmup=args.warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def _bench_one(name, master, shape, x, dy, ref, args):
     T, d, n, E, K = shape
     fn, params = build_provider(name, master, shape)
     xg = x.detach().clone().requires_grad_()
@@ -293,15 +308,15 @@ def _bench_one(name, master, shape, x, dy, ref, args):
     def fwd():
         fn(xg)
 
-    t_fwd = do_bench(fwd, warmup=args.warmup, rep=args.rep, grad_to_none=leaves, return_mode="median")
-    t_all = do_bench(step, warmup=args.warmup, rep=args.rep, grad_to_none=leaves, return_mode="median")
+    t_fwd = median_ms(fwd, args, grad_to_none=leaves)
+    t_all = median_ms(step, args, grad_to_none=leaves)
     t_bwd = max(t_all - t_fwd, 1e-6)
     flop = T * K * d * n
     graph = {}
     if args.cuda_graph:  # the step's GPU time alone: replayed from a CUDA graph, no host launch cost
         try:
             replay = graphed(step, zero)
-            t_graph = do_bench(replay, warmup=args.warmup, rep=args.rep, return_mode="median")
+            t_graph = median_ms(replay, args)
             graph = dict(graph_fwdbwd_ms=t_graph, graph_fwdbwd_tflops=18 * flop / t_graph * 1e-9)
         except Exception as exc:  # a provider that cannot be captured keeps its other figures
             print(f"  {name}: no CUDA graph ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
@@ -361,6 +376,8 @@ def main():
     ap.add_argument("--out", default="out/bench_layer")
     ap.add_argument("--warmup", type=int, default=50, help="ms of warm-up per timing (do_bench)")
     ap.add_argument("--rep", type=int, default=300, help="ms of timed repeats per timing (do_bench)")
+    ap.add_argument("--min-steps", type=int, default=10,
+                    help="at least this many timed calls per timing: --rep grows to cover them at long steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--breakdown", action="store_true", help="also print our per-kernel times and tuned configs")
     ap.add_argument("--cuda-graph", action="store_true",
