@@ -828,6 +828,11 @@ def _wgrad_copy_bytes(lhs, rhs, out: GradBuffer, *, gather_lhs, offsets, top_k, 
 BACKWARD_STEPS = ("dw2", "dw1", "dx")
 
 
+def _dh_last(order: tuple[str, ...]) -> int:
+    """The step of `order` after which dH is dead: the later of its readers, dW1 and dX~."""
+    return max(order.index("dw1"), order.index("dx"))
+
+
 def backward_peak(order: tuple[str, ...], *, a_scaled: int, dh: int, dw1: int, dw2: int, dx_rows: int, dx: int,
                   dw1_copy: int = 0, dw2_copy: int = 0) -> int:
     """The most bytes the backward's three products hold at once when run in `order` (a permutation
@@ -840,7 +845,7 @@ def backward_peak(order: tuple[str, ...], *, a_scaled: int, dh: int, dw1: int, d
     dH dies after the later of "dw1" and "dx". Buffers held throughout (x, dO, H) are the same in
     every order and left out."""
     live, peak = a_scaled + dh, 0
-    dh_last = max(order.index("dw1"), order.index("dx"))
+    dh_last = _dh_last(order)
     for i, step in enumerate(order):
         if step == "dw2":
             peak = max(peak, live + dw2 + dw2_copy)
@@ -987,7 +992,7 @@ def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h
         dw1=dw1.like.numel() * dw1.like.element_size(), dw2=dw2.like.numel() * dw2.like.element_size(),
         dw1_copy=_wgrad_copy_bytes(dh, x, dw1, **wgrad1, s_flat=None, **routing),
         dw2_copy=_wgrad_copy_bytes(grad_out, a_scaled, dw2, **wgrad2, **routing))
-    dh_last = max(order.index("dw1"), order.index("dx"))
+    dh_last = _dh_last(order)
     grads = {}
     for i, step in enumerate(order):
         if step == "dw2":
