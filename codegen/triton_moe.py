@@ -457,8 +457,9 @@ def _offset_table(first: list[Tensor], second: list[Tensor] | None, second_shift
 _SMALL_ROUTE_WORK = 2**18
 
 
-# Up to this many buckets (E < 512), larger batches route in three launches over pieces of the
-# slots (`_route_pieces`); beyond, the [BLOCK, buckets] tiles grow too wide and the torch sort runs.
+# Up to this many buckets (E <= 512, or E < 512 with padding), larger batches route in three launches
+# over pieces of the slots (`_route_pieces`); beyond, the [BLOCK, buckets] tiles grow too wide and the
+# torch sort runs.
 _PIECES_MAX_BUCKETS = 512
 _MAX_PIECES = 256
 
@@ -490,7 +491,9 @@ def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tenso
     """
     flat = topk_ids.reshape(-1).contiguous()  # the kernels index it densely
     TK = flat.numel()
-    buckets = triton.next_power_of_2(E + 1)  # E + 1 >= the buckets, and offsets has E + 1 entries
+    # the experts, and the padding slots' bucket E in the slot form: 128 experts take 128 buckets,
+    # not 256 (the piece kernels' work grows with slots x buckets)
+    buckets = max(2, triton.next_power_of_2(E + padded))
     small = TK * buckets <= _SMALL_ROUTE_WORK
     if (small or buckets <= _PIECES_MAX_BUCKETS) and flat.device.type == "cpu" and TK:
         # the interpreter skips the kernels' device asserts; a CPU check costs no sync

@@ -556,7 +556,7 @@ def test_out_of_range_expert_id_raises(tm):
 
 
 @pytest.mark.parametrize("E,TK", [(1, 5), (6, 0), (6, 37), (64, 300), (200, 1024), (256, 1024), (256, 1025),
-                                  (64, 9000), (1, 140000), (600, 700)])
+                                  (64, 9000), (128, 4096), (512, 3000), (1, 140000), (600, 700)])
 @pytest.mark.parametrize("padded", [False, True])
 def test_route_matches_torch_route(tm, E, TK, padded):
     """The three routing paths (one program up to 2**18 slot x bucket pairs; beyond, pieces of the

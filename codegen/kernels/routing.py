@@ -80,6 +80,14 @@ def _place_chunk(slot, live, ids, bucket, placed, sorted_rows_ptr):
     return placed + tl.sum(hit, 0)
 
 
+@triton.jit
+def _store_offsets(offsets_ptr, bucket, counts, prefix, E):
+    """offsets [E+1]: the buckets' exclusive prefix, then the experts' total. The total is stored on
+    its own: with E a power of two and no padding bucket, there is no bucket E to carry it."""
+    tl.store(offsets_ptr + bucket, prefix, mask=bucket < E)
+    tl.store(offsets_ptr + E, tl.sum(tl.where(bucket < E, counts, 0), 0))
+
+
 @triton.jit(do_not_specialize=["TK"], debug=True)
 def _route_small_kernel(ids_ptr, sorted_rows_ptr, offsets_ptr, TK, E,
                         PADDED: tl.constexpr, B_POW2: tl.constexpr, BLOCK: tl.constexpr):
@@ -100,7 +108,7 @@ def _route_small_kernel(ids_ptr, sorted_rows_ptr, offsets_ptr, TK, E,
         _, live, ids = _chunk_ids(ids_ptr, start, TK, E, PADDED, BLOCK)
         counts += _chunk_counts(live, ids, bucket, n_buckets)
     placed = tl.cumsum(counts, 0) - counts  # exclusive prefix: the first row of each bucket
-    tl.store(offsets_ptr + bucket, placed, mask=bucket <= E)
+    _store_offsets(offsets_ptr, bucket, counts, placed, E)
     for start in range(0, TK, BLOCK):
         slot, live, ids = _chunk_ids(ids_ptr, start, TK, E, PADDED, BLOCK)
         placed = _place_chunk(slot, live, ids, bucket, placed, sorted_rows_ptr)
@@ -157,7 +165,7 @@ def _route_prefix_kernel(counts_ptr, offsets_ptr, n_pieces, E, B_POW2: tl.conste
         c = tl.load(ptrs, mask=live, other=0)
         tl.store(ptrs, carry[None, :] + tl.cumsum(c, 0) - c, mask=live)
         carry += tl.sum(c, 0)
-    tl.store(offsets_ptr + bucket, tl.cumsum(carry, 0) - carry, mask=bucket <= E)
+    _store_offsets(offsets_ptr, bucket, carry, tl.cumsum(carry, 0) - carry, E)
 
 
 @triton.jit(do_not_specialize=["TK"])
