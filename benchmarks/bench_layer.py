@@ -329,14 +329,15 @@ def _bench_one(name, master, shape, x, dy, ref, args):
     )
 
 
-def breakdown(master, shape, x, dy, steps=5):
-    """Per-kernel CUDA time of our fwd+bwd (torch.profiler) and what each autotuner picked."""
+def breakdown(master, shape, x, dy, provider="ours", steps=5):
+    """Per-kernel CUDA time of one of our providers' fwd+bwd (torch.profiler) and what each
+    autotuner picked."""
     from torch.profiler import ProfilerActivity, profile
 
     from codegen import triton_moe
 
     T, d, n, E, K = shape
-    fn, params = build_provider("ours", master, shape)
+    fn, params = build_provider(provider, master, shape)
     xg = x.detach().clone().requires_grad_()
     leaves = [xg, *params.values()]
 
@@ -358,8 +359,8 @@ def breakdown(master, shape, x, dy, steps=5):
                  "_scatter_gemm_kernel": 6 * flop, "_scatter_gemm_tma_kernel": 6 * flop,  # Y and dX~
                  "_wgrad_kernel": 6 * flop}  # dW2 and dW1
     total = sum(r[2] for r in rows)
-    print(f"  breakdown ({steps} fwd+bwd steps, us per step; total {total:.0f} us):")
-    for name, calls, us in rows[:14]:
+    print(f"  breakdown of {provider} ({steps} fwd+bwd steps, us per step; total {total:.0f} us):")
+    for name, calls, us in rows[:20]:
         extra = f"  {gemm_flop[name] / us * 1e-6:.0f} TFLOPS" if name in gemm_flop else ""
         print(f"    {us:8.1f} us  x{calls:<2} {name[:90]}{extra}")
     for tname in ("_up", "_scatter", "_dact", "_wgrad", "_up_tma", "_scatter_tma", "_dact_tma", "_wgrad_tma"):
@@ -379,7 +380,8 @@ def main():
     ap.add_argument("--min-steps", type=int, default=10,
                     help="at least this many timed calls per timing: --rep grows to cover them at long steps")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--breakdown", action="store_true", help="also print our per-kernel times and tuned configs")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print each of our providers' per-kernel times and the tuned configs")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time the fwd+bwd step replayed from a CUDA graph (its GPU time alone)")
     args = ap.parse_args()
@@ -432,7 +434,8 @@ def main():
                   + (f"  wgrad {r['wgrad_choice']}" if r.get("wgrad_choice") else ""), flush=True)
             torch.cuda.empty_cache()
         if args.breakdown:
-            breakdown(master, shape, x, dy)
+            for prov in [p for p in providers if p.startswith("ours")] or ["ours"]:
+                breakdown(master, shape, x, dy, prov)
         del master, x, dy, ref
         torch.cuda.empty_cache()
 
