@@ -3,7 +3,8 @@
 Question: how fast, and how much memory, is `codegen.ops.moe_experts` against SonicMoE, Liger,
 torch `_grouped_mm` (eager and Inductor max-autotune) and the per-expert loop, on the same inputs?
 
-    python benchmarks/bench_layer.py --shapes 7b-256,qwen3 --providers ours,sonic,liger,grouped_mm --out out/bench
+    python benchmarks/bench_layer.py --shapes 7b-256,qwen3 \\
+        --providers ours,ours-fused-router,sonic,liger,grouped_mm --out out/bench
 
 Per shape and provider: forward, backward and forward+backward model TFLOPS (6TKdn, 12TKdn, 18TKdn:
 router FLOPs not counted; backward time = fwd+bwd time - fwd time), activation memory (bytes held
@@ -16,9 +17,11 @@ launch cost (the lent H100's host takes 3-5 ms to enqueue one 7b-256 step of our
 of GPU work, so eager timings can include host waits).
 Peers run when importable (SonicMoE, Liger: see ../shared/peers/README.md; never vendored here).
 
-The router: SonicMoE runs its own; every other provider runs it as eager torch ops (`torch.topk`,
-then softmax over the k kept logits), except "ours-fused-router": `sonic::route`, the one op
-backend="sonic" fuses that router into in a model.
+The router: SonicMoE runs its own (a fused softmax-top-k kernel, plus an aux loss); every other
+provider runs it as eager torch ops (`torch.topk`, then softmax over the k kept logits), except
+"ours-fused-router": `sonic::route`, the one op backend="sonic" fuses that router into in a model.
+So "ours-fused-router" against "sonic" compares what each gives a user; "ours" isolates our experts
+op behind torch's top-k (147 us of a 7b-256 step on the H100, against SonicMoE's 6).
 """
 from __future__ import annotations
 
@@ -330,7 +333,7 @@ def _bench_one(name, master, shape, x, dy, ref, args):
 
 
 def breakdown(master, shape, x, dy, provider="ours", steps=5):
-    """Per-kernel CUDA time of one of our providers' fwd+bwd (torch.profiler) and what each
+    """Per-kernel CUDA time of a provider's fwd+bwd (torch.profiler) and, for ours, what each
     autotuner picked."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -363,6 +366,8 @@ def breakdown(master, shape, x, dy, provider="ours", steps=5):
     for name, calls, us in rows[:20]:
         extra = f"  {gemm_flop[name] / us * 1e-6:.0f} TFLOPS" if name in gemm_flop else ""
         print(f"    {us:8.1f} us  x{calls:<2} {name[:90]}{extra}")
+    if not provider.startswith("ours"):
+        return
     for tname in ("_up", "_scatter", "_dact", "_wgrad", "_up_tma", "_scatter_tma", "_dact_tma", "_wgrad_tma"):
         tuner = getattr(triton_moe, tname)
         timings = getattr(tuner, "configs_timings", None) or {}
@@ -373,7 +378,8 @@ def breakdown(master, shape, x, dy, provider="ours", steps=5):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="7b-256", help=f"comma list of {sorted(SHAPES)} or {sorted(GROUPS)}")
-    ap.add_argument("--providers", default="ours,sonic,liger,grouped_mm", help=f"comma list of {PROVIDERS}")
+    ap.add_argument("--providers", default="ours,ours-fused-router,sonic,liger,grouped_mm",
+                    help=f"comma list of {PROVIDERS}")
     ap.add_argument("--out", default="out/bench_layer")
     ap.add_argument("--warmup", type=int, default=50, help="ms of warm-up per timing (do_bench)")
     ap.add_argument("--rep", type=int, default=300, help="ms of timed repeats per timing (do_bench)")
@@ -381,7 +387,7 @@ def main():
                     help="at least this many timed calls per timing: --rep grows to cover them at long steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--breakdown", action="store_true",
-                    help="also print each of our providers' per-kernel times and the tuned configs")
+                    help="also print the per-kernel times of ours, ours-* and sonic, and our tuned configs")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time the fwd+bwd step replayed from a CUDA graph (its GPU time alone)")
     args = ap.parse_args()
@@ -434,7 +440,7 @@ def main():
                   + (f"  wgrad {r['wgrad_choice']}" if r.get("wgrad_choice") else ""), flush=True)
             torch.cuda.empty_cache()
         if args.breakdown:
-            for prov in [p for p in providers if p.startswith("ours")] or ["ours"]:
+            for prov in [p for p in providers if p.startswith("ours") or p == "sonic"] or ["ours"]:
                 breakdown(master, shape, x, dy, prov)
         del master, x, dy, ref
         torch.cuda.empty_cache()

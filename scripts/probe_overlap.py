@@ -1,0 +1,154 @@
+"""Would the backward gain from running its memory-bound dX gather-sum on a second stream beside a
+weight-gradient GEMM (GPU)? Times, at each shape, the gather-sum of dX~ alone, dW1 and dW2 alone,
+each pair one after the other, and each pair with the gather-sum on a side stream (joined by
+events, no host sync); then the Gluon weight gradients on fewer SMs than the GPU has, alone and
+with the gather-sum beside them. Median us, triton.testing.do_bench.
+
+    PYTHONPATH=. python scripts/probe_overlap.py --shapes 7b-256,1.4b-256,30b-256,qwen3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from bench_layer import SHAPES  # noqa: E402
+
+from codegen import triton_moe as tm  # noqa: E402
+
+
+def _time(fn, rep):
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
+
+
+def probe(shape, rep):
+    T, d, n, E, K = shape
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(T, d, device=dev, dtype=dt)
+    w1 = (torch.randn(E, 2 * n, d, device=dev) / d ** 0.5).to(dt)
+    w2 = (torch.randn(E, d, n, device=dev) / n ** 0.5).to(dt)
+    ids = torch.randn(T, E, device=dev).topk(K, -1).indices
+    w = torch.rand(T, K, device=dev).softmax(-1).to(dt)
+    flags = dict(activation="swiglu", interleaved=False, alpha=1.702, limit=7.0)
+    _, h, sorted_rows, offsets = tm.triton_moe_experts_fwd(x, ids, w, w1, w2, None, None, transposed=False,
+                                                           save_h=True, **flags)
+    W1, W2 = tm._stacked_banks(w1, w2, False)
+    dy = torch.randn(T, d, device=dev, dtype=dt)
+    s_flat = w.reshape(-1)
+    routing = dict(sorted_rows=sorted_rows, offsets=offsets, top_k=K, row_token=None)
+    dh, a_scaled, _ = tm.triton_moe_dact(dy, W2, h, s_flat, n=n, **routing, **flags)
+    dx_rows = tm.triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, offsets, n_dim=d, split=W1.split)
+
+    def gs():
+        return tm.triton_moe_gather_sum(dx_rows, None, T, K, dt)
+
+    def dw1():
+        return tm._weight_grad(dh, x, tm.GradBuffer(w1, False), gather_lhs=False, gather_rhs=True, db=None, **routing)
+
+    def dw2():
+        return tm._weight_grad(dy, a_scaled, tm.GradBuffer(w2, False), gather_lhs=True, gather_rhs=False, db=None,
+                               s_flat=s_flat, **routing)
+
+    def dxgemm():
+        return tm.triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, offsets, n_dim=d, split=W1.split)
+
+    side = torch.cuda.Stream()
+
+    def overlapped(*gemms):
+        def fn():
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                out = gs()
+            for g in gemms:
+                g()
+            main.wait_stream(side)
+            out.record_stream(main)
+        return fn
+
+    def serial(*gemms):
+        def fn():
+            gs()
+            for g in gemms:
+                g()
+        return fn
+
+    dw1(), dw2()  # the measured choices, before timing
+    torch.cuda.synchronize()
+    ref = gs()
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.current_stream())
+        again = gs()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(ref, again)
+    rows = {"gather-sum dX": _time(gs, rep), "dW1": _time(dw1, rep), "dW2": _time(dw2, rep),
+            "dX~ GEMM": _time(dxgemm, rep)}
+    for name, gemms in (("dW1", (dw1,)), ("dW2", (dw2,)), ("dW1+dW2", (dw1, dw2))):
+        rows[f"gs ; {name}"] = _time(serial(*gemms), rep)
+        rows[f"gs || {name}"] = _time(overlapped(*gemms), rep)
+    gluon = tm._gluon_module("gluon_wgrad", x)
+    if gluon is None:
+        return rows
+    sms = tm._programs(x.device)
+
+    def gluon_dw(which, programs):
+        if which == "dW1":
+            args, out = (dh, x), tm.GradBuffer(w1, False)
+            kw = dict(gather_lhs=False)
+        else:
+            args, out = (dy, a_scaled), tm.GradBuffer(w2, False)
+            kw = dict(gather_lhs=True)
+
+        def fn():
+            dw, strides = out.empty(x.device)
+            return gluon.gluon_wgrad(*args, **kw, sorted_rows=sorted_rows, offsets=offsets, top_k=K, dw=dw,
+                                     dw_strides=strides, num_programs=programs)
+        return fn
+
+    def gemm_first(gemm):
+        def fn():  # the GEMM enqueued before the gather-sum, which waits on the same point of the stream
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            gemm()
+            with torch.cuda.stream(side):
+                out = gs()
+            main.wait_stream(side)
+            out.record_stream(main)
+        return fn
+
+    for which in ("dW1", "dW2"):
+        for free in (0, 4, 8, 16, 24, 32):
+            g = gluon_dw(which, sms - free)
+            rows[f"gluon {which} on {sms - free} SMs"] = _time(g, rep)
+            rows[f"gs || gluon {which}/{sms - free}"] = _time(gemm_first(g), rep)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="7b-256")
+    ap.add_argument("--rep", type=int, default=200)
+    args = ap.parse_args()
+    for name in args.shapes.split(","):
+        rows = probe(SHAPES[name], args.rep)
+        print(f"{name} {SHAPES[name]}", flush=True)
+        for k, us in rows.items():
+            print(f"  {k:16s} {us:9.1f} us", flush=True)
+        for g in ("dW1", "dW2", "dW1+dW2"):
+            s, o = rows[f"gs ; {g}"], rows[f"gs || {g}"]
+            print(f"  overlap with {g}: saves {s - o:.1f} us of the gather-sum's {rows['gather-sum dX']:.1f}",
+                  flush=True)
+        for k in [k for k in rows if k.startswith("gs || gluon")]:
+            which = k.split()[3].split("/")[0]
+            print(f"  {k}: saves {rows['gather-sum dX'] + rows[which] - rows[k]:.1f} us against gs ; {which}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
