@@ -20,8 +20,9 @@ scores are in; `softmax(logits, dtype=torch.float)` on bf16 logits has D = float
         renorm:  w = w / (w.sum(-1, keepdim=True) + eps)       (eps = 0: no add, as the model)
         w = w * scale                                           (scale = 1: no multiply)
 
-Ties in a top-k pick the lowest expert index (eager leaves tie order to the implementation); ids
-come in descending order of choice, which is what `sorted=True` gives and a valid `sorted=False`
+Ties in a top-k pick the lowest expert index (eager leaves tie order to the implementation); values
+rank as torch.topk ranks them (-0.0 below +0.0, NaN above every number); ids come in descending
+order of choice, which is what `sorted=True` gives and a valid `sorted=False`
 order. The gradient reaches the logits only (the ids and the bias have none, as in eager, where
 only the selection reads the bias); formulas in codegen/kernels/router.py (`_route_bwd_kernel`).
 

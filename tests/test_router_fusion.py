@@ -197,6 +197,25 @@ def test_interpreted_kernel_upcast_and_large_block(kernels):
     assert empty[0].shape == (0, 4) and empty[1].shape == (0, 4)
 
 
+def test_interpreted_kernel_ranks_special_values_as_torch_topk(kernels):
+    """The kernel's top-k order: equal values lowest expert first; -0.0 below +0.0; NaN of either
+    sign above every number; infinities and subnormals in their place. torch.topk picks the same
+    sets except where equal values straddle the k-th place (row 3: its own tie order)."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[nan, 1, nan, 2, -inf, 0], [-0.0, 0.0, -1, -2, -3, -4], [1, 3, 3, 0, 3, -1],
+                           [-inf, -inf, -5, -inf, -inf, -inf], [5, -nan, 1, 2, 3, 4],
+                           [inf, 1e30, -1e-45, 1e-45, 0, -0.0]])
+    want_ids = torch.tensor([[0, 2, 3], [1, 0, 2], [1, 2, 4], [2, 0, 1], [1, 0, 5], [0, 1, 3]])
+    args = _args(6, 3, dict(topk_first=True), False, torch.float32)
+    w, ids = kernels.triton_router_fwd(logits, *args, block_t=4)
+    assert torch.equal(ids, want_ids)
+    rows = [0, 1, 2, 4, 5]
+    ref_w, ref_ids = _canonical(*torch_router_fwd(logits[rows], *args))
+    got_w, got_ids = _canonical(w[rows], ids[rows])
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w, ref_w, equal_nan=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
 def test_kernel_gpu_bf16(name, k, kw, bias):

@@ -2,12 +2,15 @@
 
 One program per block of BLOCK_T tokens (grid: cdiv(T, BLOCK_T)); each row's E scores live in
 registers ([BLOCK_T, BLOCK_E], E padded to a power of two), top-k is K rounds of "take the largest
-not yet taken" (ties: the lowest expert index). Arithmetic is fp32; with ROUND (a compute dtype
+not yet taken" over integer keys that rank values as torch.topk does (-0.0 below +0.0, NaN above
+every number; equal values: the lowest expert index first). Arithmetic is fp32; with ROUND (a compute dtype
 narrower than fp32) every value the eager model would store in that dtype is rounded to it, so
 ranks and ties are those of the model's own tensors. See codegen/router.py for the semantics.
 """
 import triton
 import triton.language as tl
+
+_TAKEN = tl.constexpr(-9223372036854775807)  # below every `_order_keys` key: an expert already picked
 
 
 @triton.jit
@@ -39,6 +42,19 @@ def _take_largest(avail, taken, cols, BLOCK_E: tl.constexpr):
     pick = tl.min(tl.where((avail == best[:, None]) & ~taken, cols[None, :], BLOCK_E), 1)
     first_free = tl.min(tl.where(~taken, cols[None, :], BLOCK_E), 1)
     return tl.where(pick == BLOCK_E, first_free, pick)
+
+
+@triton.jit
+def _order_keys(v, cols, E, BLOCK_E: tl.constexpr):
+    """int64 keys of a [BLOCK_T, BLOCK_E] fp32 tile, larger for a value top-k takes first: by value
+    as torch.topk ranks values (-0.0 below +0.0, NaN above every number), equal values by the
+    lowest column (the low 32 bits hold BLOCK_E - 1 - column); columns >= E get _TAKEN. A pick is
+    then one max over the keys."""
+    bits = v.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # the float order as signed integers
+    key = tl.where(v != v, 2147483647, key)  # NaN of either sign: above +inf's key
+    keys = (key.to(tl.int64) << 32) | (BLOCK_E - 1 - cols)[None, :].to(tl.int64)
+    return tl.where(cols[None, :] < E, keys, _TAKEN)
 
 
 @triton.jit
@@ -105,13 +121,13 @@ def _route_fwd_kernel(
             keep = _group_keep(choice, cols, cmask, BLOCK_T, BLOCK_E, BLOCK_G, N_GROUP, TOPK_GROUP, GROUP_SIZE, COMPUTE, ROUND)
             choice = tl.where(keep, choice, fill)
 
-    taken = (cols[None, :] + tl.zeros([BLOCK_T, BLOCK_E], tl.int32)) >= E
+    keys = _order_keys(choice, cols, E, BLOCK_E)
     top_v = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
     for j in range(K):
-        pick = _take_largest(choice, taken, cols, BLOCK_E)
+        pick = (BLOCK_E - 1) - (tl.max(keys, 1) & 0xFFFFFFFF).to(tl.int32)
         hit = cols[None, :] == pick[:, None]
-        taken = taken | hit
+        keys = tl.where(hit, _TAKEN, keys)
         value = tl.sum(tl.where(hit, s, 0.0), 1)
         top_v = tl.where(kcols[None, :] == j, value[:, None], top_v)
         top_i = tl.where(kcols[None, :] == j, pick[:, None].to(tl.int64), top_i)
