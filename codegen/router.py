@@ -22,9 +22,9 @@ scores are in; `softmax(logits, dtype=torch.float)` on bf16 logits has D = float
 
 Ties in a top-k pick the lowest expert index (eager leaves tie order to the implementation); values
 rank as torch.topk ranks them (-0.0 below +0.0, NaN above every number); ids come in descending
-order of choice, which is what `sorted=True` gives and a valid `sorted=False`
-order. The gradient reaches the logits only (the ids and the bias have none, as in eager, where
-only the selection reads the bias); formulas in codegen/kernels/router.py (`_route_bwd_kernel`).
+order of choice, which is what `sorted=True` gives and a valid `sorted=False` order. The gradient
+reaches the logits only (the ids and the bias have none, as in eager, where only the selection
+reads the bias); formulas in codegen/kernels/router.py (`_route_bwd_kernel`).
 
 Implementations: the Triton kernels on CUDA (fp32/fp16/bf16 logits and D); the pure-torch
 reference (`torch_router_fwd` / `torch_router_bwd`) everywhere else and as the test oracle.

@@ -3,9 +3,10 @@
 One program per block of BLOCK_T tokens (grid: cdiv(T, BLOCK_T)); each row's E scores live in
 registers ([BLOCK_T, BLOCK_E], E padded to a power of two), top-k is K rounds of "take the largest
 not yet taken" over integer keys that rank values as torch.topk does (-0.0 below +0.0, NaN above
-every number; equal values: the lowest expert index first). Arithmetic is fp32; with ROUND (a compute dtype
-narrower than fp32) every value the eager model would store in that dtype is rounded to it, so
-ranks and ties are those of the model's own tensors. See codegen/router.py for the semantics.
+every number; equal values: the lowest expert index first). Arithmetic is fp32; with ROUND (a
+compute dtype narrower than fp32) every value the eager model would store in that dtype is rounded
+to it, so ranks and ties are those of the model's own tensors. See codegen/router.py for the
+semantics.
 """
 import triton
 import triton.language as tl
