@@ -332,6 +332,17 @@ def _bench_one(name, master, shape, x, dy, ref, args):
     )
 
 
+def launch_order(events, steps, min_us=10.0, device=None):
+    """(name, us) of the last of `steps` profiled steps' kernels in the order they started, those of
+    at least `min_us`: which call a kernel serves, where one kernel serves several (a peer's GEMMs)."""
+    from torch.autograd import DeviceType
+
+    device = DeviceType.CUDA if device is None else device
+    kernels = sorted((e for e in events if e.device_type == device), key=lambda e: e.time_range.start)
+    last = kernels[len(kernels) - len(kernels) // steps:]
+    return [(e.name, e.time_range.elapsed_us()) for e in last if e.time_range.elapsed_us() >= min_us]
+
+
 def breakdown(master, shape, x, dy, provider="ours", steps=5):
     """Per-kernel CUDA time of a provider's fwd+bwd (torch.profiler) and, for ours, what each
     autotuner picked."""
@@ -366,6 +377,9 @@ def breakdown(master, shape, x, dy, provider="ours", steps=5):
     for name, calls, us in rows[:20]:
         extra = f"  {gemm_flop[name] / us * 1e-6:.0f} TFLOPS" if name in gemm_flop else ""
         print(f"    {us:8.1f} us  x{calls:<2} {name[:90]}{extra}")
+    print(f"  one step of {provider} in launch order (kernels of 10 us or more):")
+    for i, (name, us) in enumerate(launch_order(prof.events(), steps)):
+        print(f"    {i:3d} {us:8.1f} us  {name[:100]}")
     if not provider.startswith("ours"):
         return
     for tname in ("_up", "_scatter", "_dact", "_wgrad", "_up_tma", "_scatter_tma", "_dact_tma", "_wgrad_tma"):
