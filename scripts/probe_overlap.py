@@ -60,14 +60,20 @@ def probe(shape, rep):
 
     side = torch.cuda.Stream()
 
-    def overlapped(*gemms):
+    def overlapped(*gemms, gemm_first=False):
+        """The gather-sum on `side` beside `gemms` on the current stream, both from the same point of
+        it; `gemm_first`: the GEMMs are enqueued before the gather-sum."""
         def fn():
             main = torch.cuda.current_stream()
             side.wait_stream(main)
+            if gemm_first:
+                for g in gemms:
+                    g()
             with torch.cuda.stream(side):
                 out = gs()
-            for g in gemms:
-                g()
+            if not gemm_first:
+                for g in gemms:
+                    g()
             main.wait_stream(side)
             out.record_stream(main)
         return fn
@@ -111,22 +117,11 @@ def probe(shape, rep):
                                      dw_strides=strides, num_programs=programs)
         return fn
 
-    def gemm_first(gemm):
-        def fn():  # the GEMM enqueued before the gather-sum, which waits on the same point of the stream
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
-            gemm()
-            with torch.cuda.stream(side):
-                out = gs()
-            main.wait_stream(side)
-            out.record_stream(main)
-        return fn
-
     for which in ("dW1", "dW2"):
         for free in (0, 4, 8, 16, 24, 32):
             g = gluon_dw(which, sms - free)
             rows[f"gluon {which} on {sms - free} SMs"] = _time(g, rep)
-            rows[f"gs || gluon {which}/{sms - free}"] = _time(gemm_first(g), rep)
+            rows[f"gs || gluon {which}/{sms - free}"] = _time(overlapped(g, gemm_first=True), rep)
     return rows
 
 
