@@ -216,6 +216,21 @@ def test_interpreted_kernel_ranks_special_values_as_torch_topk(kernels):
     torch.testing.assert_close(got_w, ref_w, equal_nan=True)
 
 
+@pytest.mark.parametrize("k, topk_group", [(2, 1), (3, 2)])
+def test_interpreted_group_limited_ranks_as_torch_topk(kernels, k, topk_group):
+    """DeepSeek-V3's group-limited top-k (3 groups of 2) with NaN and infinite logits: a NaN choice
+    makes its group's top-2 sum NaN, which torch.topk ranks above every group score (rows 0, 2);
+    sigmoid(+-inf) are 1 and 0 (row 1). No equal values straddle a cut."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[0.1, 0.2, nan, -5, 3, 2], [inf, -inf, 0, 1, -inf, -inf], [-1, nan, 5, 4, 2, 1],
+                           [0.5, -2, 1, 2, 3, -3]])
+    args = _args(6, k, dict(score="sigmoid", n_group=3, topk_group=topk_group), False, torch.float32)
+    want_w, want_ids = _canonical(*torch_router_fwd(logits, *args))
+    got_w, got_ids = _canonical(*kernels.triton_router_fwd(logits, *args, block_t=4))
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, equal_nan=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
 def test_kernel_gpu_bf16(name, k, kw, bias):

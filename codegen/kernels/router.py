@@ -35,17 +35,6 @@ def _scores(x, cmask, COMPUTE: tl.constexpr, ROUND: tl.constexpr, SOFTMAX: tl.co
 
 
 @triton.jit
-def _take_largest(avail, taken, cols, BLOCK_E: tl.constexpr):
-    """Column of the largest value not yet taken, per row (ties: lowest column; a row of NaNs:
-    the lowest untaken column)."""
-    avail = tl.where(taken, float("-inf"), avail)
-    best = tl.max(avail, 1)
-    pick = tl.min(tl.where((avail == best[:, None]) & ~taken, cols[None, :], BLOCK_E), 1)
-    first_free = tl.min(tl.where(~taken, cols[None, :], BLOCK_E), 1)
-    return tl.where(pick == BLOCK_E, first_free, pick)
-
-
-@triton.jit
 def _order_keys(v, cols, E, BLOCK_E: tl.constexpr):
     """int64 keys of a [BLOCK_T, BLOCK_E] fp32 tile, larger for a value top-k takes first: by value
     as torch.topk ranks values (-0.0 below +0.0, NaN above every number), equal values by the
@@ -59,27 +48,33 @@ def _order_keys(v, cols, E, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _group_keep(choice, cols, cmask, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+def _pick(keys, BLOCK: tl.constexpr):
+    """Per row, the column whose `_order_keys` key is largest."""
+    return (BLOCK - 1) - (tl.max(keys, 1) & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _group_keep(choice, cols, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                 N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, COMPUTE: tl.constexpr,
                 ROUND: tl.constexpr):
     """[BLOCK_T, BLOCK_E] mask of the experts in each row's TOPK_GROUP best groups, a group scoring
-    the sum of its two largest choice values."""
+    the sum of its two largest choice values. Both selections rank as torch.topk does (`_order_keys`:
+    a NaN choice makes its group's score NaN, and that group is kept first)."""
     gcols = tl.arange(0, BLOCK_G)
     group = cols // GROUP_SIZE
-    gscore = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
+    keys = _order_keys(choice, cols, E, BLOCK_E)
+    gscore = tl.zeros([BLOCK_T, BLOCK_G], tl.float32)
     for g in tl.static_range(N_GROUP):
-        in_g = ((group == g) & cmask)[None, :]
-        cg = tl.where(in_g, choice, float("-inf"))
-        m1 = tl.max(cg, 1)
-        first = tl.min(tl.where(cg == m1[:, None], cols[None, :], BLOCK_E), 1)
-        m2 = tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), cg), 1)
-        gscore = tl.where(gcols[None, :] == g, _rnd(m1 + m2, COMPUTE, ROUND)[:, None], gscore)
-    gtaken = (gcols[None, :] + tl.zeros([BLOCK_T, BLOCK_G], tl.int32)) >= N_GROUP
+        in_g = tl.where((group == g)[None, :], keys, _TAKEN)
+        hit1 = cols[None, :] == _pick(in_g, BLOCK_E)[:, None]
+        hit2 = cols[None, :] == _pick(tl.where(hit1, _TAKEN, in_g), BLOCK_E)[:, None]
+        top2 = tl.sum(tl.where(hit1, choice, 0.0), 1) + tl.sum(tl.where(hit2, choice, 0.0), 1)
+        gscore = tl.where(gcols[None, :] == g, _rnd(top2, COMPUTE, ROUND)[:, None], gscore)
+    gkeys = _order_keys(gscore, gcols, N_GROUP, BLOCK_G)
     gkeep = tl.zeros([BLOCK_T, BLOCK_G], tl.int32)
     for _ in tl.static_range(TOPK_GROUP):
-        pick = _take_largest(gscore, gtaken, gcols, BLOCK_G)
-        hit = gcols[None, :] == pick[:, None]
-        gtaken = gtaken | hit
+        hit = gcols[None, :] == _pick(gkeys, BLOCK_G)[:, None]
+        gkeys = tl.where(hit, _TAKEN, gkeys)
         gkeep = gkeep | hit.to(tl.int32)
     keep = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
     for g in tl.static_range(N_GROUP):
@@ -119,14 +114,14 @@ def _route_fwd_kernel(
             b = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
             choice = _rnd(choice + b[None, :], COMPUTE, ROUND)
         if N_GROUP > 1:
-            keep = _group_keep(choice, cols, cmask, BLOCK_T, BLOCK_E, BLOCK_G, N_GROUP, TOPK_GROUP, GROUP_SIZE, COMPUTE, ROUND)
+            keep = _group_keep(choice, cols, E, BLOCK_T, BLOCK_E, BLOCK_G, N_GROUP, TOPK_GROUP, GROUP_SIZE, COMPUTE, ROUND)
             choice = tl.where(keep, choice, fill)
 
     keys = _order_keys(choice, cols, E, BLOCK_E)
     top_v = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
     for j in range(K):
-        pick = (BLOCK_E - 1) - (tl.max(keys, 1) & 0xFFFFFFFF).to(tl.int32)
+        pick = _pick(keys, BLOCK_E)
         hit = cols[None, :] == pick[:, None]
         keys = tl.where(hit, _TAKEN, keys)
         value = tl.sum(tl.where(hit, s, 0.0), 1)
