@@ -231,6 +231,18 @@ def test_interpreted_group_limited_ranks_as_torch_topk(kernels, k, topk_group):
     torch.testing.assert_close(got_w, want_w, equal_nan=True)
 
 
+def test_interpreted_many_groups_rank_nan_as_torch_topk(kernels):
+    """More than 32 groups (34 of 2): the kernel's per-group NaN check instead of its bit flags."""
+    torch.manual_seed(8)
+    logits = torch.randn(5, 68)
+    logits[1, 40] = logits[3, 7] = float("nan")
+    args = _args(68, 4, dict(score="sigmoid", n_group=34, topk_group=3, renorm=True), True, torch.float32)
+    want_w, want_ids = _canonical(*torch_router_fwd(logits, *args))
+    got_w, got_ids = _canonical(*kernels.triton_router_fwd(logits, *args, block_t=4))
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, equal_nan=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
 def test_kernel_gpu_bf16(name, k, kw, bias):
