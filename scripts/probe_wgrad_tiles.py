@@ -19,6 +19,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+from bench_gluon_wgrad import run_gluon, run_triton  # noqa: E402  (the launches bench_gluon_wgrad times)
 from bench_layer import SHAPES, build_provider  # noqa: E402
 
 from codegen import triton_moe  # noqa: E402
@@ -68,15 +69,9 @@ def probe(name, tiles):
         dw = torch.empty(dw_shape, device="cuda", dtype=lhs.dtype)
         rows = []
         for label, (a, b) in (("layer", (lhs, rhs)), ("randn", randn)):
-            def triton_kernel():
-                triton_moe.triton_moe_wgrad(a, b, gather_lhs=gather_lhs, gather_rhs=not gather_lhs, dw=dw,
-                                            dw_strides=dw.stride(), **routing)
-            row = [label, f"{time_us(triton_kernel):.0f}"]
+            row = [label, f"{time_us(lambda: run_triton(a, b, gather_lhs, routing, dw)):.0f}"]
             for tile in tiles:
-                def gluon_kernel():
-                    gw.gluon_wgrad(a, b, gather_lhs=gather_lhs, dw=dw, dw_strides=dw.stride(), **routing,
-                                   **tile.kwargs())
-                row.append(f"{time_us(gluon_kernel):.0f}")
+                row.append(f"{time_us(lambda: run_gluon(a, b, gather_lhs, routing, dw, tile)):.0f}")
             rows.append(row)
         print(f"| {name} {gemm} operands | triton | " + " | ".join(map(str, tiles)) + " |", flush=True)
         for row in rows:

@@ -216,6 +216,14 @@ def test_interpreted_kernel_ranks_special_values_as_torch_topk(kernels):
     torch.testing.assert_close(got_w, ref_w, equal_nan=True)
 
 
+def _assert_kernel_as_torch(kernels, logits, args):
+    """The kernel's selection equals torch's (ids compared as sets), weights NaN where torch's are."""
+    want_w, want_ids = _canonical(*torch_router_fwd(logits, *args))
+    got_w, got_ids = _canonical(*kernels.triton_router_fwd(logits, *args, block_t=4))
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, equal_nan=True)
+
+
 @pytest.mark.parametrize("k, topk_group", [(2, 1), (3, 2)])
 def test_interpreted_group_limited_ranks_as_torch_topk(kernels, k, topk_group):
     """DeepSeek-V3's group-limited top-k (3 groups of 2) with NaN and infinite logits: a NaN choice
@@ -225,10 +233,7 @@ def test_interpreted_group_limited_ranks_as_torch_topk(kernels, k, topk_group):
     logits = torch.tensor([[0.1, 0.2, nan, -5, 3, 2], [inf, -inf, 0, 1, -inf, -inf], [-1, nan, 5, 4, 2, 1],
                            [0.5, -2, 1, 2, 3, -3]])
     args = _args(6, k, dict(score="sigmoid", n_group=3, topk_group=topk_group), False, torch.float32)
-    want_w, want_ids = _canonical(*torch_router_fwd(logits, *args))
-    got_w, got_ids = _canonical(*kernels.triton_router_fwd(logits, *args, block_t=4))
-    assert torch.equal(got_ids, want_ids)
-    torch.testing.assert_close(got_w, want_w, equal_nan=True)
+    _assert_kernel_as_torch(kernels, logits, args)
 
 
 def test_interpreted_many_groups_rank_nan_as_torch_topk(kernels):
@@ -237,10 +242,7 @@ def test_interpreted_many_groups_rank_nan_as_torch_topk(kernels):
     logits = torch.randn(5, 68)
     logits[1, 40] = logits[3, 7] = float("nan")
     args = _args(68, 4, dict(score="sigmoid", n_group=34, topk_group=3, renorm=True), True, torch.float32)
-    want_w, want_ids = _canonical(*torch_router_fwd(logits, *args))
-    got_w, got_ids = _canonical(*kernels.triton_router_fwd(logits, *args, block_t=4))
-    assert torch.equal(got_ids, want_ids)
-    torch.testing.assert_close(got_w, want_w, equal_nan=True)
+    _assert_kernel_as_torch(kernels, logits, args)
 
 
 @pytest.mark.gpu
