@@ -39,6 +39,7 @@ every kernel runs one small config (autotuning with several configs needs a GPU)
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -599,9 +600,10 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
                 w_view = w.ptr.as_strided(dims, strides)
                 b = biasc if bias is not None else None
                 if gluon.supports(inp, w_view, w_desc, b, n_dim=n_dim) is None:
-                    candidates["gluon"] = lambda: gluon.gluon_scatter_gemm(
-                        inp, w_view, w_desc, b, sorted_rows, offsets, n_dim=n_dim, num_programs=_programs(inp.device),
-                        out=out)
+                    for name, tile in gluon.candidate_tiles(w_desc, k_dim).items():
+                        candidates[name] = functools.partial(
+                            gluon.gluon_scatter_gemm, inp, w_view, w_desc, b, sorted_rows, offsets, n_dim=n_dim,
+                            num_programs=_programs(inp.device), out=out, **tile.kwargs())
             key = ("scatter", k_dim, n_dim, E, w_desc, bias is not None, inp.dtype)
             return wgrad_choice.choose(key, candidates, cuda=True, pinned=wgrad_choice.SCATTER_PINNED)()
     w_ptr, w_table, has_table, align = w.kernel_args()

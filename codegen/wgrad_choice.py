@@ -21,7 +21,11 @@ On Hopper a third candidate is our warp-specialized Gluon kernel (`kernels.gluon
 The scatter GEMM (`triton_moe.triton_moe_scatter_gemm`) chooses the same way between our
 persistent Triton kernel and the Gluon one (`kernels.gluon_scatter`, Hopper), under keys of its own:
 
-    SONIC_MOE_SCATTER=auto | triton | gluon
+    SONIC_MOE_SCATTER=auto | triton | gluon | gluon-coop
+
+"gluon" is its ping-pong tile, "gluon-coop" its cooperative 128x256 one, offered where the
+reduction is long enough for it (`gluon_scatter.candidate_tiles`); pinned where it is not offered,
+either runs our Triton kernel.
 
 All accumulate in float32. grouped_mm's weight gradients were bit-identical to our Triton kernel's
 at the shapes `bench_wgrad.py` ran; the Gluon kernel's differ in the last bit where it groups an
@@ -41,7 +45,7 @@ from torch import Tensor
 log = logging.getLogger("moe_compiler")
 
 PROVIDERS = ("auto", "triton", "grouped_mm", "gluon")
-SCATTER_PROVIDERS = ("auto", "triton", "gluon")
+SCATTER_PROVIDERS = ("auto", "triton", "gluon", "gluon-coop")
 
 
 def _pinned(value: str, variable: str = "SONIC_MOE_WGRAD", providers: tuple[str, ...] = PROVIDERS) -> str:

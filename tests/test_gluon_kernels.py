@@ -57,9 +57,40 @@ def test_scatter_tile_specs_and_refusals():
     assert why is not None and ("Hopper" in why or "Gluon" in why)
 
 
+def test_cooperative_scatter_tile_specs():
+    tile = gs.ScatterTile.parse("coop:128x256x64x3")
+    assert tile.coop and (tile.block_m, tile.block_n, tile.stages) == (128, 256, 3)
+    assert gs.ScatterTile.parse(str(tile)) == tile and str(tile).startswith("coop:")
+    assert gs.ScatterTile.parse(str(gs.COOP_TILE)) == gs.COOP_TILE
+    assert not gs.ScatterTile.parse("128x128x64x4").coop
+    # a consumer's rows: half the item's when cooperative (64 or 128), so 64-row items are refused,
+    # 256-row ones taken; ping-pong the other way round; either way <= 128 accumulator registers
+    for bad in ("coop:64x128x64x4", "128x256x64x4", "256x128x64x4", "coop:256x256x64x2", "coop:128x512x64x2",
+                "coop128x256x64x3", "coop:128x256"):
+        with pytest.raises(ValueError):
+            gs.ScatterTile.parse(bad)
+    assert gs.ScatterTile.parse("coop:256x128x64x3").block_m == 256
+
+
+def test_cooperative_scatter_tile_offered_from_a_long_reduction():
+    short, long = gs.candidate_tiles(1, gs.COOP_MIN_K - 8), gs.candidate_tiles(2, gs.COOP_MIN_K)
+    assert list(short) == ["gluon"] and list(long) == ["gluon", "gluon-coop"]
+    assert long["gluon-coop"] == gs.COOP_TILE and not long["gluon"].coop
+
+
 @pytest.mark.skipif(not (gs.HAS_GLUON and triton.__version__.startswith("3.6.")),
                     reason="the kernel is written for Triton 3.6's Gluon")
 @pytest.mark.parametrize("w_layout,has_bias", [(1, True), (2, False)])
 def test_scatter_compiles_for_sm90_without_a_gpu(w_layout, has_bias):
     kernel = gs.compile_sm90(w_layout=w_layout, has_bias=has_bias)
     assert kernel.asm["cubin"] and "wgmma" in kernel.asm["ptx"]
+
+
+@pytest.mark.skipif(not (gs.HAS_GLUON and triton.__version__.startswith("3.6.")),
+                    reason="the kernel is written for Triton 3.6's Gluon")
+@pytest.mark.parametrize("w_layout", [1, 2])
+def test_cooperative_scatter_compiles_for_sm90_without_a_gpu(w_layout):
+    kernel = gs.compile_sm90(w_layout=w_layout, has_bias=True, tile=gs.COOP_TILE)
+    ptx = kernel.asm["ptx"]
+    assert kernel.asm["cubin"] and "m64n256k16" in ptx and "m64n128k16" not in ptx  # one wgmma per consumer
+    assert kernel.metadata.shared <= 232448  # the H100's shared memory per block

@@ -896,9 +896,10 @@ def test_gpu_pointer_loads_match_oracle(case, first_config_only, monkeypatch):
 
 
 def _check_gpu_case(case):
+    """`case`: a name in _GPU_CASES, or a dict of `_gpu_case`'s arguments."""
     import codegen.ops as ops
 
-    inputs, go = _gpu_case(**_GPU_CASES[case])
+    inputs, go = _gpu_case(**(_GPU_CASES[case] if isinstance(case, str) else case))
     assert ops._triton_backend(inputs["x"]) is not None, "SONIC_MOE_KERNEL=reference would make this vacuous"
     routing = {k: v for k, v in inputs.items() if k != "slot_token"}  # supports() does not look at the form
     assert ops._triton_backend(inputs["x"]).supports(**routing, **_FLAGS)
@@ -942,6 +943,57 @@ def test_gpu_gluon_kernels_match_oracle(case, first_config_only, gluon_pinned):
     # or 1 where the case lays W1 out transposed)
     assert sorted(set(gluon_pinned["wgrad"])) == ([True] if case == "non_contiguous" else [False, True])
     assert gluon_pinned["scatter"] == ([1, 1] if case == "non_contiguous" else [1, 2]), gluon_pinned
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_coop_scatter_in_the_op(gluon_pinned, first_config_only, monkeypatch):
+    """The cooperative scatter tile through the op where it is offered (both reductions >= its
+    minimum: Y's n and dX~'s 2n), with empty experts, against the oracle."""
+    from codegen import wgrad_choice
+    from codegen.kernels import gluon_scatter
+
+    monkeypatch.setattr(wgrad_choice, "SCATTER_PINNED", "gluon-coop")
+    coop = []
+    run = gluon_scatter.gluon_scatter_gemm
+    monkeypatch.setattr(gluon_scatter, "gluon_scatter_gemm", lambda *a, **k: coop.append(k.get("coop")) or run(*a, **k))
+    _check_gpu_case(dict(T=300, d=256, n=gluon_scatter.COOP_MIN_K, E=8, K=2, experts=[0, 2, 3, 6, 7]))
+    assert gluon_pinned["scatter"] == [1, 2] and coop == [True, True], (gluon_pinned, coop)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["default", "coop:128x256x64x3", "coop:256x128x64x4"])
+@pytest.mark.parametrize("w_layout", [1, 2])
+@pytest.mark.parametrize("grid", [None, 2], ids=["sms", "2ctas"])
+def test_gpu_gluon_scatter_tiles_match_reference(tile, w_layout, grid):
+    """Each scatter tile on uneven experts (one empty, one shorter than a tile), k_dim and n_dim
+    not multiples of the tile, a bias, into NaN (an unwritten row shows), against float32; on 2
+    CTAs the ring wraps many times."""
+    from codegen.kernels import gluon_scatter as gs
+    from codegen.triton_moe import _gluon_module, route
+
+    if _gluon_module("gluon_scatter", torch.empty(1, device="cuda")) is None:
+        pytest.skip("no Gluon kernels here (they need Hopper and a checked Triton version)")
+    cfg = gs.default_tile(w_layout) if tile == "default" else gs.ScatterTile.parse(tile)
+    T, E, K, k_dim, n_dim = 300, 8, 2, 200, 328
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.multinomial(torch.tensor([8.0, 1, 3, 0.5, 2, 0, 6, 1]).expand(T, E), K, generator=gen)
+    rows, offs = route(ids.cuda(), E)
+    inp = torch.randn(T * K, k_dim, generator=gen).to("cuda", torch.bfloat16)
+    w = (torch.randn(E, n_dim, k_dim, generator=gen) / k_dim**0.5).to("cuda", torch.bfloat16)
+    if w_layout == 2:
+        w = w.transpose(1, 2).contiguous()
+    bias = (torch.randn(E, n_dim, generator=gen) * 0.1).to("cuda", torch.bfloat16)
+    out = torch.full((T * K, n_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gs.gluon_scatter_gemm(inp, w, w_layout, bias, rows, offs, n_dim=n_dim, out=out, num_programs=grid,
+                          **cfg.kwargs())
+    ref = torch.empty(T * K, n_dim, device="cuda")
+    off = offs.tolist()
+    for e in range(E):
+        b = w[e].float().t() if w_layout == 1 else w[e].float()
+        ref[rows[off[e]:off[e + 1]].long()] = inp[off[e]:off[e + 1]].float() @ b + bias[e].float()
+    assert off[6] == off[5] and 0 < off[4] - off[3] < cfg.block_m  # expert 5 empty, expert 3 short
+    assert not out.isnan().any()
+    assert _rel(out, ref) <= 4e-3, _rel(out, ref)
 
 
 @pytest.mark.gpu

@@ -77,16 +77,22 @@ class ScatterTile:
     loader_regs: int = 40  # registers per loader thread (setmaxnreg): TMA issue and the tile lookup only
     loader_warps: int = 1  # TMA issue needs one; 1 beat 4 by 2-10% (H100, `bench_gluon_scatter.py`, 7b-256 dX~ 555 vs 615 us)
     maxnreg: int | None = None  # kernel-wide register cap; None: 65536 / 12 warps, rounded down to 8
+    coop: bool = False  # cooperative: both consumer warpgroups on every item, BLOCK_M / 2 rows each, one
+    # weight tile shared (spec prefix "coop:"); else ping-pong, a whole item per warpgroup in turns
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name}={v}: a power of two >= 16 (Gluon tensor shapes)")
-        if self.block_m not in (64, 128):
-            raise ValueError(f"block_m={self.block_m}: 64 or 128 (one or two m64 wgmmas of a warpgroup)")
-        if self.block_m * self.block_n // 128 > 128:
+        rows = self.block_m // 2 if self.coop else self.block_m  # a consumer warpgroup's rows
+        if rows not in (64, 128):
+            raise ValueError(f"block_m={self.block_m}: a consumer's {rows} rows are not one or two m64 wgmmas"
+                             f" ({'128 or 256, cooperative' if self.coop else '64 or 128'})")
+        if rows * self.block_n // 128 > 128:
             raise ValueError(f"{self.block_m}x{self.block_n}: the accumulator takes > 128 registers a thread")
+        if self.block_n > 256:
+            raise ValueError(f"block_n={self.block_n}: a wgmma is at most 256 wide")
         if self.loader_warps not in (1, 2, 4):
             raise ValueError(f"loader_warps={self.loader_warps}: 1, 2 or 4")
         if self.stages < 2 or self.group_m < 1:
@@ -98,17 +104,23 @@ class ScatterTile:
 
     @staticmethod
     def parse(spec: str) -> "ScatterTile":
-        """'MxNxKxS[xG[xC[xL[xW]]]]': BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, consumer / loader
-        registers, loader warps."""
-        parts = [int(v) for v in spec.lower().split("x")]
+        """'[coop:]MxNxKxS[xG[xC[xL[xW]]]]': BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, consumer /
+        loader registers, loader warps; "coop:" the cooperative schedule."""
+        body = spec.lower()
+        coop = body.startswith("coop:")
+        body = body.removeprefix("coop:")
         keys = ("block_m", "block_n", "block_k", "stages", "group_m", "consumer_regs", "loader_regs", "loader_warps")
+        try:
+            parts = [int(v) for v in body.split("x")]
+        except ValueError:
+            parts = []
         if not 4 <= len(parts) <= len(keys):
-            raise ValueError(f"tile spec {spec!r}: MxNxKxS[xG[xC[xL[xW]]]]")
-        return ScatterTile(**dict(zip(keys, parts)))
+            raise ValueError(f"tile spec {spec!r}: [coop:]MxNxKxS[xG[xC[xL[xW]]]]")
+        return ScatterTile(**dict(zip(keys, parts)), coop=coop)
 
     def __str__(self):
-        return (f"{self.block_m}x{self.block_n}x{self.block_k}x{self.stages}x{self.group_m}"
-                f"x{self.consumer_regs}x{self.loader_regs}x{self.loader_warps}")
+        return (f"{'coop:' if self.coop else ''}{self.block_m}x{self.block_n}x{self.block_k}x{self.stages}"
+                f"x{self.group_m}x{self.consumer_regs}x{self.loader_regs}x{self.loader_warps}")
 
     def kwargs(self) -> dict:
         """The fields as `gluon_scatter_gemm(**tile)` takes them."""
@@ -210,43 +222,53 @@ if HAS_GLUON:
         k_dim, n_dim, E, stride_bias_e,
         HAS_BIAS: gl.constexpr, W_LAYOUT: gl.constexpr, E_POW2: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, ROLE: gl.constexpr,
+        STAGES: gl.constexpr, COOP: gl.constexpr, ROLE: gl.constexpr,
     ):
-        """One consumer warpgroup (ROLE 0: the default partition, 1: a worker): items ROLE, ROLE + 2, ..."""
+        """One consumer warpgroup (ROLE 0: the default partition, 1: a worker). Ping-pong: the whole
+        of items ROLE, ROLE + 2, ... Cooperative (COOP): rows ROLE * BLOCK_M / 2 .. of every item."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
+        ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M  # this warpgroup's rows of an item
+        ROW0: gl.constexpr = ROLE * ROWS if COOP else 0
+        FIRST: gl.constexpr = 0 if COOP else ROLE
+        STEP: gl.constexpr = 1 if COOP else 2
         acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, NUM_WARPS)
-        out_layout: gl.constexpr = copy_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
+        out_layout: gl.constexpr = copy_layout(ROWS, BLOCK_N, NUM_WARPS)
         lo, hi, tiles, cum, num_m, num_n, mine = _num_items(offsets_ptr, n_dim, E, BLOCK_M, BLOCK_N, E_POW2)
         ksteps = gl.cdiv(k_dim, BLOCK_K)
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         n = 0  # this consumer's items so far
-        for j in range(ROLE, mine, 2):
+        for j in range(FIRST, mine, STEP):
             expert, row0, row_end, col0 = _work_item(lo, hi, tiles, cum, pid + j * nprog, num_m, num_n,
                                                      BLOCK_M, BLOCK_N, GROUP_M, E_POW2)
             # the epilogue's slots, loaded before the MMAs so their latency hides behind them
-            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+            rows = row0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
             row_ok = rows < row_end
             slots = gl.load(sorted_rows_ptr + rows, mask=row_ok, other=0)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
             it0 = j * ksteps
-            # MMA turns: item j's wgmmas start once the other consumer has issued item j-1's (its
-            # arrival on turn[ROLE]); consumer 0's first wait is on a fresh barrier's phase 1 (done)
-            mbarrier.wait(turn.index(ROLE), (n & 1) ^ (1 - ROLE))
+            if not COOP:
+                # MMA turns: item j's wgmmas start once the other consumer has issued item j-1's (its
+                # arrival on turn[ROLE]); consumer 0's first wait is on a fresh barrier's phase 1 (done)
+                mbarrier.wait(turn.index(ROLE), (n & 1) ^ (1 - ROLE))
             for k in range(ksteps):
                 it = it0 + k
                 slot = it % STAGES
                 mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
                 a = a_bufs.index(slot)  # [BLOCK_M, BLOCK_K]
+                if COOP:
+                    a = a.slice(ROW0, ROWS)  # this warpgroup's rows: [ROWS, BLOCK_K]
                 if W_LAYOUT == 1:
                     b = w_bufs.index(slot).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))  # K-major B
                 else:
                     b = w_bufs.index(slot).reshape([BLOCK_K, BLOCK_N])  # N-major B
                 acc = warpgroup_mma(a, b, acc, is_async=True)
                 acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))
-                # the previous step's wgmma is done: its slot goes back to the loader
+                # the previous step's wgmma is done: its slot goes back to the loader (cooperative:
+                # once both consumers arrived, the barrier's count)
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
-            mbarrier.arrive(turn.index(1 - ROLE), count=1)  # item j+1's MMAs may follow ours
+            if not COOP:
+                mbarrier.arrive(turn.index(1 - ROLE), count=1)  # item j+1's MMAs may follow ours
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((it0 + ksteps - 1) % STAGES), count=1)
             n += 1
@@ -272,6 +294,7 @@ if HAS_GLUON:
         HAS_BIAS: gl.constexpr, W_LAYOUT: gl.constexpr, E_POW2: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr,
+        COOP: gl.constexpr,
     ):
         """Grid: (number of SMs,), persistent; num_warps = 4 (the default partition: consumer 0)."""
         dtype: gl.constexpr = in_desc.dtype
@@ -282,17 +305,17 @@ if HAS_GLUON:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)  # the loader's expect-tx arrival
-            mbarrier.init(empty.index(i), count=1)  # the consumer that read the slot
+            mbarrier.init(empty.index(i), count=2 if COOP else 1)  # the consumer(s) that read the slot
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)  # the other consumer, done issuing an item's wgmmas
         fence_async_shared()  # the initialized barriers, before the TMA unit signals them
         gl.warp_specialize([
             (_scatter_consumer, (a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr,
                                  k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, 0)),
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 0)),
             (_scatter_consumer, (a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr,
                                  k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, 1)),
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 1)),
             (_scatter_loader, (in_desc, w_desc, a_bufs, w_bufs, ready, empty, offsets_ptr, k_dim, n_dim, E,
                                W_LAYOUT, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
@@ -307,6 +330,33 @@ def default_tile(w_layout: int, k_dim: int | None = None) -> ScatterTile:
         6 stages, 4 warps:       0.851     0.907           1.182     1.225          1.034     1.171
     Both layouts take the same tile; the arguments are there for a per-GEMM choice later."""
     return ScatterTile()
+
+
+COOP_TILE = ScatterTile(block_m=128, block_n=256, block_k=64, stages=3, coop=True)
+COOP_MIN_K = 1024  # the reduction length from which `candidate_tiles` offers COOP_TILE
+
+
+def candidate_tiles(w_layout: int, k_dim: int) -> dict[str, ScatterTile]:
+    """The tiles `triton_moe` offers `wgrad_choice` to time at a scatter GEMM's first call: the
+    ping-pong default as "gluon", and from k_dim >= COOP_MIN_K the cooperative 128x256 tile as
+    "gluon-coop".
+
+    The cooperative tile loads 25% fewer operand bytes per flop (one 64x256 weight tile for two
+    m64n256 wgmmas, against a 64x128 one per 128x128 item), but its epilogue stops the tensor cores
+    (both warpgroups store at once), once an item: it pays only where an item has many K steps.
+    H100, time against the Triton kernel's (`bench_gluon_scatter.py --tiles auto,coop:128x256x64x3`,
+    one process, bit-equal), ping-pong / cooperative:
+        k_dim 256:  7b-256 Y 1.026 / 1.179,   1.4b-256 Y 1.000 / 1.256
+        k_dim 512:  7b-256 dX~ 1.071 / 1.148, 1.4b-256 dX~ 0.939 / 1.033
+        k_dim 768:  Qwen3 Y 0.954 / 1.047
+        k_dim 1024: OLMoE Y 0.991 / 0.899
+        k_dim 1536: Qwen3 dX~ 0.960 / 0.896
+        k_dim 2048: OLMoE dX~ 1.129 / 0.950
+    Below COOP_MIN_K it lost at every shape, so it is not compiled and timed there."""
+    tiles = {"gluon": default_tile(w_layout, k_dim)}
+    if k_dim >= COOP_MIN_K:
+        tiles["gluon-coop"] = COOP_TILE
+    return tiles
 
 
 def supports(inp, w, w_layout: int, bias=None, *, n_dim: int) -> str | None:
@@ -371,7 +421,7 @@ def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, n
         k_dim, n_dim, E, 0 if bias is None else bias.stride(0),
         HAS_BIAS=bias is not None, W_LAYOUT=w_layout, E_POW2=e_pow2(E),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
-        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, LOADER_WARPS=cfg.loader_warps,
+        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, LOADER_WARPS=cfg.loader_warps, COOP=cfg.coop,
         num_warps=4, maxnreg=cfg.kernel_maxnreg(),
     )
     return out
@@ -390,7 +440,8 @@ def compile_sm90(*, w_layout: int, E: int = 128, has_bias: bool = False, tile: S
     }
     constexprs = dict(HAS_BIAS=has_bias, W_LAYOUT=w_layout, E_POW2=e_pow2(E), BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=tile.stages,
-                      CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, LOADER_WARPS=tile.loader_warps)
+                      CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, LOADER_WARPS=tile.loader_warps,
+                      COOP=tile.coop)
     divisible = ["bias_ptr", "sorted_rows_ptr", "offsets_ptr", "out_ptr", "k_dim", "n_dim", "stride_bias_e"]
     return compile_for_sm90(_gluon_scatter_kernel, signature, constexprs, divisible, num_warps=4,
                             maxnreg=tile.kernel_maxnreg(), capability=capability)
