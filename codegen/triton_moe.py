@@ -462,25 +462,35 @@ _SMALL_ROUTE_WORK = 2**18
 # over pieces of the slots (`_route_pieces`); beyond, the [BLOCK, buckets] tiles grow too wide and the
 # torch sort runs.
 _PIECES_MAX_BUCKETS = 512
-_MAX_PIECES = 256
+# The placement ranks a piece's slots by `tl.sort` on the GPU; the interpreter's sort is too slow for
+# the tests' sizes (seconds a piece), so it ranks them as the one-program kernel does.
+ROUTE_BY_SORT = not INTERPRETED
 
 
 def _route_pieces(flat: Tensor, E: int, padded: bool, buckets: int) -> tuple[Tensor, Tensor]:
     """`route` by the three piece kernels of `kernels.routing`: bucket counts per piece of the
-    slots, their prefix over the pieces (one program), each slot's row."""
+    slots, their prefix over the pieces, each slot's row."""
     TK = flat.numel()
-    block = max(16, min(1024, 8192 // buckets))
-    chunk = block * triton.cdiv(triton.cdiv(TK, _MAX_PIECES), block)
+    chunk = _route_chunk(TK, buckets)
     pieces = triton.cdiv(TK, chunk)
-    counts = torch.empty(pieces, buckets, dtype=torch.int32, device=flat.device)
+    counts = torch.empty(2, buckets, pieces, dtype=torch.int32, device=flat.device)  # counts, starts
     sorted_rows = torch.empty(TK, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
-    meta = dict(PADDED=padded, B_POW2=buckets, CHUNK=chunk, BLOCK=block, num_warps=4)
-    _route_count_kernel[(pieces,)](flat, counts, TK, E, **meta)
-    _route_prefix_kernel[(1,)](counts, offsets, pieces, E, B_POW2=buckets, BLOCK_P=max(1, 8192 // buckets),
-                               num_warps=4)
-    _route_place_kernel[(pieces,)](flat, counts, offsets, sorted_rows, TK, E, **meta)
+    meta = dict(PADDED=padded, B_POW2=buckets, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8)
+    _route_count_kernel[(pieces,)](flat, counts[0], counts[1], TK, E, pieces, **meta)
+    _route_prefix_kernel[(buckets + 1,)](counts[0], counts[1], offsets, pieces, E, B_POW2=buckets,
+                                         BLOCK_P=1024, BLOCK_Q=max(1, 8192 // buckets), num_warps=4)
+    _route_place_kernel[(pieces,)](flat, counts[1], offsets, sorted_rows, TK, E, pieces, SORT=ROUTE_BY_SORT,
+                                   BLOCK=max(16, min(1024, 8192 // buckets)), **meta)
     return sorted_rows, offsets
+
+
+def _route_chunk(TK: int, buckets: int) -> int:
+    """CHUNK, the slots of a piece (a power of two: one sorted tile per program): about 65536 /
+    buckets pieces, 256-4096 slots each. More pieces sort shorter tiles but make the prefix longer
+    (H100, one process, us a call, chunk: E=128 TK=196608: 2048 27.6, 1024 22.8, 512 19.5, 256 26.4;
+    E=256 TK=524288: 4096 94.7, 2048 61.2, 1024 72.1; E=64 TK=163840: 1024 20.2, 512 13.2, 256 13.3)."""
+    return min(4096, max(256, triton.next_power_of_2(triton.cdiv(TK * buckets, 65536))))
 
 
 def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tensor]:

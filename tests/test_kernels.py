@@ -572,6 +572,23 @@ def test_route_matches_torch_route(tm, E, TK, padded):
     assert torch.equal(rows, ref_rows) and torch.equal(offs, ref_offs)
 
 
+@pytest.mark.parametrize("E,TK,padded", [(300, 1100, True), (128, 2500, False)])
+def test_route_pieces_rank_by_sort(tm, E, TK, padded, monkeypatch):
+    """The piece kernels' placement as the GPU runs it (each piece sorted by bucket, `tl.sort`),
+    which the other interpreted tests replace by one-hot ranks (the interpreter's sort is slow):
+    a few pieces, uneven buckets, padding, the last piece partial."""
+    monkeypatch.setattr(tm, "ROUTE_BY_SORT", True)
+    gen = torch.Generator().manual_seed(E + TK)
+    ids = torch.multinomial(torch.rand(E, generator=gen) ** 4, TK, replacement=True, generator=gen)
+    if padded:
+        ids[torch.rand(TK, generator=gen) < 0.3] = -1
+    buckets = max(2, 1 << (E + padded - 1).bit_length())
+    assert TK * buckets > tm._SMALL_ROUTE_WORK and TK % tm._route_chunk(TK, buckets) and TK > tm._route_chunk(TK, buckets)
+    rows, offs = tm.route(ids.view(-1, 1), E, padded=padded)
+    ref_rows, ref_offs = torch_route(ids.view(-1, 1), E)
+    assert torch.equal(rows, ref_rows) and torch.equal(offs, ref_offs)
+
+
 def test_supports_predicate(tm):
     inputs, _ = _make(4, 32, 16, 4, 2, torch.float32)
     assert tm.supports(**inputs, **_FLAGS)

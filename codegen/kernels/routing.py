@@ -133,51 +133,94 @@ def _slot_check_kernel(ids_ptr, token_ptr, ok_ptr, S, T, PAD: tl.constexpr, BLOC
 
 
 # The routing of larger batches: the same stable counting sort over CHUNK-slot pieces, one program
-# each, in three launches (counts per piece, their prefix, placement) instead of the torch path's
-# sort, scatter and cumsum (about a dozen launches, each a host round trip on the step).
+# each, in three launches (counts per piece, their prefix over the pieces, placement) instead of the
+# torch path's sort, scatter and cumsum (about a dozen launches, each a host round trip on the step).
+# A piece is one tile: its counts are a histogram, and its slots sorted by (bucket, slot) stand in
+# bucket order, so a slot's rank among the piece's slots of its bucket is its sorted position less the
+# piece's slots of the buckets before.
 
-
-@triton.jit(do_not_specialize=["TK"], debug=True)
-def _route_count_kernel(ids_ptr, counts_ptr, TK, E, PADDED: tl.constexpr, B_POW2: tl.constexpr,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program b: counts[b, :] = the bucket counts of slots [b CHUNK, (b + 1) CHUNK)."""
-    piece = tl.program_id(0)
-    bucket = tl.arange(0, B_POW2)
-    n_buckets = E + 1 if PADDED else E
-    end = tl.minimum((piece + 1) * CHUNK, TK)
-    counts = tl.zeros([B_POW2], dtype=tl.int32)
-    for start in range(piece * CHUNK, end, BLOCK):
-        _, live, ids = _chunk_ids(ids_ptr, start, end, E, PADDED, BLOCK)
-        counts += _chunk_counts(live, ids, bucket, n_buckets)
-    tl.store(counts_ptr + piece * B_POW2 + bucket, counts)
+_KEY_SHIFT = tl.constexpr(16)  # a sort key: bucket << 16 | the slot's index in its piece (CHUNK <= 2**15)
+_DEAD = tl.constexpr(0x7FFF)  # the bucket of the slots past TK in a sort key: after every real bucket (<= 512)
 
 
 @triton.jit
-def _route_prefix_kernel(counts_ptr, offsets_ptr, n_pieces, E, B_POW2: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One program: counts[b, e] becomes the number of bucket-e slots in the pieces before b (in
-    place), and offsets [E+1] the exclusive prefix of the buckets' totals."""
-    bucket = tl.arange(0, B_POW2)
-    carry = tl.zeros([B_POW2], dtype=tl.int32)
-    for p0 in range(0, n_pieces, BLOCK_P):
-        piece = p0 + tl.arange(0, BLOCK_P)
-        ptrs = counts_ptr + piece[:, None] * B_POW2 + bucket[None, :]
-        live = (piece < n_pieces)[:, None]
-        c = tl.load(ptrs, mask=live, other=0)
-        tl.store(ptrs, carry[None, :] + tl.cumsum(c, 0) - c, mask=live)
-        carry += tl.sum(c, 0)
-    _store_offsets(offsets_ptr, bucket, carry, tl.cumsum(carry, 0) - carry, E)
+def _piece_ids(ids_ptr, piece, TK, E, PADDED: tl.constexpr, CHUNK: tl.constexpr):
+    """(the piece's slots, live, bucket of each): `_chunk_ids` over piece `piece`'s CHUNK slots."""
+    start = piece * CHUNK
+    return _chunk_ids(ids_ptr, start, tl.minimum(start + CHUNK, TK), E, PADDED, CHUNK)
+
+
+@triton.jit(do_not_specialize=["TK"], debug=True)
+def _route_count_kernel(ids_ptr, counts_ptr, start_ptr, TK, E, n_pieces, PADDED: tl.constexpr,
+                        B_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """Program b, over slots [b CHUNK, (b + 1) CHUNK): counts[e, b] = its bucket-e slots, start[e, b]
+    = its slots of the buckets before e (both [B_POW2, n_pieces]: a bucket's row is contiguous for
+    the prefix kernel)."""
+    piece = tl.program_id(0)
+    _, live, ids = _piece_ids(ids_ptr, piece, TK, E, PADDED, CHUNK)
+    n_buckets = E + 1 if PADDED else E
+    tl.device_assert(((ids >= 0) & (ids < n_buckets)) | ~live, "expert id out of range")
+    counts = tl.histogram(ids, B_POW2, mask=live)
+    at = tl.arange(0, B_POW2) * n_pieces + piece
+    tl.store(counts_ptr + at, counts)
+    tl.store(start_ptr + at, tl.cumsum(counts, 0) - counts)
+
+
+@triton.jit
+def _route_prefix_kernel(counts_ptr, start_ptr, offsets_ptr, n_pieces, E, B_POW2: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Programs 0 .. B_POW2 - 1, bucket e = the program: start[e, b] becomes (the bucket-e slots in
+    the pieces before b) - start[e, b], so that a slot's row is offsets[e] + start[e, b] + its sorted
+    position in piece b. Program B_POW2: offsets [E+1], the exclusive prefix of the buckets' totals."""
+    pid = tl.program_id(0)
+    if pid < B_POW2:
+        carry = 0
+        for p0 in range(0, n_pieces, BLOCK_P):
+            piece = p0 + tl.arange(0, BLOCK_P)
+            live = piece < n_pieces
+            at = pid * n_pieces + piece
+            c = tl.load(counts_ptr + at, mask=live, other=0)
+            first = tl.load(start_ptr + at, mask=live, other=0)
+            tl.store(start_ptr + at, carry + tl.cumsum(c, 0) - c - first, mask=live)
+            carry += tl.sum(c, 0)
+    else:
+        bucket = tl.arange(0, B_POW2)
+        totals = tl.zeros([B_POW2], dtype=tl.int32)
+        for p0 in range(0, n_pieces, BLOCK_Q):
+            piece = p0 + tl.arange(0, BLOCK_Q)
+            c = tl.load(counts_ptr + bucket[:, None] * n_pieces + piece[None, :], mask=(piece < n_pieces)[None, :],
+                        other=0)
+            totals += tl.sum(c, 1)
+        _store_offsets(offsets_ptr, bucket, totals, tl.cumsum(totals, 0) - totals, E)
 
 
 @triton.jit(do_not_specialize=["TK"])
-def _route_place_kernel(ids_ptr, before_ptr, offsets_ptr, sorted_rows_ptr, TK, E, PADDED: tl.constexpr,
-                        B_POW2: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program b: each slot of piece b goes to row offsets[e] + (bucket-e slots of earlier pieces)
-    + (its rank among this piece's bucket-e slots), e its bucket (padding: E, after every expert)."""
+def _route_place_kernel(ids_ptr, start_ptr, offsets_ptr, sorted_rows_ptr, TK, E, n_pieces,
+                        PADDED: tl.constexpr, B_POW2: tl.constexpr, CHUNK: tl.constexpr, SORT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Program b: piece b's slots sorted by (bucket, slot); the one at sorted position p, bucket e
+    (padding: E, after every expert), goes to row offsets[e] + start[e, b] + p.
+
+    SORT False (the interpreter, whose `tl.sort` takes seconds a piece): the same rows by
+    `_place_chunk`'s [BLOCK, buckets] ranks, BLOCK slots at a time, from each bucket's first row
+    offsets[e] + start[e, b] + (the piece's slots of the buckets before e)."""
     piece = tl.program_id(0)
-    bucket = tl.arange(0, B_POW2)
-    end = tl.minimum((piece + 1) * CHUNK, TK)
-    placed = (tl.load(before_ptr + piece * B_POW2 + bucket)
-              + tl.load(offsets_ptr + bucket, mask=bucket <= E, other=0))
-    for start in range(piece * CHUNK, end, BLOCK):
-        slot, live, ids = _chunk_ids(ids_ptr, start, end, E, PADDED, BLOCK)
-        placed = _place_chunk(slot, live, ids, bucket, placed, sorted_rows_ptr)
+    if SORT:
+        _, live, ids = _piece_ids(ids_ptr, piece, TK, E, PADDED, CHUNK)
+        local = tl.arange(0, CHUNK)
+        keys = tl.sort((tl.where(live, ids, _DEAD) << _KEY_SHIFT) | local, 0)
+        bucket = keys >> _KEY_SHIFT
+        real = bucket != _DEAD
+        row = (tl.load(start_ptr + bucket * n_pieces + piece, mask=real, other=0)
+               + tl.load(offsets_ptr + bucket, mask=real, other=0) + local)
+        tl.store(sorted_rows_ptr + row, piece * CHUNK + (keys & 0xFFFF), mask=real)
+    else:
+        _, live, ids = _piece_ids(ids_ptr, piece, TK, E, PADDED, CHUNK)
+        counts = tl.histogram(ids, B_POW2, mask=live)
+        bucket = tl.arange(0, B_POW2)
+        placed = (tl.load(start_ptr + bucket * n_pieces + piece) + tl.load(offsets_ptr + bucket, mask=bucket <= E, other=0)
+                  + tl.cumsum(counts, 0) - counts)
+        end = tl.minimum((piece + 1) * CHUNK, TK)
+        for start in range(piece * CHUNK, end, BLOCK):
+            slot, live, ids = _chunk_ids(ids_ptr, start, end, E, PADDED, BLOCK)
+            placed = _place_chunk(slot, live, ids, bucket, placed, sorted_rows_ptr)
