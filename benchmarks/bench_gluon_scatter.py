@@ -23,8 +23,9 @@ tile, a bias on Y), against the float32 reference, out pre-filled with NaN so th
 shows, on the full grid and on a 2-CTA grid (many items per CTA: the ring wraps, both consumers
 alternate). Each case is caught on its own: one failure prints and the rest still run.
 
---tiles: `auto` (gluon_scatter.default_tile) or MxNxKxS[xG[xC[xL[xW]]]] = BLOCK_M x BLOCK_N x BLOCK_K
-x STAGES, GROUP_M, consumer / loader registers, loader warps (see gluon_scatter.ScatterTile).
+--tiles: `auto` (gluon_scatter.default_tile) or [coop:]MxNxKxS[xG[xC[xL[xW]]]] = BLOCK_M x BLOCK_N x
+BLOCK_K x STAGES, GROUP_M, consumer / loader registers, loader warps (see gluon_scatter.ScatterTile);
+"coop:" the cooperative schedule (both consumer warpgroups on one item, e.g. coop:128x256x64x3).
 --gemms picks Y and/or dX~; --small-grids the small case's grids (each its own process isolates a
 kernel fault: a launch failure poisons the CUDA context for every case after it).
 """
@@ -170,7 +171,7 @@ def bench_shape(name, tiles, warmup, rep, with_ref, gemms=GEMMS):
 
 def main():
     ap = make_parser(
-        __doc__, "comma list of `auto` or MxNxKxS[xG[xC[xL]]] Gluon configs",
+        __doc__, "comma list of `auto` or [coop:]MxNxKxS[xG[xC[xL[xW]]]] Gluon configs",
         (["--gemms"], dict(default=",".join(GEMMS), help="comma list of Y, dX~")),
         (["--small-grids"], dict(default="sms,2", help="grids of the small case: `sms` (one CTA per SM) or a count")))
     args = ap.parse_args()

@@ -34,6 +34,14 @@ second barrier pair per tile, and the conversion to store vectors goes through s
 ping-pong keeps each accumulator in the registers of the warps that store it, and Gluon 3.6 runs
 wgmma in a 4-warp worker partition as in the default one.
 
+The cooperative schedule (`ScatterTile.coop`, "gluon-coop" in `candidate_tiles`): both consumer
+warpgroups take every item, each BLOCK_M / 2 of its rows (a 128x256 item: one m64n256 wgmma per K
+step each, on a slice of the In tile and the whole weight tile), so a slot holds one weight tile for
+twice the rows and is released when both have arrived (`empty`'s count is 2); no turns (both walk the
+same items in order, and neither can run a lap ahead of the other: the loader refills a slot only
+once both released it). The epilogue then stalls the tensor cores, once an item, which only long
+reductions amortize (`candidate_tiles`).
+
 Ring iteration `it = j * ksteps + k` (item j of this CTA, K step k; ksteps = cdiv(k_dim, BLOCK_K)
 is the same for every item) names the slot (it % STAGES) and its phase, so the three partitions
 agree on the ring without talking. The turns are also what keeps that sound: an mbarrier wait only
