@@ -17,8 +17,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import moe_compiler
+from codegen.kernels.router import _key_value, _order_keys
 from codegen.router import route, route_op, torch_router_bwd, torch_router_fwd
 
 from .helpers import (
@@ -214,6 +217,30 @@ def test_interpreted_kernel_ranks_special_values_as_torch_topk(kernels):
     got_w, got_ids = _canonical(w[rows], ids[rows])
     assert torch.equal(got_ids, ref_ids)
     torch.testing.assert_close(got_w, ref_w, equal_nan=True)
+
+
+@triton.jit
+def _key_round_trip_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    """y = `_key_value(_order_keys(x))` for a row of N floats."""
+    cols = tl.arange(0, N)
+    x = tl.load(x_ptr + cols)
+    tl.store(y_ptr + cols, tl.reshape(_key_value(_order_keys(x[None, :], cols, N, N)), [N]))
+
+
+def test_interpreted_key_value_inverts_order_keys(kernels):
+    """The forward reads a picked value back from its `_order_keys` key (no second reduction): that
+    must give the value's own bits for every float (signed zeros, subnormals, infinities, random
+    magnitudes), and NaN for NaN. The weights' tolerance could not tell a flipped last bit."""
+    torch.manual_seed(9)
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.17e-38, -3.4e38, float("inf"), -float("inf"), 1.0, -2.0,
+                            float("nan"), -float("nan")])
+    x = torch.cat([special, torch.randn(500) * 10.0 ** torch.randint(-30, 30, (500,)).float()])
+    x = torch.cat([x, torch.zeros(1024 - x.numel())])
+    y = torch.empty_like(x)
+    _key_round_trip_kernel[(1,)](x, y, N=1024)
+    nan = x.isnan()
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y[~nan].view(torch.int32), x[~nan].view(torch.int32))
 
 
 def _assert_kernel_as_torch(kernels, logits, args):

@@ -54,6 +54,14 @@ def _pick(keys, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _key_value(key):
+    """The fp32 value an `_order_keys` key was made from (NaN for a NaN's key): its high 32 bits
+    through the same sign-dependent flip, which is its own inverse."""
+    hi = (key >> 32).to(tl.int32)
+    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _bit_or(a, b):
     return a | b
 
@@ -135,14 +143,20 @@ def _route_fwd_kernel(
             keep = _group_keep(choice, cols, cmask, BLOCK_T, BLOCK_E, BLOCK_G, N_GROUP, TOPK_GROUP, GROUP_SIZE, COMPUTE, ROUND)
             choice = tl.where(keep, choice, fill)
 
+    # the picked value is the key's own where the keys rank s itself: one reduction a pick, not two
+    VALUE_IN_KEY: tl.constexpr = TOPK_FIRST or (not HAS_BIAS and N_GROUP == 1)
     keys = _order_keys(choice, cols, E, BLOCK_E)
     top_v = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
     for j in range(K):
-        pick = _pick(keys, BLOCK_E)
+        best = tl.max(keys, 1)
+        pick = (BLOCK_E - 1) - (best & 0xFFFFFFFF).to(tl.int32)
         hit = cols[None, :] == pick[:, None]
         keys = tl.where(hit, _TAKEN, keys)
-        value = tl.sum(tl.where(hit, s, 0.0), 1)
+        if VALUE_IN_KEY:
+            value = _key_value(best)
+        else:
+            value = tl.sum(tl.where(hit, s, 0.0), 1)
         top_v = tl.where(kcols[None, :] == j, value[:, None], top_v)
         top_i = tl.where(kcols[None, :] == j, pick[:, None].to(tl.int64), top_i)
 
