@@ -22,6 +22,9 @@ provider runs it as eager torch ops (`torch.topk`, then softmax over the k kept 
 "ours-fused-router": `sonic::route`, the one op backend="sonic" fuses that router into in a model.
 So "ours-fused-router" against "sonic" compares what each gives a user; "ours" isolates our experts
 op behind torch's top-k (147 us of a 7b-256 step on the H100, against SonicMoE's 6).
+"ours-compiled" is that layer through `torch.compile(backend="sonic")` (Inductor around our ops, and
+x's gradient through the router folded into the experts' dX gather-sum, `moe_compiler.grad_fold`);
+"ours-compiled-nofold" the same without the fold (`sonic.fold_input_grad=False`).
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ SHAPES = {
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
 PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order",
-             "ours-no-gluon", "ours-interleaved", "ours-list", "sonic", "liger", "grouped_mm", "compile", "loop")
+             "ours-no-gluon", "ours-interleaved", "ours-list", "ours-compiled", "ours-compiled-nofold", "sonic", "liger",
+             "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
 
@@ -167,6 +171,14 @@ def build_provider(name, master, shape):
         return (lambda x: layer_liger(params, x, K)), params
     if name == "grouped_mm":
         return (lambda x: layer_grouped_mm(params, x, K)), params
+    if name in ("ours-compiled", "ours-compiled-nofold"):
+        import moe_compiler  # noqa: F401  (registers backend="sonic" without the entry point too)
+
+        fold = name == "ours-compiled"
+        torch._dynamo.reset()  # the other compiled provider's graph is for the same code object
+        fn = torch.compile(layer_ours_fused_router, backend="sonic", dynamic=False,
+                           options={"sonic.fold_input_grad": fold})
+        return (lambda x: fn(params, x, K)), params
     if name == "compile":
         fn = torch.compile(layer_grouped_mm, mode="max-autotune-no-cudagraphs", dynamic=False)
         return (lambda x: fn(params, x, K)), params

@@ -20,6 +20,18 @@ backward recomputes A = act(H) and never sees the gathered x or the expert outpu
                             interleaved, alpha, limit, save_h, slot_token?) -> as moe_experts
     sonic::moe_experts_list_backward(...) -> (dx, d_topk_weights, dW1 [E, w1_out, d], dW2 [E, d, n])
 
+    sonic::moe_experts_backward_act(<moe_experts_backward's arguments>) -> (dH [TK, w1_out], A' [TK, n],
+                                                                          d_topk_weights)
+    sonic::moe_experts_backward_dw2(grad_out, <inputs>, A', sorted_rows, expert_offsets, flags, slot_token?)
+        -> (dw2, db2)
+    sonic::moe_experts_backward_dw1(<inputs>, dH, sorted_rows, expert_offsets, flags, slot_token?) -> (dw1, db1)
+    sonic::moe_experts_backward_dx(<inputs>, dH, sorted_rows, expert_offsets, flags, slot_token?, L?, R?) -> dx
+
+The same backward in four parts (dH and A' in expert row order, as the kernels keep them), for
+compiled graphs: `moe_compiler.grad_fold` puts them in a backward graph in place of the one op
+when another term of x's gradient, L @ R (the router's), can be added inside dX's gather-sum, which
+needs d_topk_weights first. Eager autograd runs the one op.
+
 The list form takes each expert's nn.Linear weights as they are (an `nn.ModuleList` of experts):
 w_gate[e] [n, d] with w_up[e] [n, d] (gated, separate), or w_gate[e] [w1_out, d] alone (non-gated,
 or gate and up in one tensor, laid out per `interleaved`); w_down[e] [d, n]; no biases. The
@@ -39,7 +51,14 @@ import torch
 from torch import Tensor
 
 from .activations import GATED, check_activation, check_activation_params
-from .reference import torch_moe_experts_bwd, torch_moe_experts_fwd
+from .reference import (
+    torch_moe_experts_bwd,
+    torch_moe_experts_bwd_act,
+    torch_moe_experts_bwd_dw1,
+    torch_moe_experts_bwd_dw2,
+    torch_moe_experts_bwd_dx,
+    torch_moe_experts_fwd,
+)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FORCE_REFERENCE = os.environ.get("SONIC_MOE_KERNEL", "auto") == "reference"
@@ -179,6 +198,108 @@ def _backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
 
 
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _bwd_part(part: str, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets, flags, slot_token,
+              **tensors):
+    """One part of the backward by the Triton kernels when they support the call, else the reference."""
+    impl = _triton_backend(x)
+    if impl is not None and impl.supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
+        return impl.triton_moe_experts_bwd_part(part, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows,
+                                                expert_offsets, slot_token=slot_token, **tensors, **flags)
+    routing = (sorted_rows, expert_offsets)
+    layout = dict(transposed=flags["transposed"], slot_token=slot_token)
+    if part == "act":
+        return torch_moe_experts_bwd_act(tensors["grad_out"], x, topk_ids, topk_weights, w1, w2, b1, b2,
+                                         tensors["h"], *routing, slot_token=slot_token, **flags)
+    if part == "dw2":
+        return torch_moe_experts_bwd_dw2(tensors["grad_out"], x, topk_ids, topk_weights, w2, b2, tensors["a_scaled"],
+                                         *routing, **layout)
+    if part == "dw1":
+        return torch_moe_experts_bwd_dw1(x, topk_ids, topk_weights, w1, b1, tensors["dh"], *routing, **layout)
+    return torch_moe_experts_bwd_dx(x, topk_ids, topk_weights, w1, tensors["dh"], *routing,
+                                    product=tensors["product"], **layout)
+
+
+def _bias_or_empty(db: Optional[Tensor], x: Tensor) -> Tensor:
+    return x.new_empty(0) if db is None else db
+
+
+@torch.library.custom_op("sonic::moe_experts_backward_act", mutates_args=())
+def moe_experts_backward_act_op(
+    grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
+    b1: Optional[Tensor], b2: Optional[Tensor], h: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
+    activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
+    slot_token: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    flags = _flags(activation, interleaved, transposed, alpha, limit)
+    return _bwd_part("act", x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets, flags,
+                     slot_token, grad_out=grad_out, h=h)
+
+
+@moe_experts_backward_act_op.register_fake
+def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, activation, interleaved,
+      transposed, alpha, limit, slot_token=None):
+    TK = topk_ids.numel()
+    w1_out, n = (w1.shape[2], w2.shape[1]) if transposed else (w1.shape[1], w2.shape[2])
+    return x.new_empty(TK, w1_out), x.new_empty(TK, n), torch.empty_like(topk_weights)
+
+
+@torch.library.custom_op("sonic::moe_experts_backward_dw2", mutates_args=())
+def moe_experts_backward_dw2_op(
+    grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
+    b1: Optional[Tensor], b2: Optional[Tensor], a_scaled: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
+    activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
+    slot_token: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    flags = _flags(activation, interleaved, transposed, alpha, limit)
+    dw2, db2 = _bwd_part("dw2", x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets, flags,
+                         slot_token, grad_out=grad_out, a_scaled=a_scaled)
+    return dw2, _bias_or_empty(db2, x)
+
+
+@moe_experts_backward_dw2_op.register_fake
+def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, a_scaled, *rest, slot_token=None):
+    return torch.empty_like(w2), x.new_empty(0) if b2 is None else torch.empty_like(b2)
+
+
+@torch.library.custom_op("sonic::moe_experts_backward_dw1", mutates_args=())
+def moe_experts_backward_dw1_op(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
+    b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
+    activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
+    slot_token: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    flags = _flags(activation, interleaved, transposed, alpha, limit)
+    dw1, db1 = _bwd_part("dw1", x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets, flags,
+                         slot_token, dh=dh)
+    return dw1, _bias_or_empty(db1, x)
+
+
+@moe_experts_backward_dw1_op.register_fake
+def _(x, topk_ids, topk_weights, w1, w2, b1, b2, dh, *rest, slot_token=None):
+    return torch.empty_like(w1), x.new_empty(0) if b1 is None else torch.empty_like(b1)
+
+
+@torch.library.custom_op("sonic::moe_experts_backward_dx", mutates_args=())
+def moe_experts_backward_dx_op(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
+    b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
+    activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
+    slot_token: Optional[Tensor] = None, dx_lhs: Optional[Tensor] = None, dx_rhs: Optional[Tensor] = None,
+) -> Tensor:
+    """dx, plus dx_lhs @ dx_rhs ([T, J] @ [J, d]) when given, added before the result is rounded."""
+    if (dx_lhs is None) != (dx_rhs is None):
+        raise ValueError("sonic.moe_experts_backward_dx: dx_lhs and dx_rhs come together")
+    flags = _flags(activation, interleaved, transposed, alpha, limit)
+    product = None if dx_lhs is None else (dx_lhs, dx_rhs)
+    return _bwd_part("dx", x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets, flags,
+                     slot_token, dh=dh, product=product)
+
+
+@moe_experts_backward_dx_op.register_fake
+def _(x, *rest, slot_token=None, dx_lhs=None, dx_rhs=None):
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("sonic::moe_experts_list", mutates_args=())

@@ -165,6 +165,107 @@ def torch_moe_experts_fwd(
     return out, h, sorted_rows, offsets
 
 
+def _rows_of(x, topk_ids, topk_weights, slot_token, sorted_rows):
+    """(rows int64 [S], token of each row, router weight of each row in the accumulation dtype, acc)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = sorted_rows.long()
+    return rows, tokens_of_slots(topk_ids, slot_token)[rows], topk_weights.reshape(-1)[rows].to(acc), acc
+
+
+def torch_moe_experts_bwd_act(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, *,
+                              activation="swiglu", interleaved=False, transposed=False, alpha=1.702, limit=7.0,
+                              slot_token=None):
+    """(dH [S, w1_out], A' = s A [S, n], both x.dtype in expert row order; d_topk_weights)."""
+    S, E = topk_ids.numel(), w1.shape[0]
+    n = w2.shape[1] if transposed else w2.shape[2]
+    rows, token_of_row, s_row, acc = _rows_of(x, topk_ids, topk_weights, slot_token, sorted_rows)
+    dh = x.new_zeros(S, w1.shape[2] if transposed else w1.shape[1])
+    a_scaled = x.new_zeros(S, n)
+    ds_rows = torch.zeros(S, dtype=acc, device=x.device)
+    bounds = _bounds(expert_offsets)
+    grad_out = grad_out.to(x.dtype)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        W1, W2 = expert_matrices(w1, w2, e, transposed)
+        if h.numel():
+            he = h[lo:hi]
+        else:  # the forward ran without saving H (inference); recompute it
+            he = x[token_of_row[lo:hi]] @ W1.t() + (0 if b1 is None else b1[e])
+        dog = grad_out[token_of_row[lo:hi]]
+        s = s_row[lo:hi].unsqueeze(-1)
+        da_prime = dog @ W2  # [rows, n]
+        a = torch_activation(he, activation, interleaved, alpha, limit)
+        ds = (da_prime.to(acc) * a.to(acc)).sum(-1)
+        if b2 is not None:
+            ds = ds + (dog.to(acc) * b2[e].to(acc)).sum(-1)
+        ds_rows[lo:hi] = ds
+        _, dh[lo:hi] = torch_activation_and_grad(he, (s * da_prime.to(acc)), activation, interleaved, alpha, limit)
+        a_scaled[lo:hi] = (s * a.to(acc)).to(x.dtype)
+    ds_slot = torch.empty_like(ds_rows)
+    ds_slot[rows] = ds_rows  # padding rows sit past expert_offsets[E] and keep their 0
+    return dh, a_scaled, ds_slot.view(topk_weights.shape).to(topk_weights.dtype)
+
+
+def torch_moe_experts_bwd_dw2(grad_out, x, topk_ids, topk_weights, w2, b2, a_scaled, sorted_rows, expert_offsets, *,
+                              transposed=False, slot_token=None):
+    """(dW2 like w2, db2 or None): dW2[e] = gather(dO)^T A', db2[e] = sum s dO."""
+    _, token_of_row, s_row, acc = _rows_of(x, topk_ids, topk_weights, slot_token, sorted_rows)
+    dw2 = torch.zeros_like(w2)
+    db2 = None if b2 is None else torch.zeros_like(b2)
+    bounds = _bounds(expert_offsets)
+    grad_out = grad_out.to(x.dtype)
+    for e in range(w2.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        dog = grad_out[token_of_row[lo:hi]]
+        gw2 = dog.t() @ a_scaled[lo:hi]  # [d, n]
+        dw2[e] = (gw2.t() if transposed else gw2).to(w2.dtype)
+        if db2 is not None:
+            db2[e] = (s_row[lo:hi].unsqueeze(-1) * dog.to(acc)).sum(0).to(b2.dtype)
+    return dw2, db2
+
+
+def torch_moe_experts_bwd_dw1(x, topk_ids, topk_weights, w1, b1, dh, sorted_rows, expert_offsets, *,
+                              transposed=False, slot_token=None):
+    """(dW1 like w1, db1 or None): dW1[e] = dH^T gather(x), db1[e] = sum dH."""
+    _, token_of_row, _, acc = _rows_of(x, topk_ids, topk_weights, slot_token, sorted_rows)
+    dw1 = torch.zeros_like(w1)
+    db1 = None if b1 is None else torch.zeros_like(b1)
+    bounds = _bounds(expert_offsets)
+    for e in range(w1.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        gw1 = dh[lo:hi].t() @ x[token_of_row[lo:hi]]  # [w1_out, d]
+        dw1[e] = (gw1.t() if transposed else gw1).to(w1.dtype)
+        if db1 is not None:
+            db1[e] = dh[lo:hi].to(acc).sum(0).to(b1.dtype)
+    return dw1, db1
+
+
+def torch_moe_experts_bwd_dx(x, topk_ids, topk_weights, w1, dh, sorted_rows, expert_offsets, *, transposed=False,
+                             slot_token=None, product=None):
+    """dX [T, d] = sum over each token's rows of dH @ W1 (+ L @ R for product = (L, R)), one rounding."""
+    rows, _, _, acc = _rows_of(x, topk_ids, topk_weights, slot_token, sorted_rows)
+    T, d = x.shape
+    dx_rows = x.new_zeros(topk_ids.numel(), d)
+    bounds = _bounds(expert_offsets)
+    for e in range(w1.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo < hi:
+            dx_rows[lo:hi] = dh[lo:hi] @ (w1[e].t() if transposed else w1[e])
+    dx_slot = torch.empty_like(dx_rows)
+    dx_slot[rows] = dx_rows
+    dx = combine_slots(dx_slot, None, topk_ids, slot_token, T)
+    if product is not None:
+        lhs, rhs = product
+        dx = dx + lhs.to(acc) @ rhs.to(acc)
+    return dx.to(x.dtype)
+
+
 def torch_moe_experts_bwd(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -185,59 +286,18 @@ def torch_moe_experts_bwd(
     limit: float = 7.0,
     slot_token: torch.Tensor | None = None,
 ):
-    """Returns (dx, d_topk_weights, dw1, dw2, db1 or None, db2 or None), each in its input's dtype."""
-    T, d = x.shape
-    S = topk_ids.numel()
-    E = w1.shape[0]
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rows = sorted_rows.long()
-    token_of_row = tokens_of_slots(topk_ids, slot_token)[rows]
-    s_row = topk_weights.reshape(-1)[rows].to(acc)
-    dx_rows = x.new_zeros(S, d)
-    ds_rows = torch.zeros(S, dtype=acc, device=x.device)
-    dw1 = torch.zeros_like(w1)
-    dw2 = torch.zeros_like(w2)
-    db1 = None if b1 is None else torch.zeros_like(b1)
-    db2 = None if b2 is None else torch.zeros_like(b2)
-    bounds = _bounds(expert_offsets)
-    grad_out = grad_out.to(x.dtype)
-    for e in range(E):
-        lo, hi = bounds[e], bounds[e + 1]
-        if lo == hi:
-            continue
-        W1, W2 = expert_matrices(w1, w2, e, transposed)
-        xg = x[token_of_row[lo:hi]]
-        if h.numel():
-            he = h[lo:hi]
-        else:  # the forward ran without saving H (inference); recompute it
-            he = xg @ W1.t() + (0 if b1 is None else b1[e])
-        dog = grad_out[token_of_row[lo:hi]]
-        s = s_row[lo:hi].unsqueeze(-1)
-        da_prime = dog @ W2  # [rows, n]
-        a = torch_activation(he, activation, interleaved, alpha, limit)
-        ds = (da_prime.to(acc) * a.to(acc)).sum(-1)
-        if b2 is not None:
-            ds = ds + (dog.to(acc) * b2[e].to(acc)).sum(-1)
-        ds_rows[lo:hi] = ds
-        _, dh = torch_activation_and_grad(he, (s * da_prime.to(acc)), activation, interleaved, alpha, limit)
-        a_scaled = (s * a.to(acc)).to(x.dtype)
-        gw2 = dog.t() @ a_scaled  # [d, n]
-        gw1 = dh.t() @ xg  # [w1_out, d]
-        if transposed:
-            gw1, gw2 = gw1.t(), gw2.t()
-        dw1[e] = gw1.to(w1.dtype)
-        dw2[e] = gw2.to(w2.dtype)
-        if db1 is not None:
-            db1[e] = dh.to(acc).sum(0).to(b1.dtype)
-        if db2 is not None:
-            db2[e] = (s * dog.to(acc)).sum(0).to(b2.dtype)
-        dx_rows[lo:hi] = dh @ W1
-    dx_slot = torch.empty_like(dx_rows)
-    dx_slot[rows] = dx_rows
-    dx = combine_slots(dx_slot, None, topk_ids, slot_token, T).to(x.dtype)
-    ds_slot = torch.empty_like(ds_rows)
-    ds_slot[rows] = ds_rows  # padding rows sit past expert_offsets[E] and keep their 0
-    return dx, ds_slot.view(topk_weights.shape).to(topk_weights.dtype), dw1, dw2, db1, db2
+    """Returns (dx, d_topk_weights, dw1, dw2, db1 or None, db2 or None), each in its input's dtype:
+    the four parts below, in turn (the split ops of `codegen.ops` run them one by one)."""
+    routing = (sorted_rows, expert_offsets)
+    dh, a_scaled, ds = torch_moe_experts_bwd_act(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, *routing,
+                                                 activation=activation, interleaved=interleaved,
+                                                 transposed=transposed, alpha=alpha, limit=limit,
+                                                 slot_token=slot_token)
+    layout = dict(transposed=transposed, slot_token=slot_token)
+    dw2, db2 = torch_moe_experts_bwd_dw2(grad_out, x, topk_ids, topk_weights, w2, b2, a_scaled, *routing, **layout)
+    dw1, db1 = torch_moe_experts_bwd_dw1(x, topk_ids, topk_weights, w1, b1, dh, *routing, **layout)
+    dx = torch_moe_experts_bwd_dx(x, topk_ids, topk_weights, w1, dh, *routing, **layout)
+    return dx, ds, dw1, dw2, db1, db2
 
 
 def torch_moe_experts(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, slot_token=None, **flags):

@@ -647,23 +647,46 @@ def act_grad_blocks(n: int) -> tuple[int, int]:
     return max(1, 1024 // block_c), block_c
 
 
+def gather_sum_product_blocks(d: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, BLOCK_J) of the gather-sum with a product term: tl.dot wants BLOCK_T and
+    BLOCK_J of at least 16, so the token side is taller and the column side narrower than without."""
+    if INTERPRETED:
+        return 16, min(16, triton.next_power_of_2(d)), 16
+    return 32, min(128, triton.next_power_of_2(d)), 64
+
+
 def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype,
-                          slots: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """out [T, d] = sum_k (s[t, k]) y[t*K + k], float32 accumulation; y [T*K, d] in slot order.
+                          slots: tuple[Tensor, Tensor] | None = None,
+                          product: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """out [T, d] = sum_k (s[t, k]) y[t*K + k] (+ L[t] @ R), float32 accumulation; y [T*K, d] in slot order.
 
     slots = (ids [TK], token_offsets [T+1]) for the slot form: token t sums its real slots in
-    [token_offsets[t], token_offsets[t+1]).
+    [token_offsets[t], token_offsets[t+1]). product = (L [T, J], R [J, d]), both of one float dtype,
+    any strides: a dense term added in float32 before the result is rounded (x's gradient through
+    the router, folded in by `moe_compiler.grad_fold`).
     """
     d = y.shape[1]
     out = torch.empty(T, d, dtype=out_dtype, device=y.device)
     if T == 0 or d == 0:
         return out
-    block_t, block_d = gather_sum_blocks(d)
+    if product is not None:
+        lhs, rhs = product
+        if lhs.shape != (T, lhs.shape[1]) or rhs.shape != (lhs.shape[1], d) or lhs.dtype != rhs.dtype:
+            raise ValueError(f"gather-sum product: L {tuple(lhs.shape)} {lhs.dtype} and R {tuple(rhs.shape)} "
+                             f"{rhs.dtype} do not make a [{T}, {d}] term")
+        block_t, block_d, block_j = gather_sum_product_blocks(d)
+    else:
+        lhs = rhs = y
+        block_t, block_d = gather_sum_blocks(d)
+        block_j = 16
     grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
     ids, offs = slots if slots is not None else (y, y)
     _gather_sum_kernel[grid](
-        y, _or(s, y), ids, offs, out, T, d, TOP_K=top_k if slots is None else 1,
-        HAS_WEIGHTS=s is not None, SLOTS=slots is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        y, _or(s, y), ids, offs, lhs, rhs, out, T, d, lhs.shape[1] if product is not None else 0,
+        lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1),
+        TOP_K=top_k if slots is None else 1, HAS_WEIGHTS=s is not None, SLOTS=slots is not None,
+        HAS_PRODUCT=product is not None, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_J=block_j,
+        DOT_PRECISION=_dot_precision(lhs.dtype), num_warps=4,
     )
     return out
 
@@ -979,54 +1002,124 @@ def _forward(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, activa
     return out, h, sorted_rows, offsets
 
 
+class _BwdRouting(NamedTuple):
+    """What every part of the backward reads of the routing."""
+
+    topk_ids: Tensor  # contiguous
+    topk_weights: Tensor  # contiguous
+    slot_token: Tensor | None
+    K: int  # K of [T, K] routing, 1 in the slot form
+    slots: tuple[Tensor, Tensor] | None  # the gather-sum's slot form argument
+    kernel_args: dict  # sorted_rows, offsets, top_k, row_token: the kernels' routing keywords
+
+
+def _bwd_routing(x, topk_ids, topk_weights, sorted_rows, expert_offsets, slot_token) -> _BwdRouting:
+    topk_ids, topk_weights, slot_token = _dense_routing(topk_ids, topk_weights, slot_token)
+    K, slots = _slot_routing(topk_ids, slot_token, x.shape[0], check=False)  # checked by the forward
+    row_token = _row_token(slot_token, sorted_rows)
+    args = dict(sorted_rows=sorted_rows, offsets=expert_offsets, top_k=K, row_token=row_token)
+    return _BwdRouting(topk_ids, topk_weights, slot_token, K, slots, args)
+
+
+def _bwd_act(r: _BwdRouting, grad_out, x, W1: Bank, W2: Bank, b1, b2, h, *, n, **flags):
+    """(dH [TK, w1_out], A' = s A [TK, n], dS float32 [TK] in slot order, <dO, b2> included)."""
+    T, E = x.shape[0], r.kernel_args["offsets"].numel() - 1
+    if h.numel() == 0 and r.topk_ids.numel() > 0:  # the forward ran without save_h: recompute H (A is not needed)
+        h, _ = triton_moe_up(x, W1, b1, n=n, store_a=False, **r.kernel_args, **flags)
+    dh, a_scaled, ds = triton_moe_dact(grad_out, W2, h, r.topk_weights.reshape(-1), n=n, **r.kernel_args, **flags)
+    if b2 is not None:  # dS also gets <dO[t], b2[e]>: one [T, E] product, read at each slot's (token, expert)
+        dob2 = (grad_out.float() @ b2.float().t()).reshape(-1)
+        tok = tokens_of_slots(r.topk_ids, r.slot_token).clamp(max=T - 1)  # padding slots may carry T
+        ids = r.topk_ids.reshape(-1).long()
+        ds = ds + torch.where(ids >= 0, dob2[tok * E + ids.clamp(min=0)], 0.0)
+    return dh, a_scaled, ds
+
+
+def _bias_grad(b: Tensor | None) -> Tensor | None:
+    return None if b is None else torch.empty(b.shape, dtype=b.dtype, device=b.device)
+
+
+def _bwd_dw2(r: _BwdRouting, grad_out, a_scaled, dw2: GradBuffer, b2) -> tuple[Tensor, Tensor | None]:
+    """(dW2 [E, P=d, Q=n] laid out as `dw2` says, db2) from gather(dO) and A'."""
+    db2 = _bias_grad(b2)
+    dw = _weight_grad(grad_out, a_scaled, dw2, gather_lhs=True, gather_rhs=False, db=db2,
+                      s_flat=r.topk_weights.reshape(-1), **r.kernel_args)
+    return dw, db2
+
+
+def _bwd_dw1(r: _BwdRouting, dh, x, dw1: GradBuffer, b1) -> tuple[Tensor, Tensor | None]:
+    """(dW1 [E, P=w1_out, Q=d] laid out as `dw1` says, db1) from dH and gather(x)."""
+    db1 = _bias_grad(b1)
+    return _weight_grad(dh, x, dw1, gather_lhs=False, gather_rhs=True, db=db1, **r.kernel_args), db1
+
+
+def _bwd_dx(r: _BwdRouting, dh, x, W1: Bank, product=None) -> Tensor:
+    """dX: dX~ = dH @ B[e] with B[e] = W1[e] [w1_out, d], in slot order; then each token's K rows
+    summed (with the `product` term, when given, added in the same pass)."""
+    T, d = x.shape
+    kw = r.kernel_args
+    dx_rows = triton_moe_scatter_gemm(dh, W1, W1.strides, None, kw["sorted_rows"], kw["offsets"], n_dim=d,
+                                      split=W1.split)
+    return triton_moe_gather_sum(dx_rows, None, T, r.K, x.dtype, r.slots, product=product)
+
+
+def _bwd_sizes(x, dh, a_scaled_numel: int, dw1: GradBuffer, dw2: GradBuffer) -> dict[str, int]:
+    """The byte sizes `backward_order` weighs (without the grouped-GEMM copies)."""
+    es = x.element_size()
+    T, d = x.shape
+    TK = dh.shape[0]
+    return dict(a_scaled=a_scaled_numel * es, dh=dh.numel() * es, dx_rows=TK * d * es, dx=T * d * es,
+                dw1=dw1.like.numel() * dw1.like.element_size(), dw2=dw2.like.numel() * dw2.like.element_size())
+
+
 def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h, sorted_rows, expert_offsets, *,
               dw1: GradBuffer, dw2: GradBuffer, n, activation, interleaved, alpha, limit, slot_token):
     """(dx, d_topk_weights, dW1, dW2, db1, db2); each dW is laid out as its GradBuffer says."""
-    topk_ids, topk_weights, slot_token = _dense_routing(topk_ids, topk_weights, slot_token)
-    T, d = x.shape
-    E = expert_offsets.numel() - 1
-    K, slots = _slot_routing(topk_ids, slot_token, T, check=False)  # checked by the forward
-    TK = topk_ids.numel()
+    r = _bwd_routing(x, topk_ids, topk_weights, sorted_rows, expert_offsets, slot_token)
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    row_token = _row_token(slot_token, sorted_rows)
-    routing = dict(sorted_rows=sorted_rows, offsets=expert_offsets, top_k=K, row_token=row_token)
     grad_out = grad_out.to(x.dtype)
-    s_flat = topk_weights.reshape(-1)
-    if h.numel() == 0 and TK > 0:  # the forward ran without save_h: recompute H (A is not needed)
-        h, _ = triton_moe_up(x, W1, b1, n=n, store_a=False, **routing, **flags)
-
-    dh, a_scaled, ds = triton_moe_dact(grad_out, W2, h, s_flat, n=n, **routing, **flags)
-
-    db2 = None if b2 is None else torch.empty(b2.shape, dtype=b2.dtype, device=b2.device)
-    db1 = None if b1 is None else torch.empty(b1.shape, dtype=b1.dtype, device=b1.device)
-    wgrad2 = dict(gather_lhs=True, gather_rhs=False, db=db2, s_flat=s_flat)  # dW2 as [E, P=d, Q=n]
-    wgrad1 = dict(gather_lhs=False, gather_rhs=True, db=db1)  # dW1 as [E, P=w1_out, Q=d]
-    es = x.element_size()
-    order, _ = backward_order(
-        a_scaled=a_scaled.numel() * es, dh=dh.numel() * es, dx_rows=TK * d * es, dx=T * d * es,
-        dw1=dw1.like.numel() * dw1.like.element_size(), dw2=dw2.like.numel() * dw2.like.element_size(),
-        dw1_copy=_wgrad_copy_bytes(dh, x, dw1, **wgrad1, s_flat=None, **routing),
-        dw2_copy=_wgrad_copy_bytes(grad_out, a_scaled, dw2, **wgrad2, **routing))
+    dh, a_scaled, ds = _bwd_act(r, grad_out, x, W1, W2, b1, b2, h, n=n, **flags)
+    del h
+    wgrad2 = dict(gather_lhs=True, gather_rhs=False, db=b2, s_flat=r.topk_weights.reshape(-1))
+    wgrad1 = dict(gather_lhs=False, gather_rhs=True, db=b1)
+    order, _ = backward_order(**_bwd_sizes(x, dh, a_scaled.numel(), dw1, dw2),
+                              dw1_copy=_wgrad_copy_bytes(dh, x, dw1, **wgrad1, s_flat=None, **r.kernel_args),
+                              dw2_copy=_wgrad_copy_bytes(grad_out, a_scaled, dw2, **wgrad2, **r.kernel_args))
     dh_last = _dh_last(order)
     grads = {}
     for i, step in enumerate(order):
         if step == "dw2":
-            grads[step] = _weight_grad(grad_out, a_scaled, dw2, **wgrad2, **routing)
+            grads[step] = _bwd_dw2(r, grad_out, a_scaled, dw2, b2)
             a_scaled = None
         elif step == "dw1":
-            grads[step] = _weight_grad(dh, x, dw1, **wgrad1, **routing)
-        else:  # dX~ = dH @ B[e] with B[e] = W1[e] [w1_out, d], in slot order; then each token's K rows summed
-            dx_rows = triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, expert_offsets, n_dim=d,
-                                              split=W1.split)
-            grads[step] = triton_moe_gather_sum(dx_rows, None, T, K, x.dtype, slots)
-            del dx_rows
+            grads[step] = _bwd_dw1(r, dh, x, dw1, b1)
+        else:
+            grads[step] = _bwd_dx(r, dh, x, W1)
         if i == dh_last:
             dh = None
-    dw1, dw2, dx = grads["dw1"], grads["dw2"], grads["dx"]
+    (dw1, db1), (dw2, db2), dx = grads["dw1"], grads["dw2"], grads["dx"]
+    return dx, ds.view(r.topk_weights.shape).to(r.topk_weights.dtype), dw1, dw2, db1, db2
 
-    if b2 is not None:  # dS also gets <dO[t], b2[e]>: one [T, E] product, read at each slot's (token, expert)
-        dob2 = (grad_out.float() @ b2.float().t()).reshape(-1)
-        tok = tokens_of_slots(topk_ids, slot_token).clamp(max=T - 1)  # padding slots may carry T
-        ids = topk_ids.reshape(-1).long()
-        ds = ds + torch.where(ids >= 0, dob2[tok * E + ids.clamp(min=0)], 0.0)
-    return dx, ds.view(topk_weights.shape).to(topk_weights.dtype), dw1, dw2, db1, db2
+
+def triton_moe_experts_bwd_part(part: str, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets,
+                                *, activation, interleaved, transposed, alpha, limit, slot_token=None, grad_out=None,
+                                h=None, dh=None, a_scaled=None, product=None):
+    """One part of `triton_moe_experts_bwd`, as `codegen.ops`' split backward ops run them:
+
+        "act" (grad_out, h) -> (dH, A', d_topk_weights)   "dw2" (grad_out, A') -> (dW2, db2 | None)
+        "dw1" (dH) -> (dW1, db1 | None)                    "dx" (dH, product) -> dx
+    """
+    W1, W2 = _stacked_banks(w1, w2, transposed)
+    n = w2.shape[1] if transposed else w2.shape[2]
+    r = _bwd_routing(x, topk_ids, topk_weights, sorted_rows, expert_offsets, slot_token)
+    if part == "act":
+        flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+        dh, a_scaled, ds = _bwd_act(r, grad_out.to(x.dtype), x, W1, W2, b1, b2, h, n=n, **flags)
+        return dh, a_scaled, ds.view(r.topk_weights.shape).to(r.topk_weights.dtype)
+    if part == "dw2":
+        return _bwd_dw2(r, grad_out.to(x.dtype), a_scaled, GradBuffer(w2, transposed), b2)
+    if part == "dw1":
+        return _bwd_dw1(r, dh, x, GradBuffer(w1, transposed), b1)
+    if part == "dx":
+        return _bwd_dx(r, dh, x, W1, product)
+    raise ValueError(f"unknown backward part {part!r}")

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
+from .grad_fold import fold_input_grads
 from .options import split_options
 from .passes import run_passes
 
@@ -28,33 +29,36 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-def _salted_pass(user_pass=None):
-    """An Inductor custom pass that changes nothing but salts the FX graph cache key.
+def _post_grad_pass(user_pass=None, fold_input_grad: bool = True):
+    """Our Inductor post-grad pass: `grad_fold` on each graph (when on), then the user's pass.
 
-    Our op bodies and autograd formulas are not in Inductor's cache key (FINDINGS.md section 2),
-    so without this a warm cache would serve a graph built against old kernels. The hook takes
-    one pass in torch 2.11; a pass the user set there is wrapped and still runs.
+    It also salts the FX graph cache key: our op bodies and autograd formulas are not in Inductor's
+    cache key (FINDINGS.md section 2), so without this a warm cache would serve a graph built
+    against old kernels. The hook takes one pass in torch 2.11; a pass the user set there is
+    wrapped and still runs.
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    class SonicCacheSalt(CustomGraphPass):
+    class SonicPostGrad(CustomGraphPass):
         def __call__(self, graph):
+            if fold_input_grad:
+                fold_input_grads(graph)
             if user_pass is not None:
                 user_pass(graph)
 
         def uuid(self):
             inner = user_pass.uuid() if user_pass is not None and hasattr(user_pass, "uuid") else None
-            return ("moe_compiler", source_hash(), inner)
+            return ("moe_compiler", source_hash(), fold_input_grad, inner)
 
-    return SonicCacheSalt()
+    return SonicPostGrad()
 
 
-def inductor_patches(inductor_options: Mapping[str, Any], mode: str | None) -> dict[str, Any]:
+def inductor_patches(inductor_options: Mapping[str, Any], mode: str | None, fold_input_grad: bool = True) -> dict[str, Any]:
     patches: dict[str, Any] = {}
     if mode not in (None, "default"):
         patches.update(torch._inductor.list_mode_options(mode))
     patches.update(inductor_options)
-    patches[_SALT_HOOK] = _salted_pass(patches.get(_SALT_HOOK))
+    patches[_SALT_HOOK] = _post_grad_pass(patches.get(_SALT_HOOK), fold_input_grad)
     return patches
 
 
@@ -71,4 +75,5 @@ def sonic_backend(gm: fx.GraphModule, example_inputs, *, options: Mapping[str, A
         return aot_eager(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=inductor_patches(inductor_options, mode))
+    patches = inductor_patches(inductor_options, mode, fold_input_grad=sonic_options.enabled and sonic_options.fold_input_grad)
+    return compile_fx(gm, example_inputs, config_patches=patches)

@@ -31,6 +31,9 @@ class SonicOptions:
     # group-limited top-k, scale) with one fused `sonic::route` (codegen.router): one kernel instead
     # of ~5-20 small ops, and an analytic backward. Off: the router stays as the model wrote it.
     fuse_router: bool = True
+    # In compiled backward graphs, add x's other gradient term (the router's dL @ Wr) inside the
+    # experts' dX gather-sum instead of as an mm and an add (`moe_compiler.grad_fold`).
+    fold_input_grad: bool = True
 
     def __post_init__(self):
         patterns = self.patterns
@@ -44,7 +47,7 @@ class SonicOptions:
             raise ValueError(f"sonic.compiler must be one of {COMPILERS}, got {self.compiler!r}")
         if self.token_rounding not in (None, *ROUNDING_MODES):
             raise ValueError(f"sonic.token_rounding must be None or one of {ROUNDING_MODES}, got {self.token_rounding!r}")
-        for name in ("enabled", "debug", "fallback", "fuse_router"):
+        for name in ("enabled", "debug", "fallback", "fuse_router", "fold_input_grad"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"sonic.{name} must be a bool, got {getattr(self, name)!r}")
 

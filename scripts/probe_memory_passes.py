@@ -3,6 +3,10 @@
 (`kernels.backward._act_grad_kernel`). Each is launched directly with each candidate block shape
 and timed (median us, triton.testing.do_bench) beside the bytes it must move, as GB/s.
 
+"dx + router" times x's gradient with the router's term [T, E] @ [E, d]: as autograd makes it
+(the gather-sum, a cuBLAS mm, an add) against the gather-sum that adds the term itself
+(`moe_compiler.grad_fold`), over that kernel's block shapes.
+
     PYTHONPATH=. python scripts/probe_memory_passes.py --shapes 7b-256,qwen3
 
 The launchers' current choices are marked with *.
@@ -43,12 +47,41 @@ def gather_sum(T, d, K, rep):
         if bd > triton.next_power_of_2(d):
             continue
         grid = (triton.cdiv(T, bt), triton.cdiv(d, bd))
-        fn = lambda: _gather_sum_kernel[grid](y, s, y, y, out, T, d, TOP_K=K, HAS_WEIGHTS=True,  # noqa: E731
-                                              SLOTS=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
+        fn = lambda: _gather_sum_kernel[grid](y, s, y, y, y, y, out, T, d, 0, 0, 0, 0, 0,  # noqa: E731
+                                              TOP_K=K, HAS_WEIGHTS=True, SLOTS=False, HAS_PRODUCT=False,
+                                              BLOCK_T=bt, BLOCK_D=bd, BLOCK_J=16, DOT_PRECISION="tf32",
+                                              num_warps=warps)
         us = _time(fn, rep)
         rows.append((us, f"BLOCK_T {bt} BLOCK_D {bd} warps {warps}{' *' if (bt, bd, warps) == current else ''}",
                      nbytes / us * 1e-3))
     return rows
+
+
+def dx_with_router_term(T, d, E, K, rep):
+    TK = T * K
+    y = torch.randn(TK, d, device="cuda").bfloat16()
+    lhs = torch.randn(T, E, device="cuda").bfloat16()
+    rhs = torch.randn(E, d, device="cuda").bfloat16()
+    out = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
+    nbytes = TK * d * 2 + T * d * 2 + T * E * 2
+    rows = [(_time(lambda: triton_moe.triton_moe_gather_sum(y, None, T, K, torch.bfloat16) + lhs @ rhs, rep),
+             "unfolded: gather-sum, mm, add", nbytes)]
+    current = (*triton_moe.gather_sum_product_blocks(d), 4)
+    for bt, bd, bj, warps in itertools.product((16, 32, 64), (64, 128, 256), (32, 64), (4, 8)):
+        if bd > triton.next_power_of_2(d) or bt * bd > 16384:
+            continue
+        grid = (triton.cdiv(T, bt), triton.cdiv(d, bd))
+        fn = lambda: _gather_sum_kernel[grid](y, y, y, y, lhs, rhs, out, T, d, E, E, 1, d, 1,  # noqa: E731
+                                              TOP_K=K, HAS_WEIGHTS=False, SLOTS=False, HAS_PRODUCT=True,
+                                              BLOCK_T=bt, BLOCK_D=bd, BLOCK_J=bj, DOT_PRECISION="tf32",
+                                              num_warps=warps)
+        us = _time(fn, rep)
+        mark = " *" if (bt, bd, bj, warps) == current else ""
+        rows.append((us, f"folded: BLOCK_T {bt} BLOCK_D {bd} BLOCK_J {bj} warps {warps}{mark}", nbytes))
+    want = triton_moe.triton_moe_gather_sum(y, None, T, K, torch.float32) + lhs.float() @ rhs.float()
+    got = triton_moe.triton_moe_gather_sum(y, None, T, K, torch.bfloat16, product=(lhs, rhs)).float()
+    print(f"  dx + router: folded against float32, max rel err {((got - want).abs().max() / want.abs().max()).item():.2e}")
+    return [(us, label, nb / us * 1e-3) for us, label, nb in rows]
 
 
 def act_grad(T, n, E, K, rep):
@@ -80,16 +113,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="7b-256,qwen3")
     ap.add_argument("--rep", type=int, default=50)
+    ap.add_argument("--passes", default="gather-sum,act-grad,dx + router")
     ap.add_argument("--top", type=int, default=6, help="rows printed per table (the current choice always)")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}")
     for name in args.shapes.split(","):
         T, d, n, E, K = SHAPES[name]
-        for what, rows in (("gather-sum", gather_sum(T, d, K, args.rep)), ("act-grad", act_grad(T, n, E, K, args.rep))):
+        passes = {"gather-sum": lambda: gather_sum(T, d, K, args.rep),
+                  "act-grad": lambda: act_grad(T, n, E, K, args.rep),
+                  "dx + router": lambda: dx_with_router_term(T, d, E, K, args.rep)}
+        for what in args.passes.split(","):
+            rows = passes[what]()
             rows.sort()
             print(f"\n{name} {what}:")
             for us, label, gbs in rows:
-                if rows.index((us, label, gbs)) < args.top or label.endswith("*"):
+                if rows.index((us, label, gbs)) < args.top or label.endswith("*") or label.startswith("unfolded"):
                     print(f"  {us:8.1f} us  {gbs:7.0f} GB/s  {label}")
 
 

@@ -535,6 +535,54 @@ def test_every_backward_order_matches_oracle(tm, order, monkeypatch):
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
 
 
+@pytest.mark.parametrize("case", ["plain_fp32", "bias_transposed_fp16", "slot_form"])
+def test_backward_parts_equal_the_one_op(tm, case):
+    # the four parts `moe_compiler.grad_fold` splits the backward into (act, dW2, dW1, dX) give the
+    # one op's gradients bit for bit; dX with a product term gets L @ R added before its rounding
+    dtype = torch.float16 if "fp16" in case else torch.float32
+    inputs, go = _make(21, 40, 16, 5, 2, dtype, bias="bias" in case, transposed="transposed" in case, seed=3)
+    flags = dict(_FLAGS, transposed="transposed" in case)
+    if case == "slot_form":
+        inputs = _slot_form(inputs, mode="up")
+    _, h, rows, offs = tm.triton_moe_experts_fwd(**inputs, save_h=True, **flags)
+    whole = tm.triton_moe_experts_bwd(go, **inputs, h=h, sorted_rows=rows, expert_offsets=offs, **flags)
+    part = lambda name, **kw: tm.triton_moe_experts_bwd_part(name, **inputs, sorted_rows=rows,  # noqa: E731
+                                                             expert_offsets=offs, **flags, **kw)
+    dh, a_scaled, ds = part("act", grad_out=go, h=h)
+    (dw2, db2), (dw1, db1) = part("dw2", grad_out=go, a_scaled=a_scaled), part("dw1", dh=dh)
+    dx = part("dx", dh=dh)
+    for got, want in zip((dx, ds, dw1, dw2, db1, db2), whole):
+        assert (got is None and want is None) or torch.equal(got, want)
+    gen = torch.Generator().manual_seed(4)
+    lhs = torch.randn(21, 19, generator=gen).to(dtype)
+    rhs = torch.randn(40, 19, generator=gen).to(dtype).t()  # strided, as a weight's transpose is
+    folded = part("dx", dh=dh, product=(lhs, rhs))
+    want = dx.double() + lhs.double() @ rhs.double()
+    assert folded.dtype == dtype and _rel(folded, want) <= _TOL[dtype], _rel(folded, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("slots", [False, True])
+def test_gather_sum_with_a_product_term(tm, dtype, slots):
+    # out[t] = sum of token t's rows + L[t] @ R, T, d and J none a multiple of the blocks
+    T, K, d, J = 37, 3, 40, 23
+    gen = torch.Generator().manual_seed(9)
+    y = torch.randn(T * K, d, generator=gen).to(dtype)
+    lhs, rhs = torch.randn(T, J, generator=gen).to(dtype), torch.randn(J, d, generator=gen).to(dtype)
+    ids = torch.zeros(T * K, dtype=torch.int64)
+    arg = None
+    if slots:  # the slot form: every 4th slot is padding and adds nothing
+        ids[::4] = -1
+        arg = (ids, tm.token_offsets(torch.arange(T * K) // K, T))
+    got = tm.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs))
+    rows = torch.where((ids >= 0)[:, None], y.double(), 0.0).view(T, K, d).sum(1)
+    want = rows + lhs.double() @ rhs.double()
+    assert got.dtype == dtype and _rel(got, want) <= _TOL[dtype], _rel(got, want)
+    with pytest.raises(ValueError, match="do not make"):
+        tm.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs.float() if dtype != torch.float32
+                                                                    else rhs.half()))
+
+
 def test_deterministic(tm):
     inputs, go = _make(15, 32, 16, 4, 3, torch.float32, seed=7)
     first = _run_ours(tm, inputs, go, _FLAGS)

@@ -2,6 +2,8 @@
 
     out[t] = sum_k s[t, k] * Y[t*K + k]      (forward combine, HAS_WEIGHTS)
     dX[t]  = sum_k dX~[t*K + k]              (backward, no weights)
+    dX[t] += sum_j L[t, j] R[j]              (backward, HAS_PRODUCT: another [T, J] @ [J, d] term of
+                                              x's gradient, the router's, added before the one rounding)
 
 Y and dX~ are stored in slot order by `_scatter_gemm_kernel`, so each token's slots are one
 contiguous block of rows: [t*K, t*K + K) for [T, K] routing, [token_offsets[t], token_offsets[t+1])
@@ -29,18 +31,31 @@ def _gather_sum_kernel(
     s_ptr,  # [TK] router weights (any float dtype), contiguous; read when HAS_WEIGHTS
     ids_ptr,  # [TK] int expert id per slot (-1: padding); read when SLOTS
     token_offsets_ptr,  # [T+1] int32, first slot of each token; read when SLOTS
+    lhs_ptr, rhs_ptr,  # L [T, J] and R [J, d], any strides; read when HAS_PRODUCT
     out_ptr,  # [T, d] out dtype, contiguous
-    T, d,
+    T, d, J,
+    stride_lt, stride_lj, stride_rj, stride_rd,
     TOP_K: tl.constexpr,  # K of [T, K] routing (the slot form reads each token's count instead)
-    HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr, HAS_PRODUCT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(d, BLOCK_D)). With [T, K] routing the K slots' loop is unrolled
-    (K a constexpr), so all K row loads of a token are in flight together."""
+    (K a constexpr), so all K row loads of a token are in flight together. HAS_PRODUCT needs
+    BLOCK_T, BLOCK_J >= 16 (tl.dot)."""
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_mask = toks < T
     toks64 = toks.to(tl.int64)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if HAS_PRODUCT:
+        js = tl.arange(0, BLOCK_J)
+        for j0 in range(0, J, BLOCK_J):
+            j_mask = (j0 + js) < J
+            lhs = tl.load(lhs_ptr + toks64[:, None] * stride_lt + (j0 + js)[None, :] * stride_lj,
+                          mask=t_mask[:, None] & j_mask[None, :], other=0.0)
+            rhs = tl.load(rhs_ptr + (j0 + js)[:, None].to(tl.int64) * stride_rj + cols[None, :] * stride_rd,
+                          mask=j_mask[:, None] & (cols < d)[None, :], other=0.0)
+            acc = tl.dot(lhs, rhs, acc, input_precision=DOT_PRECISION)
     if SLOTS:
         first = tl.load(token_offsets_ptr + toks, mask=t_mask, other=0).to(tl.int64)
         count = tl.load(token_offsets_ptr + toks + 1, mask=t_mask, other=0).to(tl.int64) - first
