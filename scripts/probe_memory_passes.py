@@ -47,10 +47,8 @@ def gather_sum(T, d, K, rep):
         if bd > triton.next_power_of_2(d):
             continue
         grid = (triton.cdiv(T, bt), triton.cdiv(d, bd))
-        fn = lambda: _gather_sum_kernel[grid](y, s, y, y, y, y, out, T, d, 0, 0, 0, 0, 0,  # noqa: E731
-                                              TOP_K=K, HAS_WEIGHTS=True, SLOTS=False, HAS_PRODUCT=False,
-                                              BLOCK_T=bt, BLOCK_D=bd, BLOCK_J=16, DOT_PRECISION="tf32",
-                                              num_warps=warps)
+        fn = lambda: _gather_sum_kernel[grid](y, s, y, y, out, T, d, TOP_K=K, HAS_WEIGHTS=True,  # noqa: E731
+                                              SLOTS=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
         us = _time(fn, rep)
         rows.append((us, f"BLOCK_T {bt} BLOCK_D {bd} warps {warps}{' *' if (bt, bd, warps) == current else ''}",
                      nbytes / us * 1e-3))
@@ -62,25 +60,22 @@ def dx_with_router_term(T, d, E, K, rep):
     y = torch.randn(TK, d, device="cuda").bfloat16()
     lhs = torch.randn(T, E, device="cuda").bfloat16()
     rhs = torch.randn(E, d, device="cuda").bfloat16()
-    out = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
     nbytes = TK * d * 2 + T * d * 2 + T * E * 2
     rows = [(_time(lambda: triton_moe.triton_moe_gather_sum(y, None, T, K, torch.bfloat16) + lhs @ rhs, rep),
              "unfolded: gather-sum, mm, add", nbytes)]
-    current = (*triton_moe.gather_sum_product_blocks(d), 4)
-    for bt, bd, bj, warps in itertools.product((16, 32, 64), (64, 128, 256), (32, 64), (4, 8)):
-        if bd > triton.next_power_of_2(d) or bt * bd > 16384:
+    plain = triton_moe.triton_moe_gather_sum
+    rows.append((_time(lambda: plain(y, None, T, K, torch.bfloat16), rep), "the gather-sum alone", nbytes - T * E * 2))
+    current = triton_moe.gather_sum_product_launch(d, E)
+    for bt, bd, bj, warps, waves, first in itertools.product((16, 32, 64), (64, 128, 256), (64, 128), (4, 8),
+                                                             (0, 4, 8), (True, False)):
+        if bd > triton.next_power_of_2(d) or bt * bd > 8192 or bj > max(16, triton.next_power_of_2(E)):
             continue
-        grid = (triton.cdiv(T, bt), triton.cdiv(d, bd))
-        fn = lambda: _gather_sum_kernel[grid](y, y, y, y, lhs, rhs, out, T, d, E, E, 1, d, 1,  # noqa: E731
-                                              TOP_K=K, HAS_WEIGHTS=False, SLOTS=False, HAS_PRODUCT=True,
-                                              BLOCK_T=bt, BLOCK_D=bd, BLOCK_J=bj, DOT_PRECISION="tf32",
-                                              num_warps=warps)
-        us = _time(fn, rep)
-        mark = " *" if (bt, bd, bj, warps) == current else ""
-        rows.append((us, f"folded: BLOCK_T {bt} BLOCK_D {bd} BLOCK_J {bj} warps {warps}{mark}", nbytes))
+        launch = triton_moe.ProductLaunch(bt, bd, bj, warps, waves, first)
+        us = _time(lambda: plain(y, None, T, K, torch.bfloat16, product=(lhs, rhs), launch=launch), rep)
+        rows.append((us, f"folded: {tuple(launch)}{' *' if launch == current else ''}", nbytes))
     want = triton_moe.triton_moe_gather_sum(y, None, T, K, torch.float32) + lhs.float() @ rhs.float()
     got = triton_moe.triton_moe_gather_sum(y, None, T, K, torch.bfloat16, product=(lhs, rhs)).float()
-    print(f"  dx + router: folded against float32, max rel err {((got - want).abs().max() / want.abs().max()).item():.2e}")
+    print(f"  {T}x{d} E {E}: folded against float32, max rel err {((got - want).abs().max() / want.abs().max()).item():.2e}")
     return [(us, label, nb / us * 1e-3) for us, label, nb in rows]
 
 
@@ -127,7 +122,7 @@ def main():
             rows.sort()
             print(f"\n{name} {what}:")
             for us, label, gbs in rows:
-                if rows.index((us, label, gbs)) < args.top or label.endswith("*") or label.startswith("unfolded"):
+                if rows.index((us, label, gbs)) < args.top or label.endswith("*") or not label.startswith("folded"):
                     print(f"  {us:8.1f} us  {gbs:7.0f} GB/s  {label}")
 
 

@@ -155,3 +155,28 @@ def test_gpu_fold_bf16(layer, params, caplog):
     for name, want in truth[1].items():
         err = lambda g: ((g[1][name].double() - want).norm() / want.norm()).item()  # noqa: E731
         assert err(folded) <= 1.05 * err(plain) + 1e-3, (name, err(folded), err(plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [False, True])
+@pytest.mark.parametrize("d,J", [(1536, 128), (768, 64), (200, 300)])
+def test_gpu_gather_sum_product_kernel(slots, d, J):
+    # the launcher's default launch in bf16: R resident (J <= 128) or in chunks (J = 300), d not a
+    # multiple of the block; against float32 sums of the same bf16 rows
+    from codegen import triton_moe
+
+    T, K = 3000, 4
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    y = torch.randn(T * K, d, device="cuda", generator=gen).bfloat16()
+    lhs = torch.randn(T, J, device="cuda", generator=gen).bfloat16()
+    rhs = torch.randn(d, J, device="cuda", generator=gen).bfloat16().t()
+    ids = torch.zeros(T * K, dtype=torch.int64, device="cuda")
+    arg = None
+    if slots:
+        ids[::3] = -1
+        arg = (ids, triton_moe.token_offsets(torch.arange(T * K, device="cuda") // K, T))
+    got = triton_moe.triton_moe_gather_sum(y, None, T, K, torch.bfloat16, arg, product=(lhs, rhs)).float()
+    rows = torch.where((ids >= 0)[:, None], y.float(), 0.0).view(T, K, d).sum(1)
+    want = rows + lhs.float() @ rhs.float()
+    # one bf16 rounding of the float32 result (2^-8 relative), on top of float32 sums in either order
+    assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-2).all(), (got - want).abs().max()

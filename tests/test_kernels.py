@@ -563,8 +563,11 @@ def test_backward_parts_equal_the_one_op(tm, case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("slots", [False, True])
-def test_gather_sum_with_a_product_term(tm, dtype, slots):
-    # out[t] = sum of token t's rows + L[t] @ R, T, d and J none a multiple of the blocks
+@pytest.mark.parametrize("launch", [None, (16, 16, 16, 4, 1, False), (16, 32, 32, 4, 0, True)],
+                         ids=["default", "walking-programs-chunked-R", "resident-R"])
+def test_gather_sum_with_a_product_term(tm, dtype, slots, launch):
+    # out[t] = sum of token t's rows + L[t] @ R, T, d and J none a multiple of the blocks; programs
+    # that walk several token blocks, R in chunks or resident, the dot before or after the rows
     T, K, d, J = 37, 3, 40, 23
     gen = torch.Generator().manual_seed(9)
     y = torch.randn(T * K, d, generator=gen).to(dtype)
@@ -574,7 +577,8 @@ def test_gather_sum_with_a_product_term(tm, dtype, slots):
     if slots:  # the slot form: every 4th slot is padding and adds nothing
         ids[::4] = -1
         arg = (ids, tm.token_offsets(torch.arange(T * K) // K, T))
-    got = tm.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs))
+    launch = None if launch is None else tm.ProductLaunch(*launch)
+    got = tm.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs), launch=launch)
     rows = torch.where((ids >= 0)[:, None], y.double(), 0.0).view(T, K, d).sum(1)
     want = rows + lhs.double() @ rhs.double()
     assert got.dtype == dtype and _rel(got, want) <= _TOL[dtype], _rel(got, want)

@@ -25,37 +25,10 @@ def _weighted_row(y_ptr, s_ptr, slot, live, cols, d, HAS_WEIGHTS: tl.constexpr):
     return y
 
 
-@triton.jit(do_not_specialize=["T"])
-def _gather_sum_kernel(
-    y_ptr,  # [TK, d] x.dtype, contiguous, slot order
-    s_ptr,  # [TK] router weights (any float dtype), contiguous; read when HAS_WEIGHTS
-    ids_ptr,  # [TK] int expert id per slot (-1: padding); read when SLOTS
-    token_offsets_ptr,  # [T+1] int32, first slot of each token; read when SLOTS
-    lhs_ptr, rhs_ptr,  # L [T, J] and R [J, d], any strides; read when HAS_PRODUCT
-    out_ptr,  # [T, d] out dtype, contiguous
-    T, d, J,
-    stride_lt, stride_lj, stride_rj, stride_rd,
-    TOP_K: tl.constexpr,  # K of [T, K] routing (the slot form reads each token's count instead)
-    HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr, HAS_PRODUCT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Grid: (cdiv(T, BLOCK_T), cdiv(d, BLOCK_D)). With [T, K] routing the K slots' loop is unrolled
-    (K a constexpr), so all K row loads of a token are in flight together. HAS_PRODUCT needs
-    BLOCK_T, BLOCK_J >= 16 (tl.dot)."""
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    t_mask = toks < T
-    toks64 = toks.to(tl.int64)
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    if HAS_PRODUCT:
-        js = tl.arange(0, BLOCK_J)
-        for j0 in range(0, J, BLOCK_J):
-            j_mask = (j0 + js) < J
-            lhs = tl.load(lhs_ptr + toks64[:, None] * stride_lt + (j0 + js)[None, :] * stride_lj,
-                          mask=t_mask[:, None] & j_mask[None, :], other=0.0)
-            rhs = tl.load(rhs_ptr + (j0 + js)[:, None].to(tl.int64) * stride_rj + cols[None, :] * stride_rd,
-                          mask=j_mask[:, None] & (cols < d)[None, :], other=0.0)
-            acc = tl.dot(lhs, rhs, acc, input_precision=DOT_PRECISION)
+@triton.jit
+def _token_rows_sum(acc, y_ptr, s_ptr, ids_ptr, token_offsets_ptr, toks, t_mask, cols, d,
+                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr):
+    """acc + the (weighted) sum of each token's rows of y, in float32 and a fixed slot order."""
     if SLOTS:
         first = tl.load(token_offsets_ptr + toks, mask=t_mask, other=0).to(tl.int64)
         count = tl.load(token_offsets_ptr + toks + 1, mask=t_mask, other=0).to(tl.int64) - first
@@ -66,8 +39,78 @@ def _gather_sum_kernel(
             live = live & (tl.load(ids_ptr + slot, mask=live, other=-1) >= 0)
             acc += _weighted_row(y_ptr, s_ptr, slot, live, cols, d, HAS_WEIGHTS)
     else:
-        first = toks64 * TOP_K
+        first = toks.to(tl.int64) * TOP_K
         for k in tl.static_range(TOP_K):
             acc += _weighted_row(y_ptr, s_ptr, first + k, t_mask, cols, d, HAS_WEIGHTS)
+    return acc
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gather_sum_kernel(
+    y_ptr,  # [TK, d] x.dtype, contiguous, slot order
+    s_ptr,  # [TK] router weights (any float dtype), contiguous; read when HAS_WEIGHTS
+    ids_ptr,  # [TK] int expert id per slot (-1: padding); read when SLOTS
+    token_offsets_ptr,  # [T+1] int32, first slot of each token; read when SLOTS
+    out_ptr,  # [T, d] out dtype, contiguous
+    T, d,
+    TOP_K: tl.constexpr,  # K of [T, K] routing (the slot form reads each token's count instead)
+    HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid: (cdiv(T, BLOCK_T), cdiv(d, BLOCK_D)). With [T, K] routing the K slots' loop is unrolled
+    (K a constexpr), so all K row loads of a token are in flight together."""
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_mask = toks < T
+    acc = _token_rows_sum(tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), y_ptr, s_ptr, ids_ptr, token_offsets_ptr,
+                          toks, t_mask, cols, d, TOP_K, HAS_WEIGHTS, SLOTS)
     mask = t_mask[:, None] & (cols < d)[None, :]
-    tl.store(out_ptr + toks64[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + toks.to(tl.int64)[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gather_sum_product_kernel(
+    y_ptr, ids_ptr, token_offsets_ptr,  # as _gather_sum_kernel's (no weights: the backward's dX~)
+    lhs_ptr, rhs_ptr,  # L [T, J] and R [J, d], any strides
+    out_ptr,  # [T, d] out dtype, contiguous
+    T, d, J,
+    stride_lt, stride_lj, stride_rj, stride_rd,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    R_RESIDENT: tl.constexpr,  # J <= BLOCK_J: R's [J, BLOCK_D] tile is loaded once per program
+    PRODUCT_FIRST: tl.constexpr,  # the dot before the row loads (else after)
+    DOT_PRECISION: tl.constexpr,
+):
+    """out[t] = sum of token t's rows of y + L[t] @ R. Grid: (programs over token blocks,
+    cdiv(d, BLOCK_D)); a program takes token blocks pid, pid + grid0, ... . tl.dot needs BLOCK_T and
+    BLOCK_J of at least 16."""
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    c_mask = cols < d
+    js = tl.arange(0, BLOCK_J)
+    if R_RESIDENT:
+        rhs = tl.load(rhs_ptr + js[:, None].to(tl.int64) * stride_rj + cols[None, :] * stride_rd,
+                      mask=(js < J)[:, None] & c_mask[None, :], other=0.0)
+    for tb in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+        toks = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = toks < T
+        l_rows = lhs_ptr + toks.to(tl.int64)[:, None] * stride_lt
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        if not PRODUCT_FIRST:
+            acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, toks, t_mask, cols, d, TOP_K,
+                                  False, SLOTS)
+        if R_RESIDENT:
+            lhs = tl.load(l_rows + js[None, :] * stride_lj, mask=t_mask[:, None] & (js < J)[None, :], other=0.0)
+            acc = tl.dot(lhs, rhs, acc, input_precision=DOT_PRECISION)
+        else:
+            for j0 in range(0, J, BLOCK_J):
+                j_mask = (j0 + js) < J
+                lhs = tl.load(l_rows + (j0 + js)[None, :] * stride_lj, mask=t_mask[:, None] & j_mask[None, :],
+                              other=0.0)
+                part = tl.load(rhs_ptr + (j0 + js)[:, None].to(tl.int64) * stride_rj + cols[None, :] * stride_rd,
+                               mask=j_mask[:, None] & c_mask[None, :], other=0.0)
+                acc = tl.dot(lhs, part, acc, input_precision=DOT_PRECISION)
+        if PRODUCT_FIRST:
+            acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, toks, t_mask, cols, d, TOP_K,
+                                  False, SLOTS)
+        mask = t_mask[:, None] & c_mask[None, :]
+        tl.store(out_ptr + toks.to(tl.int64)[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
