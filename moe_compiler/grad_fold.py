@@ -17,8 +17,9 @@ dW1; dX), and hands dL and Wr to the dX part, whose gather-sum adds dL @ Wr befo
 The parts go in the order `codegen.triton_moe.backward_order` finds holds the fewest bytes, as the
 one op runs them. It folds only what it can prove: the other addend is an `mm` [T, J] @ [J, d] read
 by nothing else, of x's gradient's dtype, whose inputs do not depend on the op's dx or weight
-gradients (through views only, on either side). Anything else stays as it was, with the reason
-logged at INFO on the "moe_compiler" logger.
+gradients (through views only, on either side). Any such term is a term of x's gradient, so
+whichever one it finds (a shared expert's, when its inner size is small enough) the sum is the
+same. Anything else stays as it was, with the reason logged at INFO on the "moe_compiler" logger.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 log = logging.getLogger("moe_compiler")
 
@@ -63,10 +65,14 @@ def _through_views_down(node: fx.Node) -> fx.Node:
     raise NoFold(f"{node} has {len(node.users)} readers")
 
 
-def _through_views_up(node) -> fx.Node:
-    while _is_view(node) and len(node.users) == 1:
-        node = node.args[0]
-    return node
+def _same(a, b) -> bool:
+    """a == b for sizes that may be symbolic (dynamic T): provable without a new guard."""
+    return statically_known_true(a == b)
+
+
+def _hint(size) -> int:
+    """A size's value in the example this graph was traced with (for choosing an order only)."""
+    return size if isinstance(size, int) else size.node.hint
 
 
 def _ancestors(roots) -> set[fx.Node]:
@@ -117,31 +123,31 @@ def _find_term(bwd: fx.Node, outs: dict[int, fx.Node]) -> tuple[fx.Node, fx.Node
     dx, summed = _val(outs[0]), _val(add)
     T, d = dx.shape
     J = _val(lhs).shape[1]
-    if tuple(product.shape) != (T, d) or summed.numel() != T * d:
+    if not (_same(product.shape[0], T) and _same(product.shape[1], d) and _same(summed.numel(), T * d)):
         raise NoFold(f"the term [{', '.join(map(str, product.shape))}] is not dx's [{T}, {d}]")
     if not (product.dtype == dx.dtype == summed.dtype == _val(lhs).dtype == _val(rhs).dtype):
         raise NoFold(f"dtypes differ: dx {dx.dtype}, L {_val(lhs).dtype}, R {_val(rhs).dtype}, sum {summed.dtype}")
-    if not isinstance(J, int) or J > MAX_FOLD_J:
-        raise NoFold(f"the term's inner size {J} is not a static int <= {MAX_FOLD_J}")
+    if _hint(J) > MAX_FOLD_J:  # a cost bound, not a correctness one: the kernel takes any J
+        raise NoFold(f"the term's inner size {J} (here {_hint(J)}) is over {MAX_FOLD_J}")
     if _ancestors([lhs, rhs]) & ({n for i, n in outs.items() if i != 1} | set(dx_chain)):
         raise NoFold("the term depends on this op's dx or weight gradients")
     return add, lhs, rhs, [*reversed(dx_chain), *term_chain]  # each before the nodes it reads
 
 
 def _order(x, w1, w2, dh_shape, a_shape) -> tuple[str, ...]:
+    """The parts' order `backward_order` picks at the traced example's sizes (the one op picks per call)."""
     from codegen.triton_moe import backward_order
 
     es = x.element_size()
-    T, d = x.shape
-    order, _ = backward_order(a_scaled=a_shape[0] * a_shape[1] * es, dh=dh_shape[0] * dh_shape[1] * es,
-                              dx_rows=dh_shape[0] * d * es, dx=T * d * es, dw1=w1.numel() * w1.element_size(),
-                              dw2=w2.numel() * w2.element_size())
+    T, d = map(_hint, x.shape)
+    TK, w1_out, n = _hint(dh_shape[0]), _hint(dh_shape[1]), _hint(a_shape[1])
+    order, _ = backward_order(a_scaled=TK * n * es, dh=TK * w1_out * es, dx_rows=TK * d * es, dx=T * d * es,
+                              dw1=_hint(w1.numel()) * w1.element_size(), dw2=_hint(w2.numel()) * w2.element_size())
     return order
 
 
-def _fold(graph: fx.Graph, bwd: fx.Node, fake_mode) -> None:
-    outs = _outputs(bwd)
-    add, lhs, rhs, dead = _find_term(bwd, outs)
+def _fold(graph: fx.Graph, bwd: fx.Node, outs: dict[int, fx.Node], term, fake_mode) -> None:
+    add, lhs, rhs, dead = term
     sonic = torch.ops.sonic
     (grad_out, x, ids, weights, w1, w2, b1, b2, h, sorted_rows, offsets, *flags), kwargs = bwd.args, dict(bwd.kwargs)
     if len(flags) > 5:
@@ -200,13 +206,15 @@ def fold_input_grads(graph: fx.Graph) -> int:
     folded = 0
     for bwd in bwds:
         try:
-            _find_term(bwd, _outputs(bwd))
+            outs = _outputs(bwd)
+            term = _find_term(bwd, outs)
         except NoFold as why:
             log.info("x's gradient of %s: not folded (%s)", bwd.name, why)
             continue
-        _fold(graph, bwd, fake_mode)
+        _fold(graph, bwd, outs, term, fake_mode)
         folded += 1
-        log.info("x's gradient of %s: the router's term folded into the dX gather-sum", bwd.name)
+        log.info("x's gradient of %s: its mm term (the router's, in a MoE block) folded into the dX gather-sum",
+                 bwd.name)
     if folded:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
