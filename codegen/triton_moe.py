@@ -5,6 +5,7 @@
     triton_moe_experts_list_fwd / _bwd: the list form's entry points
     triton_moe_experts_fwd(...) -> (out [T, d], H [TK, w1_out] or [0, w1_out], sorted_rows [TK], offsets [E+1])
     triton_moe_experts_bwd(...) -> (dx, d_topk_weights, dw1, dw2, db1 | None, db2 | None)
+    triton_moe_experts_bwd_part(part, ...) -> one of its four parts (the split ops of `codegen.ops`)
 
 Notation as in `codegen.activations`. Rows r = 0..TK-1 are in expert order (stable: token order
 inside an expert); `sorted_rows[r]` is the flat slot t*K + k of row r; `expert_offsets` [E+1] is the
@@ -17,6 +18,9 @@ Backward: _up_proj_kernel as a gathered GEMM (dA' = gather(dO) W2) -> _act_grad_
           A' = s A) -> then, in the order `backward_order` finds holds the fewest bytes at once:
           _wgrad_kernel for dW2 and for dW1 (and the biases; or torch._grouped_mm where `wgrad_choice`
           measured it faster), _scatter_gemm_kernel (dX~ = dH W1, slot order) -> _gather_sum_kernel (dX).
+          Compiled graphs may run it as four ops (`triton_moe_experts_bwd_part`: act, dw2, dw1, dx;
+          `moe_compiler.grad_fold`), dX's gather-sum then adding the router's [T, E] @ [E, d] term
+          (_gather_sum_product_kernel).
 On Hopper, 16-bit stacked weights with 16-byte rows go through TMA descriptors (see "TMA paths"
 below): the scatter GEMMs become the persistent `_scatter_gemm_tma_kernel`, the others keep their
 structure with the weight (or expert-ordered) operand landing by TMA. Gathered operands stay pointer
