@@ -677,7 +677,7 @@ def gather_sum_product_launch(d: int, J: int) -> ProductLaunch:
     block_j = max(16, min(128, triton.next_power_of_2(J)))
     if INTERPRETED:
         return ProductLaunch(16, min(16, triton.next_power_of_2(d)), min(block_j, 16), 4, 0, True)
-    return ProductLaunch(32, min(256, triton.next_power_of_2(d)), block_j, 8, 4, False)
+    return ProductLaunch(32, max(16, min(256, triton.next_power_of_2(d))), block_j, 8, 4, False)  # tl.dot: N >= 16
 
 
 def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype,
