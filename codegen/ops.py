@@ -118,6 +118,16 @@ def _(x, topk_ids, topk_weights, w1, w2, b1, b2, activation, interleaved, transp
     return out, h, sorted_rows, offsets
 
 
+def _bias_or_empty(db: Optional[Tensor], x: Tensor) -> Tensor:
+    """A bias gradient, or the empty tensor the ops return for an absent bias (a schema has no None outputs)."""
+    return x.new_empty(0) if db is None else db
+
+
+def _empty_bias_grad(b: Optional[Tensor], x: Tensor) -> Tensor:
+    """The fake of a bias gradient: like b, or empty for an absent bias."""
+    return x.new_empty(0) if b is None else torch.empty_like(b)
+
+
 @torch.library.custom_op("sonic::moe_experts_backward", mutates_args=())
 def moe_experts_backward_op(
     grad_out: Tensor,
@@ -145,7 +155,7 @@ def moe_experts_backward_op(
         dx, dw, dw1, dw2, db1, db2 = impl.triton_moe_experts_bwd(*args, slot_token=slot_token, **flags)
     else:
         dx, dw, dw1, dw2, db1, db2 = torch_moe_experts_bwd(*args, slot_token=slot_token, **flags)
-    return dx, dw, dw1, dw2, x.new_empty(0) if db1 is None else db1, x.new_empty(0) if db2 is None else db2
+    return dx, dw, dw1, dw2, _bias_or_empty(db1, x), _bias_or_empty(db2, x)
 
 
 @moe_experts_backward_op.register_fake
@@ -156,8 +166,8 @@ def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, exper
         torch.empty_like(topk_weights),
         torch.empty_like(w1),
         torch.empty_like(w2),
-        x.new_empty(0) if b1 is None else torch.empty_like(b1),
-        x.new_empty(0) if b2 is None else torch.empty_like(b2),
+        _empty_bias_grad(b1, x),
+        _empty_bias_grad(b2, x),
     )
 
 
@@ -221,10 +231,6 @@ def _bwd_part(part: str, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows,
                                     product=tensors["product"], **layout)
 
 
-def _bias_or_empty(db: Optional[Tensor], x: Tensor) -> Tensor:
-    return x.new_empty(0) if db is None else db
-
-
 @torch.library.custom_op("sonic::moe_experts_backward_act", mutates_args=())
 def moe_experts_backward_act_op(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
@@ -260,7 +266,7 @@ def moe_experts_backward_dw2_op(
 
 @moe_experts_backward_dw2_op.register_fake
 def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, a_scaled, *rest, slot_token=None):
-    return torch.empty_like(w2), x.new_empty(0) if b2 is None else torch.empty_like(b2)
+    return torch.empty_like(w2), _empty_bias_grad(b2, x)
 
 
 @torch.library.custom_op("sonic::moe_experts_backward_dw1", mutates_args=())
@@ -278,7 +284,7 @@ def moe_experts_backward_dw1_op(
 
 @moe_experts_backward_dw1_op.register_fake
 def _(x, topk_ids, topk_weights, w1, w2, b1, b2, dh, *rest, slot_token=None):
-    return torch.empty_like(w1), x.new_empty(0) if b1 is None else torch.empty_like(b1)
+    return torch.empty_like(w1), _empty_bias_grad(b1, x)
 
 
 @torch.library.custom_op("sonic::moe_experts_backward_dx", mutates_args=())

@@ -1089,13 +1089,17 @@ def _bwd_dx(r: _BwdRouting, dh, x, W1: Bank, product=None) -> Tensor:
     return triton_moe_gather_sum(dx_rows, None, T, r.K, x.dtype, r.slots, product=product)
 
 
-def _bwd_sizes(x, dh, a_scaled_numel: int, dw1: GradBuffer, dw2: GradBuffer) -> dict[str, int]:
-    """The byte sizes `backward_order` weighs (without the grouped-GEMM copies)."""
-    es = x.element_size()
+def backward_sizes(*, T: int, d: int, TK: int, w1_out: int, n: int, elem: int, dw1: int, dw2: int) -> dict[str, int]:
+    """The byte sizes `backward_order` weighs (without the grouped-GEMM copies): activations of
+    `elem` bytes, dw1 and dw2 in bytes."""
+    return dict(a_scaled=TK * n * elem, dh=TK * w1_out * elem, dx_rows=TK * d * elem, dx=T * d * elem, dw1=dw1,
+                dw2=dw2)
+
+
+def _bwd_sizes(x, dh, a_scaled, dw1: GradBuffer, dw2: GradBuffer) -> dict[str, int]:
     T, d = x.shape
-    TK = dh.shape[0]
-    return dict(a_scaled=a_scaled_numel * es, dh=dh.numel() * es, dx_rows=TK * d * es, dx=T * d * es,
-                dw1=dw1.like.numel() * dw1.like.element_size(), dw2=dw2.like.numel() * dw2.like.element_size())
+    return backward_sizes(T=T, d=d, TK=dh.shape[0], w1_out=dh.shape[1], n=a_scaled.shape[1], elem=x.element_size(),
+                          dw1=dw1.like.numel() * dw1.like.element_size(), dw2=dw2.like.numel() * dw2.like.element_size())
 
 
 def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h, sorted_rows, expert_offsets, *,
@@ -1108,7 +1112,7 @@ def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h
     del h
     wgrad2 = dict(gather_lhs=True, gather_rhs=False, db=b2, s_flat=r.topk_weights.reshape(-1))
     wgrad1 = dict(gather_lhs=False, gather_rhs=True, db=b1)
-    order, _ = backward_order(**_bwd_sizes(x, dh, a_scaled.numel(), dw1, dw2),
+    order, _ = backward_order(**_bwd_sizes(x, dh, a_scaled, dw1, dw2),
                               dw1_copy=_wgrad_copy_bytes(dh, x, dw1, **wgrad1, s_flat=None, **r.kernel_args),
                               dw2_copy=_wgrad_copy_bytes(grad_out, a_scaled, dw2, **wgrad2, **r.kernel_args))
     dh_last = _dh_last(order)

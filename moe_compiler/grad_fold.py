@@ -136,14 +136,12 @@ def _find_term(bwd: fx.Node, outs: dict[int, fx.Node]) -> tuple[fx.Node, fx.Node
 
 def _order(x, w1, w2, dh_shape, a_shape) -> tuple[str, ...]:
     """The parts' order `backward_order` picks at the traced example's sizes (the one op picks per call)."""
-    from codegen.triton_moe import backward_order
+    from codegen.triton_moe import backward_order, backward_sizes
 
-    es = x.element_size()
-    T, d = map(_hint, x.shape)
-    TK, w1_out, n = _hint(dh_shape[0]), _hint(dh_shape[1]), _hint(a_shape[1])
-    order, _ = backward_order(a_scaled=TK * n * es, dh=TK * w1_out * es, dx_rows=TK * d * es, dx=T * d * es,
-                              dw1=_hint(w1.numel()) * w1.element_size(), dw2=_hint(w2.numel()) * w2.element_size())
-    return order
+    sizes = backward_sizes(T=_hint(x.shape[0]), d=_hint(x.shape[1]), TK=_hint(dh_shape[0]), w1_out=_hint(dh_shape[1]),
+                           n=_hint(a_shape[1]), elem=x.element_size(), dw1=_hint(w1.numel()) * w1.element_size(),
+                           dw2=_hint(w2.numel()) * w2.element_size())
+    return backward_order(**sizes)[0]
 
 
 def _fold(graph: fx.Graph, bwd: fx.Node, outs: dict[int, fx.Node], term, fake_mode) -> None:
