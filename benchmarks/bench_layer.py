@@ -24,7 +24,9 @@ So "ours-fused-router" against "sonic" compares what each gives a user; "ours" i
 op behind torch's top-k (147 us of a 7b-256 step on the H100, against SonicMoE's 6).
 "ours-compiled" is that layer through `torch.compile(backend="sonic")` (Inductor around our ops, and
 x's gradient through the router folded into the experts' dX gather-sum, `moe_compiler.grad_fold`);
-"ours-compiled-nofold" the same without the fold (`sonic.fold_input_grad=False`).
+"ours-compiled-nofold" the same without the fold (`sonic.fold_input_grad=False`);
+"ours-compiled-per-tile-up" the same with one program per tile in the up-projection and dA' GEMMs
+(`triton_moe.set_persistent_up(False)`) instead of the persistent kernel.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ SHAPES = {
 }
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
 PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order",
-             "ours-no-gluon", "ours-interleaved", "ours-list", "ours-compiled", "ours-compiled-nofold", "sonic", "liger",
+             "ours-no-gluon", "ours-interleaved", "ours-list", "ours-compiled", "ours-compiled-nofold",
+             "ours-compiled-per-tile-up", "sonic", "liger",
              "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
@@ -171,10 +174,10 @@ def build_provider(name, master, shape):
         return (lambda x: layer_liger(params, x, K)), params
     if name == "grouped_mm":
         return (lambda x: layer_grouped_mm(params, x, K)), params
-    if name in ("ours-compiled", "ours-compiled-nofold"):
+    if name in ("ours-compiled", "ours-compiled-nofold", "ours-compiled-per-tile-up"):
         import moe_compiler  # noqa: F401  (registers backend="sonic" without the entry point too)
 
-        fold = name == "ours-compiled"
+        fold = name != "ours-compiled-nofold"
         torch._dynamo.reset()  # the other compiled provider's graph is for the same code object
         fn = torch.compile(layer_ours_fused_router, backend="sonic", dynamic=False,
                            options={"sonic.fold_input_grad": fold})
@@ -233,7 +236,10 @@ def bench_one(name, master, shape, x, dy, ref, args):
     from codegen import triton_moe, wgrad_choice
 
     saved = (triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP, triton_moe.backward_order,
-             triton_moe.GLUON_TRITON_VERSIONS, dict(triton_moe._GLUON), dict(wgrad_choice._CHOSEN))
+             triton_moe.GLUON_TRITON_VERSIONS, dict(triton_moe._GLUON), dict(wgrad_choice._CHOSEN),
+             triton_moe.PERSISTENT_UP)
+    if name.endswith("-per-tile-up"):
+        triton_moe.set_persistent_up(False)
     if name == "ours-no-gluon":
         triton_moe.GLUON_TRITON_VERSIONS = ()
         triton_moe._GLUON.clear()
@@ -256,6 +262,8 @@ def bench_one(name, master, shape, x, dy, ref, args):
             triton_moe.set_wide_up(saved[2])
         triton_moe.USE_TMA, wgrad_choice.PINNED = saved[:2]
         triton_moe.backward_order = saved[3]
+        if name.endswith("-per-tile-up"):
+            triton_moe.set_persistent_up(saved[7])
         if name == "ours-no-gluon":
             triton_moe.GLUON_TRITON_VERSIONS = saved[4]
             triton_moe._GLUON.clear()

@@ -5,6 +5,11 @@ interleaved and transposed ([E, d, 2n]); the layer benchmark's `ours-interleaved
 forward at 293 TFLOPS against 497 for the same weights concatenated (H100, gpt-oss sizes).
 
     python benchmarks/bench_up_proj.py --shape gpt-oss
+    python benchmarks/bench_up_proj.py --persistent-ab --shapes 7b-256,qwen3,olmoe
+
+--persistent-ab times the persistent kernel (`triton_moe.PERSISTENT_UP`) against one program per
+tile, side by side at each shape: the up-projection (W1 concatenated and interleaved) and the dA'
+GEMM with its activation-gradient pass (`triton_moe_dact`), and checks the outputs agree.
 
 For each orientation (nn.Linear's [E, 2n, d], transposed [E, d, 2n]) and gate/up layout
 (concatenated, interleaved): median time and TFLOPS of `triton_moe.triton_moe_up` (gathered x,
@@ -34,7 +39,11 @@ def main():
     ap.add_argument("--shape", default="gpt-oss", help=f"one of {sorted(SHAPES)}")
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--persistent-ab", action="store_true", help="persistent kernel against one program per tile")
+    ap.add_argument("--shapes", default="7b-256,qwen3,olmoe", help="with --persistent-ab")
     args = ap.parse_args()
+    if args.persistent_ab:
+        return persistent_ab(args)
     T, d, n, E, K = SHAPES[args.shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T, d, device="cuda", generator=gen).bfloat16()
@@ -68,6 +77,48 @@ def main():
     finally:
         triton_moe._weight_desc = with_desc
         triton_moe.set_wide_up(wide_up)
+
+
+def persistent_ab(args):
+    print(f"device: {torch.cuda.get_device_name()}")
+    print("| shape | GEMM | persistent us (TFLOPS) | per tile us (TFLOPS) | ratio | outputs |\n|---|---|---|---|---|---|")
+    saved = triton_moe.PERSISTENT_UP
+    try:
+        for shape in args.shapes.split(","):
+            T, d, n, E, K = SHAPES[shape]
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(T, d, device="cuda", generator=gen).bfloat16()
+            ids = torch.randn(T, E, device="cuda", generator=gen).topk(K, -1).indices
+            rows, offs = triton_moe.route(ids, E)
+            w1 = (torch.randn(E, 2 * n, d, device="cuda", generator=gen) / d**0.5).bfloat16()
+            w2 = (torch.randn(E, d, n, device="cuda", generator=gen) / n**0.5).bfloat16()
+            s = torch.rand(T * K, device="cuda", generator=gen)
+            up_flop, dact_flop = 2 * T * K * d * 2 * n, 2 * T * K * d * n
+            b1 = triton_moe._stacked_banks(w1, w2, False)
+            calls = {}
+            for interleaved in (False, True):
+                calls["up, interleaved" if interleaved else "up, concatenated"] = (up_flop, (
+                    lambda il=interleaved: triton_moe.triton_moe_up(
+                        x, b1[0], None, rows, offs, n=n, top_k=K, activation="swiglu", interleaved=il,
+                        alpha=1.702, limit=7.0)))
+            h = calls["up, concatenated"][1]()[0]
+            calls["dA' + act grad"] = (dact_flop, lambda: triton_moe.triton_moe_dact(
+                x, b1[1], h, s, rows, offs, n=n, top_k=K, activation="swiglu", interleaved=False, alpha=1.702,
+                limit=7.0))
+            for gemm, (flop, call) in calls.items():
+                t, outs = {}, {}
+                for persistent in (True, False):
+                    triton_moe.set_persistent_up(persistent)
+                    outs[persistent] = [o.clone() for o in call()]
+                    t[persistent] = do_bench(call, warmup=args.warmup, rep=args.rep, return_mode="median") * 1e3
+                same = all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+                diff = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                           for a, b in zip(outs[True], outs[False]))
+                print(f"| {shape} | {gemm} | {t[True]:.0f} ({flop / t[True] * 1e-6:.0f}) | {t[False]:.0f} "
+                      f"({flop / t[False] * 1e-6:.0f}) | {t[True] / t[False]:.3f} | "
+                      f"{'bit-equal' if same else f'rel diff {diff:.1e}'} |", flush=True)
+    finally:
+        triton_moe.set_persistent_up(saved)
 
 
 if __name__ == "__main__":

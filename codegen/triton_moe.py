@@ -62,6 +62,7 @@ from .kernels.grouped_gemm import (
     _scatter_gemm_kernel,
     _scatter_gemm_tma_kernel,
     _up_proj_kernel,
+    _up_proj_persistent_kernel,
 )
 from .kernels.routing import (
     _route_count_kernel,
@@ -172,6 +173,10 @@ USE_TMA = os.environ.get("SONIC_MOE_TMA", "1") != "0"
 # The up-projection of a concatenated gated W1 through one wide dot (`_up_weight_desc`); env
 # SONIC_MOE_WIDE_UP=0 (or `set_wide_up`, which the benchmarks call for A/B runs) turns it off.
 WIDE_UP = os.environ.get("SONIC_MOE_WIDE_UP", "1") != "0"
+# The up-projection and the dA' GEMM through TMA in one dot per K step run as the persistent
+# `_up_proj_persistent_kernel`; env SONIC_MOE_PERSISTENT_UP=0 (or `set_persistent_up`) keeps one
+# program per tile.
+PERSISTENT_UP = os.environ.get("SONIC_MOE_PERSISTENT_UP", "1") != "0"
 
 
 def _w_block_hook(nargs):
@@ -210,8 +215,24 @@ def _tma_configs(kernel: str) -> list[triton.Config]:
     return configs
 
 
+def _persistent_configs(kernel: str) -> list[triton.Config]:
+    """The TMA configs of the up-projection or dA' GEMM for `_up_proj_persistent_kernel`, which has
+    no pointer-load variants (FUSED_GU)."""
+    configs, seen = [], set()
+    for c in _tma_configs(kernel):
+        kw = {k: v for k, v in c.kwargs.items() if k != "FUSED_GU"}
+        key = (tuple(sorted(kw.items())), c.num_warps, c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            configs.append(triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=c.pre_hook))
+    return configs
+
+
 _up_tma = triton.autotune(_tma_configs("up"), key=["d", "n", "E", "top_k"])(_up_proj_kernel)
 _dact_tma = triton.autotune(_tma_configs("dact"), key=["d", "n", "E", "top_k"])(_up_proj_kernel)
+_up_persistent = triton.autotune(_persistent_configs("up"), key=["d", "n", "E", "top_k"])(_up_proj_persistent_kernel)
+_dact_persistent = triton.autotune(_persistent_configs("dact"), key=["d", "n", "E", "top_k"])(
+    _up_proj_persistent_kernel)
 _scatter_tma = triton.autotune(_tma_configs("scatter"), key=["k_dim", "n_dim", "E"])(_scatter_gemm_tma_kernel)
 _wgrad_tma = triton.autotune(_tma_configs("wgrad"), key=["P", "Q", "E", "top_k"])(_wgrad_kernel)
 
@@ -251,6 +272,13 @@ def _launch(tuner, grid, *args, **kwargs) -> None:
 def forget_tuned_launches() -> None:
     """Send every launch through its autotuner again (tests that swap a tuner's configs)."""
     _TUNED.clear()
+
+
+def set_persistent_up(persistent: bool) -> None:
+    """Switch `PERSISTENT_UP` at run time (A/B runs in the benchmarks)."""
+    global PERSISTENT_UP
+    PERSISTENT_UP = persistent
+    forget_tuned_launches()
 
 
 def set_wide_up(wide: bool) -> None:
@@ -545,6 +573,18 @@ def token_offsets(slot_token: Tensor, T: int) -> Tensor:
 # ----------------------------------------------------------------------------------------- launchers
 
 
+def _persistent_up(desc, w_desc: int, gated: bool, interleaved: bool) -> bool:
+    """Whether the up-projection / dA' GEMM runs as `_up_proj_persistent_kernel`: weights by TMA in
+    one dot per K step (not a concatenated gated W1 in two dots)."""
+    return PERSISTENT_UP and desc is not None and (w_desc == 3 or not gated or interleaved)
+
+
+def _persistent_grid(TK: int, E: int, n: int, device: torch.device):
+    """One program per SM, or per (M tile, N tile) where there are fewer."""
+    upper = lambda META: (triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"])
+    return lambda META: (min(upper(META), _programs(device)),)
+
+
 def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation, interleaved, alpha, limit,
                   store_h=True, store_a=True, row_token=None, **_):
     """H [TK, w1_out] (or [0, w1_out]) and A [TK, n] (or [0, n]) in expert order."""
@@ -560,6 +600,20 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
     b1c = b1.contiguous() if b1 is not None else x
     w_ptr, w_table, has_table, align = w1.kernel_args()
     desc, w_desc = _up_weight_desc(w1, E, n, d, gated, interleaved)
+    flags = dict(ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
+                 HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=e_pow2(E),
+                 TOKEN_MAP=row_token is not None)
+    if _persistent_up(desc, w_desc, gated, interleaved):
+        _launch(
+            _up_persistent, _persistent_grid(TK, E, n, x.device),
+            x, desc, b1c, sorted_rows, _or(row_token, sorted_rows), offsets, h, a,
+            TK, d, n, E, top_k,
+            x.stride(0), x.stride(1),
+            w1_out if b1 is not None else 0, 1,
+            float(alpha), float(limit),
+            W_DESC=w_desc, **flags,
+        )
+        return h, a
     kernel = _up_tma if desc is not None else _up
     grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _launch(
@@ -570,10 +624,7 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
         *w1.strides,
         w1_out if b1 is not None else 0, 1,
         float(alpha), float(limit),
-        ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
-        HAS_B1=b1 is not None, STORE_H=store_h, STORE_A=store_a, E_POW2=e_pow2(E),
-        DOT_PRECISION=_dot_precision(x.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table, W_ALIGN=align,
-        W_DESC=w_desc,
+        DOT_PRECISION=_dot_precision(x.dtype), W_TABLE=has_table, W_ALIGN=align, W_DESC=w_desc, **flags,
     )
     return h, a
 
@@ -723,7 +774,6 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     T, d = grad_out.shape
     E = offsets.numel() - 1
     TK = sorted_rows.numel()
-    gated = GATED[activation]
     ds = torch.zeros(TK, dtype=torch.float32, device=h.device)  # padding slots (slot form) stay 0
     if TK == 0:
         return torch.empty_like(h), h.new_empty(TK, n), ds
@@ -732,21 +782,39 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     sw = w2.strides  # (e, d, n)
     w_ptr, w_table, has_table, align = w2.kernel_args()
     desc, w_desc = _weight_desc(w2, E, n, d, sw[2], sw[1])
-    kernel = _dact_tma if desc is not None else _dact
-    grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
-    _launch(
-        kernel, grid,
-        grad_out, _or(desc, w_ptr), grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da, w_table,
-        TK, d, n, E, top_k,
-        grad_out.stride(0), grad_out.stride(1),
-        sw[0], sw[2], sw[1],
-        0, 0,
-        0.0, 0.0,
-        ACTIVATION=_IDENTITY, GATED=False, INTERLEAVED=False,
-        HAS_B1=False, STORE_H=False, STORE_A=True, E_POW2=e_pow2(E),
-        DOT_PRECISION=_dot_precision(h.dtype), TOKEN_MAP=row_token is not None, W_TABLE=has_table, W_ALIGN=align,
-        W_DESC=w_desc,
-    )
+    flags = dict(ACTIVATION=_IDENTITY, GATED=False, INTERLEAVED=False, HAS_B1=False, STORE_H=False, STORE_A=True,
+                 E_POW2=e_pow2(E), TOKEN_MAP=row_token is not None, W_DESC=w_desc)
+    if _persistent_up(desc, w_desc, False, False):
+        _launch(
+            _dact_persistent, _persistent_grid(TK, E, n, h.device),
+            grad_out, desc, grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da,
+            TK, d, n, E, top_k,
+            grad_out.stride(0), grad_out.stride(1),
+            0, 0,
+            0.0, 0.0,
+            **flags,
+        )
+    else:
+        grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
+        _launch(
+            _dact_tma if desc is not None else _dact, grid,
+            grad_out, _or(desc, w_ptr), grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da, w_table,
+            TK, d, n, E, top_k,
+            grad_out.stride(0), grad_out.stride(1),
+            sw[0], sw[2], sw[1],
+            0, 0,
+            0.0, 0.0,
+            DOT_PRECISION=_dot_precision(h.dtype), W_TABLE=has_table, W_ALIGN=align, **flags,
+        )
+    return _act_grad(da, h, s_flat, sorted_rows, offsets, ds, n=n, activation=activation, interleaved=interleaved,
+                     alpha=alpha, limit=limit)
+
+
+def _act_grad(da, h, s_flat, sorted_rows, offsets, ds, *, n, activation, interleaved, alpha, limit):
+    """(dH, A', dS) from dA' by `_act_grad_kernel`; A' overwrites dA'."""
+    TK = sorted_rows.numel()
+    E = offsets.numel() - 1
+    gated = GATED[activation]
     block_r, block_c = act_grad_blocks(n)
     dh = torch.empty_like(h)
     # A' overwrites dA' in place (the kernel's barrier orders each tile's loads before its stores),

@@ -200,7 +200,7 @@ def test_tuned_launches_skip_the_autotuner(tm, monkeypatch):
     assert set(map(id, entered)) == set(map(id, tuners))  # d = 40: every GEMM's key is new
 
 
-_TMA_TUNERS = ("_up_tma", "_dact_tma", "_scatter_tma", "_wgrad_tma")
+_TMA_TUNERS = ("_up_tma", "_dact_tma", "_up_persistent", "_dact_persistent", "_scatter_tma", "_wgrad_tma")
 
 
 def _record_calls(tm, monkeypatch):
@@ -219,13 +219,16 @@ def _record_calls(tm, monkeypatch):
     return ran
 
 
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per_tile"])
 @pytest.mark.parametrize("layout", ["gated", "plain_bias", "transposed_bias", "one_expert", "empty_experts",
                                     "interleaved", "interleaved_transposed"])
-def test_tma_paths_match_oracle(tm, layout, monkeypatch):
+def test_tma_paths_match_oracle(tm, layout, persistent, monkeypatch):
     """fp16 with 16-byte rows: every GEMM reads its stacked weights (and the scatter GEMM and the
-    weight gradients their expert-ordered operand) through TMA descriptors, and each of the four
-    TMA kernels is seen to run. Row counts are not tile multiples, so the persistent scatter GEMM's
-    tiles run into the next expert and the weight gradients take their masked tail chunk."""
+    weight gradients their expert-ordered operand) through TMA descriptors, and each TMA kernel is
+    seen to run: the up-projection and dA' GEMM as the persistent kernel or one program per tile
+    (`PERSISTENT_UP`; a transposed concatenated W1, read in two dots, always the latter). Row counts
+    are not tile multiples, so the persistent kernels' tiles run into the next expert and the
+    weight gradients take their masked tail chunk."""
     act = "relu2" if layout == "plain_bias" else "swiglu"
     transposed = layout in ("transposed_bias", "interleaved_transposed")
     interleaved = layout.startswith("interleaved")  # one TMA tile holds the alternating gate/up rows
@@ -233,10 +236,13 @@ def test_tma_paths_match_oracle(tm, layout, monkeypatch):
     K = 1 if layout == "one_expert" else 2
     inputs, go = _make(21, 40, 24, 4, K, torch.float16, activation=act, transposed=transposed,
                        bias=layout in ("plain_bias", "transposed_bias", "interleaved"), experts=experts)
+    monkeypatch.setattr(tm, "PERSISTENT_UP", persistent)
     ran = _record_calls(tm, monkeypatch)
     flags = dict(_FLAGS, activation=act, transposed=transposed, interleaved=interleaved)
     _check_against_oracle(tm, inputs, go, flags, _TOL[torch.float16])
-    assert sorted(set(ran)) == sorted(_TMA_TUNERS)
+    up = "_up_persistent" if persistent and layout != "transposed_bias" else "_up_tma"
+    assert sorted(set(ran)) == sorted({up, "_dact_persistent" if persistent else "_dact_tma", "_scatter_tma",
+                                       "_wgrad_tma"})
 
 
 def test_tma_off_for_what_it_cannot_read(tm, monkeypatch):
@@ -886,7 +892,8 @@ def first_config_only():
     from codegen import triton_moe
 
     tuners = (triton_moe._up, triton_moe._scatter, triton_moe._dact, triton_moe._wgrad,
-              triton_moe._up_tma, triton_moe._scatter_tma, triton_moe._dact_tma, triton_moe._wgrad_tma)
+              triton_moe._up_tma, triton_moe._scatter_tma, triton_moe._dact_tma, triton_moe._wgrad_tma,
+              triton_moe._up_persistent, triton_moe._dact_persistent)
     saved = [(t.configs, dict(t.cache)) for t in tuners]
     for t in tuners:
         t.configs = t.configs[:1]
@@ -980,6 +987,40 @@ def _check_gpu_case(case):
     for name in grads:
         ours, base = _rel(grads[name], ref64_grads[name]), _rel(bf_grads[name], ref64_grads[name])
         assert ours <= 2 * base + eps, (name, ours, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 3], ids=["sms", "3ctas"])
+@pytest.mark.parametrize("case", ["moderate", "empty_experts", "one_expert_k1"])
+def test_gpu_persistent_up_equals_per_tile(case, programs, first_config_only, monkeypatch):
+    """bf16: the persistent up-projection (W1 concatenated and interleaved) and dA' GEMM give H, A,
+    dH, A' and dS bit-equal to one program per tile (their first configs share the tile and the
+    K order), on every SM and on 3 programs walking many tiles each across expert boundaries."""
+    from codegen import triton_moe
+
+    if programs is not None:
+        monkeypatch.setattr(triton_moe, "_programs", lambda device: programs)
+    monkeypatch.setattr(triton_moe, "PERSISTENT_UP", triton_moe.PERSISTENT_UP)  # restored after the test
+    inputs, _ = _gpu_case(**_GPU_CASES[case])
+    x, ids, w1, w2 = inputs["x"], inputs["topk_ids"], inputs["w1"], inputs["w2"]
+    T, d = x.shape
+    E, K, n = w1.shape[0], ids.shape[1], w2.shape[2]
+    rows, offs = triton_moe.route(ids.contiguous(), E)
+    bank1, bank2 = triton_moe._stacked_banks(w1, w2, False)
+    s = torch.rand(T * K, device="cuda")
+    dout = torch.randn_like(x)
+    ran = {}
+    for persistent in (True, False):
+        triton_moe.set_persistent_up(persistent)
+        outs = []
+        for interleaved in (False, True):
+            outs += triton_moe.triton_moe_up(x, bank1, None, rows, offs, n=n, top_k=K, activation="swiglu",
+                                             interleaved=interleaved, alpha=1.702, limit=7.0)
+        outs += triton_moe.triton_moe_dact(dout, bank2, outs[0], s, rows, offs, n=n, top_k=K, activation="swiglu",
+                                           interleaved=False, alpha=1.702, limit=7.0)
+        ran[persistent] = outs
+    for i, (a, b) in enumerate(zip(ran[True], ran[False])):
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
 
 
 @pytest.fixture

@@ -116,7 +116,6 @@ def _up_proj_kernel(
     expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
     if expert >= E:
         return
-    w1_out = n * (1 + GATED)
 
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
@@ -217,11 +216,112 @@ def _up_proj_kernel(
             x_ptrs += BLOCK_K * stride_x_d
             wg_ptrs += BLOCK_K * stride_w1_i
 
+    if GATED and INTERLEAVED and (W_DESC != 0 or FUSED_GU):  # one accumulator, H's own columns
+        acc_g = acc
+        acc_u = acc
+    else:  # (unread: the epilogue takes the split accumulators)
+        acc = acc_g
+    _up_epilogue(acc, acc_g, acc_u, expert, rows, row_mask, pid_n, n, b1_ptr, stride_b1_e, stride_b1_o, h_ptr, a_ptr,
+                 alpha, limit, ACTIVATION, GATED, INTERLEAVED, INTERLEAVED and (W_DESC != 0 or FUSED_GU), HAS_B1,
+                 STORE_H, STORE_A, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["TK"])
+def _up_proj_persistent_kernel(
+    x_ptr,  # [T, d] x.dtype, strides (stride_x_t, stride_x_d)
+    w_desc,  # TMA descriptor over the stacked W1 (W_DESC 1 / 2 / 3, see `_up_proj_kernel`)
+    b1_ptr,  # [E, w1_out] x.dtype, read when HAS_B1
+    sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
+    row_token_ptr,  # [TK] int32, read when TOKEN_MAP
+    offsets_ptr,  # [E+1] int32, expert row offsets
+    h_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order; written when STORE_H
+    a_ptr,  # [TK, n] x.dtype, contiguous, expert order; written when STORE_A
+    TK, d, n, E, top_k: tl.constexpr,
+    stride_x_t, stride_x_d,
+    stride_b1_e, stride_b1_o,
+    alpha, limit,
+    ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_B1: tl.constexpr,
+    STORE_H: tl.constexpr, STORE_A: tl.constexpr, E_POW2: tl.constexpr, TOKEN_MAP: tl.constexpr,
+    W_DESC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """`_up_proj_kernel` for weights read by TMA in one dot per K step (a gated W1 concatenated as
+    [E, 2, n, d] (W_DESC 3) or interleaved, or a non-gated one: the dA' GEMM), as a persistent
+    kernel: one program per SM walks exactly the real (M tile, N tile) pairs, the tile loop
+    flattened into the K loop (`_scatter_gemm_tma_kernel`), so the next tile's loads are in flight
+    while this one's epilogue stores H and A. Its x rows are gathered by pointer loads, their
+    tokens read at each tile's first K step.
+
+    One program per tile left every SM idle through each tile's prologue and epilogue: with one
+    128x256 tile resident per SM, that is ~3 us of stores and first loads to ~22 us of K loop at
+    the 7b-256 shape.
+    """
+    WIDTH: tl.constexpr = BLOCK_N * (1 + GATED)
+    lo, hi, tiles, cum = _tile_schedule(offsets_ptr, E, BLOCK_M, E_POW2)
+    num_m = tl.sum(tiles, 0)
+    num_n = tl.cdiv(n, BLOCK_N)
+    stride = tl.num_programs(0)
+    tile_c = tl.program_id(0) - stride  # the epilogue's own tile counter (kept apart for the pipeliner)
+    ks = tl.arange(0, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_m * num_n, stride, flatten=True):
+        tile, pid_n = _grouped_order(tile_id, num_m, num_n, GROUP_M)
+        expert, row_start, row_end = _tile_lookup(lo, hi, tiles, cum, tile, BLOCK_M, E_POW2)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        tokens = _row_tokens(rows, row_mask, sorted_rows_ptr, row_token_ptr, top_k, TOKEN_MAP)
+        x_ptrs = x_ptr + tokens[:, None] * stride_x_t + ks[None, :] * stride_x_d  # [BM, BK]
+        acc = tl.zeros((BLOCK_M, WIDTH), dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            xa = tl.load(x_ptrs, mask=row_mask[:, None] & ((k0 + ks) < d)[None, :], other=0.0)
+            if W_DESC == 3:
+                w = w_desc.load([expert, 0, pid_n * BLOCK_N, k0]).reshape(WIDTH, BLOCK_K).T
+            else:  # interleaved gate/up: 2 BLOCK_N consecutive W1 rows; non-gated: BLOCK_N
+                w = _w_tile(w_desc, expert, pid_n * WIDTH, k0, WIDTH, BLOCK_K, W_DESC)
+            acc = tl.dot(xa, w, acc)
+            x_ptrs += BLOCK_K * stride_x_d
+
+        tile_c += stride
+        tile, pid_n = _grouped_order(tile_c, num_m, num_n, GROUP_M)
+        expert, row_start, row_end = _tile_lookup(lo, hi, tiles, cum, tile, BLOCK_M, E_POW2)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        if GATED and not INTERLEAVED:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        else:
+            acc_g = acc
+            acc_u = acc
+        _up_epilogue(acc, acc_g, acc_u, expert, rows, row_mask, pid_n, n, b1_ptr, stride_b1_e, stride_b1_o, h_ptr,
+                     a_ptr, alpha, limit, ACTIVATION, GATED, INTERLEAVED, GATED and INTERLEAVED, HAS_B1, STORE_H,
+                     STORE_A, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _up_epilogue(acc, acc_g, acc_u, expert, rows, row_mask, pid_n, n, b1_ptr, stride_b1_e, stride_b1_o, h_ptr, a_ptr,
+                 alpha, limit, ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 WIDE_H: tl.constexpr,
+                 HAS_B1: tl.constexpr, STORE_H: tl.constexpr, STORE_A: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The up-projection's epilogue: + b1[e], H stored, A = act(H) stored, for the tile of rows
+    `rows` and A columns pid_n * BLOCK_N + [0, BLOCK_N). WIDE_H (interleaved gated H): `acc` holds
+    H's own columns 2j .. 2j + 2 BLOCK_N and is stored as one tile; otherwise acc_g / acc_u hold the
+    gate and up columns (both the one accumulator of a non-gated W1), stored apart in H's layout."""
+    w1_out = n * (1 + GATED)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    if GATED and INTERLEAVED:
+        gate_cols = 2 * cols
+        up_cols = 2 * cols + 1
+    elif GATED:
+        gate_cols = cols
+        up_cols = cols + n
+    else:
+        gate_cols = cols
+        up_cols = cols
     out_dtype = h_ptr.dtype.element_ty
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
     b_base = b1_ptr + expert.to(tl.int64) * stride_b1_e
-    if GATED and INTERLEAVED and (W_DESC != 0 or FUSED_GU):  # `acc` holds H's columns 2j .. 2j + 2 BLOCK_N
+    if WIDE_H:
         h_cols = 2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         h_col_mask = h_cols < w1_out
         if HAS_B1:
