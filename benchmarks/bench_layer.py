@@ -12,6 +12,10 @@ after the forward, the output included), peak memory over a fwd+bwd step (above 
 relative error of (out, dx) against an fp32 layer on the same routing, and the first call's time
 (compile + autotune + run, in this process: the Triton disk cache may make later shapes cheaper).
 Output: a table on stdout, results.json and (when matplotlib imports) tflops.png under --out.
+`--rounds R` times the providers R times over, in turn, at each shape (`sonic,ours` x 3 is
+sonic, ours, sonic, ours, sonic, ours): single rounds of one provider differ by up to ~3% on the lent
+machines, so ratios should come from medians. The summary table (and results.json's "summary")
+gives each provider's medians and their ratios to `--baseline` (default sonic).
 `--cuda-graph` adds the fwd+bwd step replayed from a CUDA graph: its GPU time without the host's
 launch cost (the lent H100's host takes 3-5 ms to enqueue one 7b-256 step of ours, against ~4.2 ms
 of GPU work, so eager timings can include host waits).
@@ -35,6 +39,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
 import time
 
@@ -424,6 +429,10 @@ def main():
                     help="also print the per-kernel times of ours, ours-* and sonic, and our tuned configs")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time the fwd+bwd step replayed from a CUDA graph (its GPU time alone)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the providers this many times over, in turn, at each shape; the summary gives "
+                         "each provider's median over its rounds and its ratio to --baseline")
+    ap.add_argument("--baseline", default="sonic", help="the provider the summary's ratios divide by")
     args = ap.parse_args()
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
     shapes = [s for item in args.shapes.split(",") for s in GROUPS.get(item, [item])]
@@ -449,7 +458,7 @@ def main():
         dy = rnd(T, d, std=1.0)
         ref = fp32_reference(master, x, dy, K)
         torch.cuda.empty_cache()
-        for prov in providers:
+        for rnd_i, prov in ((i, p) for i in range(args.rounds) for p in providers):
             if prov == "loop" and T * K > LOOP_MAX_TK:
                 continue
             try:
@@ -465,7 +474,7 @@ def main():
                 print(f"  skip {prov} at {sname}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 torch.cuda.empty_cache()
                 continue
-            r.update(shape=sname, T=T, d=d, n=n, E=E, K=K, provider=prov)
+            r.update(shape=sname, T=T, d=d, n=n, E=E, K=K, provider=prov, round=rnd_i)
             results.append(r)
             print(f"{sname:>10} {prov:>10}: fwd {r['fwd_tflops']:6.1f}  bwd {r['bwd_tflops']:6.1f}  "
                   f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOPS  act {r['act_gib']:.2f} GiB  peak {r['peak_gib']:.2f} GiB"
@@ -474,15 +483,59 @@ def main():
                   + (f"  wgrad {r['wgrad_choice']}" if r.get("wgrad_choice") else ""), flush=True)
             torch.cuda.empty_cache()
         if args.breakdown:
-            for prov in [p for p in providers if p.startswith("ours") or p == "sonic"] or ["ours"]:
+            for prov in [p for p in dict.fromkeys(providers) if p.startswith("ours") or p == "sonic"] or ["ours"]:
                 breakdown(master, shape, x, dy, prov)
         del master, x, dy, ref
         torch.cuda.empty_cache()
 
+    summary = summarize(results, args.baseline)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(dict(device=dev, torch=torch.__version__, command=sys.argv, results=results), f, indent=1)
+        json.dump(dict(device=dev, torch=torch.__version__, command=sys.argv, results=results, summary=summary), f,
+                  indent=1)
     print_table(results)
-    plot(results, args.out)
+    print_summary(summary, args.baseline)
+    plot(summary, args.out)
+
+
+_SUMMARIZED = ("fwdbwd_tflops", "graph_fwdbwd_tflops", "peak_gib", "act_gib")
+
+
+def summarize(results, baseline):
+    """One row per (shape, provider), in first-seen order: the median over its rounds of each figure
+    in _SUMMARIZED, the rounds it ran, and the ratio of its medians (eager and graph TFLOPS) to
+    those of `baseline` at that shape (absent where the baseline did not run)."""
+    rows = {}
+    for r in results:
+        rows.setdefault((r["shape"], r["provider"]), []).append(r)
+    summary = []
+    for (shape, prov), runs in rows.items():
+        row = dict(shape=shape, provider=prov, rounds=len(runs))
+        for key in _SUMMARIZED:
+            values = [r[key] for r in runs if key in r]
+            if values:
+                row[key] = statistics.median(values)
+                row[key + "_all"] = values
+        summary.append(row)
+    for row in summary:
+        base = next((b for b in summary if b["shape"] == row["shape"] and b["provider"] == baseline), None)
+        for key in ("fwdbwd_tflops", "graph_fwdbwd_tflops"):
+            if base is not None and key in row and base.get(key):
+                row[key.replace("tflops", "ratio")] = row[key] / base[key]
+    return summary
+
+
+def print_summary(summary, baseline):
+    if not any(row["rounds"] > 1 for row in summary) and not any("fwdbwd_ratio" in row for row in summary):
+        return
+    graphs = any("graph_fwdbwd_tflops" in row for row in summary)
+    print(f"\nmedians over rounds; ratios to {baseline}'s medians")
+    print(f"| shape | provider | rounds | fwd+bwd TFLOPS | ratio |{' CUDA graph | ratio |' if graphs else ''} peak GiB |")
+    print("|" + "---|" * (6 + 2 * graphs))
+    fmt = lambda row, key, spec: format(row[key], spec) if key in row else "-"  # noqa: E731
+    for row in summary:
+        graph = f" {fmt(row, 'graph_fwdbwd_tflops', '.1f')} | {fmt(row, 'graph_fwdbwd_ratio', '.3f')} |" if graphs else ""
+        print(f"| {row['shape']} | {row['provider']} | {row['rounds']} | {fmt(row, 'fwdbwd_tflops', '.1f')} | "
+              f"{fmt(row, 'fwdbwd_ratio', '.3f')} |{graph} {fmt(row, 'peak_gib', '.2f')} |")
 
 
 def print_table(results):
@@ -496,7 +549,9 @@ def print_table(results):
               f"{r['first_call_s']:.1f} |")
 
 
-def plot(results, out):
+def plot(summary, out):
+    """fwd+bwd TFLOPS per shape and provider (medians over rounds; from CUDA graphs where every row has
+    that figure): a bar chart in out/tflops.png."""
     try:
         import matplotlib
 
@@ -504,20 +559,21 @@ def plot(results, out):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    shapes = list(dict.fromkeys(r["shape"] for r in results))
-    provs = list(dict.fromkeys(r["provider"] for r in results))
+    shapes = list(dict.fromkeys(r["shape"] for r in summary))
+    provs = list(dict.fromkeys(r["provider"] for r in summary))
+    key = "graph_fwdbwd_tflops" if all("graph_fwdbwd_tflops" in r for r in summary) else "fwdbwd_tflops"
     width = 0.8 / max(1, len(provs))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shapes) * math.sqrt(len(provs))), 4))
     for i, p in enumerate(provs):
         xs, ys = [], []
         for j, s in enumerate(shapes):
-            for r in results:
+            for r in summary:
                 if r["shape"] == s and r["provider"] == p:
                     xs.append(j + i * width)
-                    ys.append(r["fwdbwd_tflops"])
+                    ys.append(r[key])
         ax.bar(xs, ys, width=width, label=p)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, rotation=30)
-    ax.set_ylabel("fwd+bwd TFLOPS (18TKdn / time)")
+    ax.set_ylabel("fwd+bwd TFLOPS (18TKdn / time)" + (", CUDA graph" if key.startswith("graph") else ""))
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "tflops.png"), dpi=120)

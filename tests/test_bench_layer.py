@@ -1,0 +1,37 @@
+"""bench_layer's summary of alternated rounds, on synthetic results (no GPU needed)."""
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def test_bench_layer_summary_medians_and_ratios():
+    """bench_layer's --rounds summary: each provider's median over its rounds, and the ratio of its
+    medians to the baseline's at the same shape (none where the baseline did not run there)."""
+    import bench_layer
+
+    def row(shape, prov, rnd, eager, graph=None):
+        r = dict(shape=shape, provider=prov, round=rnd, fwdbwd_tflops=eager, peak_gib=1.0, act_gib=0.25)
+        if graph is not None:
+            r["graph_fwdbwd_tflops"] = graph
+        return r
+
+    results = [row("a", "sonic", 0, 300, 390), row("a", "ours", 0, 330, 380),
+               row("a", "sonic", 1, 320, 394), row("a", "ours", 1, 310, 384),
+               row("a", "sonic", 2, 280, 392), row("a", "ours", 2, 360, 386),
+               row("b", "ours", 0, 100)]
+    summary = bench_layer.summarize(results, "sonic")
+    by = {(r["shape"], r["provider"]): r for r in summary}
+    assert list(by) == [("a", "sonic"), ("a", "ours"), ("b", "ours")]
+    sonic, ours, alone = by["a", "sonic"], by["a", "ours"], by["b", "ours"]
+    assert sonic["rounds"] == ours["rounds"] == 3 and alone["rounds"] == 1
+    assert sonic["graph_fwdbwd_tflops"] == 392 and ours["graph_fwdbwd_tflops"] == 384
+    assert ours["fwdbwd_tflops"] == 330 and ours["graph_fwdbwd_tflops_all"] == [380, 384, 386]
+    assert math.isclose(ours["graph_fwdbwd_ratio"], 384 / 392) and math.isclose(ours["fwdbwd_ratio"], 330 / 300)
+    assert sonic["graph_fwdbwd_ratio"] == 1.0
+    assert "fwdbwd_ratio" not in alone and "graph_fwdbwd_tflops" not in alone
+    bench_layer.print_summary(summary, "sonic")  # the table prints with a missing graph figure too
