@@ -24,8 +24,9 @@ Backward: _up_proj_kernel as a gathered GEMM (dA' = gather(dO) W2) -> _act_grad_
 On Hopper, 16-bit stacked weights with 16-byte rows go through TMA descriptors (see "TMA paths"
 below): the scatter GEMMs become the persistent `_scatter_gemm_tma_kernel`, the up-projection and
 the dA' GEMM the persistent `_up_proj_persistent_kernel` (where one dot per K step takes the weight
-tile), the weight gradients keep their structure with the expert-ordered operand landing by TMA. Gathered operands stay pointer
-loads. Per-expert tensors (the list form) and misaligned rows use pointers. On Hopper with Triton
+tile), the weight gradients keep their structure with the expert-ordered operand landing by TMA.
+Gathered operands stay pointer loads. Per-expert tensors (the list form) and misaligned rows use
+pointers. On Hopper with Triton
 3.6, warp-specialized Gluon kernels (`kernels.gluon_wgrad`, `kernels.gluon_scatter`) are candidates
 for the weight gradients and the TMA scatter GEMMs: `wgrad_choice` times them against the Triton
 kernels at each key's first call and keeps the faster (SONIC_MOE_WGRAD, SONIC_MOE_SCATTER pin one).

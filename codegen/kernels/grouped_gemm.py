@@ -1,6 +1,7 @@
 """Forward grouped GEMMs over expert-ordered rows (SonicMoE dataflow, steps 2-3 of DESIGN.md).
 
     _up_proj_kernel:      H = gather(x) @ W1[e]^T + b1[e];  A = act(H)          (gate and up together)
+    _up_proj_persistent_kernel: the same, one program per SM over all tiles (weights by TMA)
     _scatter_gemm_kernel: Y[slot(r)] = In[r] @ B[e] + bias[e]                   (down-proj; also dX~)
 
 Rows r are in expert order (`sorted_rows[r]` = flat slot t*K + k, token t = slot // K; in the slot
@@ -298,8 +299,7 @@ def _up_proj_persistent_kernel(
 @triton.jit
 def _up_epilogue(acc, acc_g, acc_u, expert, rows, row_mask, pid_n, n, b1_ptr, stride_b1_e, stride_b1_o, h_ptr, a_ptr,
                  alpha, limit, ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 WIDE_H: tl.constexpr,
-                 HAS_B1: tl.constexpr, STORE_H: tl.constexpr, STORE_A: tl.constexpr,
+                 WIDE_H: tl.constexpr, HAS_B1: tl.constexpr, STORE_H: tl.constexpr, STORE_A: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The up-projection's epilogue: + b1[e], H stored, A = act(H) stored, for the tile of rows
     `rows` and A columns pid_n * BLOCK_N + [0, BLOCK_N). WIDE_H (interleaved gated H): `acc` holds
