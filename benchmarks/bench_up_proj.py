@@ -6,10 +6,15 @@ forward at 293 TFLOPS against 497 for the same weights concatenated (H100, gpt-o
 
     python benchmarks/bench_up_proj.py --shape gpt-oss
     python benchmarks/bench_up_proj.py --persistent-ab --shapes 7b-256,qwen3,olmoe
+    python benchmarks/bench_up_proj.py --compile-only --shapes 7b-256   # no GPU: Triton 3.6 compiles for sm90
 
 --persistent-ab times the persistent kernel (`triton_moe.PERSISTENT_UP`) against one program per
 tile, side by side at each shape: the up-projection (W1 concatenated and interleaved) and the dA'
 GEMM with its activation-gradient pass (`triton_moe_dact`), and checks the outputs agree.
+--compile-only compiles both kernels for sm90 at each shape and config, with the specializations a
+launch gives them (sizes divisible by 16 marked so, unit strides as constants: without these the
+gathered x loads compile to plain loads instead of cp.async), and reports shared memory,
+registers, spills and the copies issued (cp.async for the gathered rows, TMA for the weights).
 
 For each orientation (nn.Linear's [E, 2n, d], transposed [E, d, 2n]) and gate/up layout
 (concatenated, interleaved): median time and TFLOPS of `triton_moe.triton_moe_up` (gathered x,
@@ -40,8 +45,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--persistent-ab", action="store_true", help="persistent kernel against one program per tile")
-    ap.add_argument("--shapes", default="7b-256,qwen3,olmoe", help="with --persistent-ab")
+    ap.add_argument("--shapes", default="7b-256,qwen3,olmoe", help="with --persistent-ab or --compile-only")
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm90 (no GPU) and report resources")
     args = ap.parse_args()
+    if args.compile_only:
+        return compile_only(args)
     if args.persistent_ab:
         return persistent_ab(args)
     T, d, n, E, K = SHAPES[args.shape]
@@ -119,6 +127,81 @@ def persistent_ab(args):
                       f"{'bit-equal' if same else f'rel diff {diff:.1e}'} |", flush=True)
     finally:
         triton_moe.set_persistent_up(saved)
+
+
+def compile_sm90(fn, args: dict, constexprs: dict, *, num_warps: int, num_stages: int):
+    """`fn` compiled for sm90 as a launch with these arguments would specialize it: `args` maps each
+    runtime argument to a type string ("*bf16", "tensordesc<...>") or an example int / float.
+    Ints equal to 1 become the constant 1 and ints divisible by 16 are marked so, as Triton does at
+    a launch (except `do_not_specialize` ones); pointers are taken as 16-byte aligned."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    keep = set(getattr(fn, "do_not_specialize", ()) or ())
+    keep |= {fn.arg_names[i] for i in keep if isinstance(i, int)}
+    sig, attrs, consts = {}, {}, dict(constexprs)
+    for i, name in enumerate(fn.arg_names):
+        value = args.get(name)
+        if name in consts or value is None:
+            sig[name] = "constexpr"
+            consts.setdefault(name, value)
+        elif isinstance(value, str):
+            sig[name] = value
+            if value.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        elif value == 1 and name not in keep:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if value % 16 == 0 and name not in keep:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_only(args):
+    """The up-projection (W1 concatenated as [E, 2, n, d]) and the dA' GEMM, per tile and persistent,
+    compiled for sm90 at each config of their autotuners."""
+    import re
+
+    import triton
+    from gluon_bench_common import ptxas_usage
+
+    from codegen.kernels.grouped_gemm import _up_proj_kernel, _up_proj_persistent_kernel
+
+    print(f"triton {triton.__version__}; command: python " + " ".join(sys.argv))
+    pointers = dict(x_ptr="*bf16", b1_ptr="*bf16", sorted_rows_ptr="*i32", row_token_ptr="*i32", offsets_ptr="*i32",
+                    h_ptr="*bf16", a_ptr="*bf16", w_table_ptr="*i64")
+    for shape in args.shapes.split(","):
+        T, d, n, E, K = SHAPES[shape]
+        ints = dict(TK=T * K, d=d, n=n, E=E, stride_x_t=d, stride_x_d=1, stride_b1_e=0, stride_b1_o=1, alpha=1.702,
+                    limit=7.0, stride_w1_e=2 * n * d, stride_w1_o=d, stride_w1_i=1)
+        for gemm, configs, w_desc, gated in (("up", triton_moe._persistent_configs("up"), 3, True),
+                                             ("dact", triton_moe._persistent_configs("dact"), 1, False)):
+            for c in configs:
+                bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+                box = f"[1, 2, {bn}, {bk}]" if w_desc == 3 else f"[1, {bn}, {bk}]"
+                flags = dict(top_k=K, ACTIVATION=0 if gated else triton_moe._IDENTITY, GATED=gated, INTERLEAVED=False,
+                             HAS_B1=False, STORE_H=gated, STORE_A=True, E_POW2=triton_moe.e_pow2(E), TOKEN_MAP=False,
+                             W_DESC=w_desc, **c.kwargs)
+                for name, fn, extra in (("persistent", _up_proj_persistent_kernel, {}),
+                                        ("per tile", _up_proj_kernel,
+                                         dict(DOT_PRECISION="tf32", W_TABLE=False, W_ALIGN=1, FUSED_GU=False))):
+                    head = f"{shape} {gemm} {name} {c.kwargs['BLOCK_M']}x{bn}x{bk}:{c.num_warps}:{c.num_stages}"
+                    args_ = dict(pointers, **ints, **{("w_desc" if name == "persistent" else "w1_ptr"):
+                                                      f"tensordesc<bf16{box}>"})
+                    try:
+                        kernel = compile_sm90(fn, args_, dict(flags, **extra), num_warps=c.num_warps,
+                                              num_stages=c.num_stages)
+                    except Exception as exc:  # noqa: BLE001 - report and go on
+                        print(head, "FAILED", f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
+                        continue
+                    ptx = kernel.asm["ptx"]
+                    print(head, ptxas_usage(kernel), f"cp.async {len(re.findall(r'cp[.]async[.]c[ag]', ptx))},",
+                          f"TMA loads {ptx.count('cp.async.bulk.tensor')}", flush=True)
 
 
 if __name__ == "__main__":
