@@ -494,7 +494,8 @@ def main():
                   indent=1)
     print_table(results)
     print_summary(summary, args.baseline)
-    plot(summary, args.out)
+    graphs = all("graph_fwdbwd_tflops" in row for row in summary)
+    plot(summary, args.out, "graph_fwdbwd_tflops" if graphs else "fwdbwd_tflops")
 
 
 _SUMMARIZED = ("fwdbwd_tflops", "graph_fwdbwd_tflops", "peak_gib", "act_gib")
@@ -549,9 +550,9 @@ def print_table(results):
               f"{r['first_call_s']:.1f} |")
 
 
-def plot(summary, out):
-    """fwd+bwd TFLOPS per shape and provider (medians over rounds; from CUDA graphs where every row has
-    that figure): a bar chart in out/tflops.png."""
+def plot(rows, out, key="fwdbwd_tflops"):
+    """rows' `key` (fwd+bwd TFLOPS: eager, or "graph_fwdbwd_tflops") per shape and provider, one row
+    each: a bar chart in out/tflops.png."""
     try:
         import matplotlib
 
@@ -559,15 +560,14 @@ def plot(summary, out):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    shapes = list(dict.fromkeys(r["shape"] for r in summary))
-    provs = list(dict.fromkeys(r["provider"] for r in summary))
-    key = "graph_fwdbwd_tflops" if all("graph_fwdbwd_tflops" in r for r in summary) else "fwdbwd_tflops"
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
     width = 0.8 / max(1, len(provs))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shapes) * math.sqrt(len(provs))), 4))
     for i, p in enumerate(provs):
         xs, ys = [], []
         for j, s in enumerate(shapes):
-            for r in summary:
+            for r in rows:
                 if r["shape"] == s and r["provider"] == p:
                     xs.append(j + i * width)
                     ys.append(r[key])

@@ -9,7 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def test_bench_layer_summary_medians_and_ratios():
+def test_bench_layer_summary_medians_and_ratios(tmp_path):
     """bench_layer's --rounds summary: each provider's median over its rounds, and the ratio of its
     medians to the baseline's at the same shape (none where the baseline did not run there)."""
     import bench_layer
@@ -35,3 +35,9 @@ def test_bench_layer_summary_medians_and_ratios():
     assert sonic["graph_fwdbwd_ratio"] == 1.0
     assert "fwdbwd_ratio" not in alone and "graph_fwdbwd_tflops" not in alone
     bench_layer.print_summary(summary, "sonic")  # the table prints with a missing graph figure too
+    bench_layer.plot(summary, str(tmp_path))  # one bar per (shape, provider): the medians
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "tflops.png").stat().st_size > 0
