@@ -219,15 +219,9 @@ def _tma_configs(kernel: str) -> list[triton.Config]:
 
 def _persistent_configs(kernel: str) -> list[triton.Config]:
     """The TMA configs of the up-projection or dA' GEMM for `_up_proj_persistent_kernel`, which has
-    no pointer-load variants (FUSED_GU)."""
-    configs, seen = [], set()
-    for c in _tma_configs(kernel):
-        kw = {k: v for k, v in c.kwargs.items() if k != "FUSED_GU"}
-        key = (tuple(sorted(kw.items())), c.num_warps, c.num_stages)
-        if key not in seen:
-            seen.add(key)
-            configs.append(triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=c.pre_hook))
-    return configs
+    no pointer-load variants (FUSED_GU, False in every TMA config)."""
+    return [triton.Config({k: v for k, v in c.kwargs.items() if k != "FUSED_GU"}, num_warps=c.num_warps,
+                          num_stages=c.num_stages, pre_hook=c.pre_hook) for c in _tma_configs(kernel)]
 
 
 _up_tma = triton.autotune(_tma_configs("up"), key=["d", "n", "E", "top_k"])(_up_proj_kernel)
@@ -581,10 +575,16 @@ def _persistent_up(desc, w_desc: int, gated: bool, interleaved: bool) -> bool:
     return PERSISTENT_UP and desc is not None and (w_desc == 3 or not gated or interleaved)
 
 
+def _tile_grid(TK: int, E: int, n: int):
+    """One program per (M tile, N tile): the M tiles' upper bound cdiv(TK, BLOCK_M) + E (each expert's
+    last tile may be partial) times the N tiles of n columns."""
+    return lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
+
+
 def _persistent_grid(TK: int, E: int, n: int, device: torch.device):
     """One program per SM, or per (M tile, N tile) where there are fewer."""
-    upper = lambda META: (triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"])
-    return lambda META: (min(upper(META), _programs(device)),)
+    tiles = _tile_grid(TK, E, n)
+    return lambda META: (min(tiles(META)[0], _programs(device)),)
 
 
 def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation, interleaved, alpha, limit,
@@ -617,9 +617,8 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
         )
         return h, a
     kernel = _up_tma if desc is not None else _up
-    grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
     _launch(
-        kernel, grid,
+        kernel, _tile_grid(TK, E, n),
         x, _or(desc, w_ptr), b1c, sorted_rows, _or(row_token, sorted_rows), offsets, h, a, w_table,
         TK, d, n, E, top_k,
         x.stride(0), x.stride(1),
@@ -648,10 +647,8 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
         in_d = _tma_operand(inp, tuple(inp.shape), tuple(inp.stride())) if w_d is not None else None
         if in_d is not None:
             def triton_kernel():
-                upper = lambda META: (triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"])
-                grid = lambda META: (min(upper(META), _programs(inp.device)),)
                 _launch(
-                    _scatter_tma, grid,
+                    _scatter_tma, _persistent_grid(TK, E, n_dim, inp.device),
                     in_d, w_d, biasc, sorted_rows, offsets, out,
                     TK, k_dim, n_dim, E, n_dim,
                     HAS_BIAS=bias is not None, E_POW2=e_pow2(E), W_DESC=w_desc,
@@ -674,9 +671,8 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
             key = ("scatter", k_dim, n_dim, E, w_desc, bias is not None, inp.dtype)
             return wgrad_choice.choose(key, candidates, cuda=True, pinned=wgrad_choice.SCATTER_PINNED)()
     w_ptr, w_table, has_table, align = w.kernel_args()
-    grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n_dim, META["BLOCK_N"]),)
     _launch(
-        _scatter, grid,
+        _scatter, _tile_grid(TK, E, n_dim),
         inp, w_ptr, biasc, sorted_rows, offsets, out, w_table,
         TK, k_dim, n_dim, E, split,
         *w_strides, n_dim,
@@ -797,9 +793,8 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
             **flags,
         )
     else:
-        grid = lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
         _launch(
-            _dact_tma if desc is not None else _dact, grid,
+            _dact_tma if desc is not None else _dact, _tile_grid(TK, E, n),
             grad_out, _or(desc, w_ptr), grad_out, sorted_rows, _or(row_token, sorted_rows), offsets, da, da, w_table,
             TK, d, n, E, top_k,
             grad_out.stride(0), grad_out.stride(1),
@@ -808,14 +803,6 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
             0.0, 0.0,
             DOT_PRECISION=_dot_precision(h.dtype), W_TABLE=has_table, W_ALIGN=align, **flags,
         )
-    return _act_grad(da, h, s_flat, sorted_rows, offsets, ds, n=n, activation=activation, interleaved=interleaved,
-                     alpha=alpha, limit=limit)
-
-
-def _act_grad(da, h, s_flat, sorted_rows, offsets, ds, *, n, activation, interleaved, alpha, limit):
-    """(dH, A', dS) from dA' by `_act_grad_kernel`; A' overwrites dA'."""
-    TK = sorted_rows.numel()
-    E = offsets.numel() - 1
     gated = GATED[activation]
     block_r, block_c = act_grad_blocks(n)
     dh = torch.empty_like(h)
