@@ -30,7 +30,9 @@ op behind torch's top-k (147 us of a 7b-256 step on the H100, against SonicMoE's
 x's gradient through the router folded into the experts' dX gather-sum, `moe_compiler.grad_fold`);
 "ours-compiled-nofold" the same without the fold (`sonic.fold_input_grad=False`);
 "ours-compiled-per-tile-up" the same with one program per tile in the up-projection and dA' GEMMs
-(`triton_moe.set_persistent_up(False)`) instead of the persistent kernel.
+(`triton_moe.set_persistent_up(False)`) instead of the persistent kernel; "ours-compiled-wide-keys"
+with the router's top-k on int64 keys (`codegen.router.NARROW_KEYS = False`) where bf16 logits
+would give int32 ones.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ SHAPES = {
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
 PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order",
              "ours-no-gluon", "ours-interleaved", "ours-list", "ours-compiled", "ours-compiled-nofold",
-             "ours-compiled-per-tile-up", "sonic", "liger",
+             "ours-compiled-per-tile-up", "ours-compiled-wide-keys", "sonic", "liger",
              "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
@@ -179,7 +181,7 @@ def build_provider(name, master, shape):
         return (lambda x: layer_liger(params, x, K)), params
     if name == "grouped_mm":
         return (lambda x: layer_grouped_mm(params, x, K)), params
-    if name in ("ours-compiled", "ours-compiled-nofold", "ours-compiled-per-tile-up"):
+    if name in ("ours-compiled", "ours-compiled-nofold", "ours-compiled-per-tile-up", "ours-compiled-wide-keys"):
         import moe_compiler  # noqa: F401  (registers backend="sonic" without the entry point too)
 
         fold = name != "ours-compiled-nofold"
@@ -238,13 +240,15 @@ def bench_one(name, master, shape, x, dy, ref, args):
     which tunes that kernel again, so neither side runs the other's config), ours-fixed-order with the
     backward's products in the order of earlier versions (`triton_moe.BACKWARD_STEPS`) whatever the shape,
     ours-no-gluon without the Gluon kernels (the choices measured afresh among the others)."""
-    from codegen import triton_moe, wgrad_choice
+    from codegen import router, triton_moe, wgrad_choice
 
     saved = (triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP, triton_moe.backward_order,
              triton_moe.GLUON_TRITON_VERSIONS, dict(triton_moe._GLUON), dict(wgrad_choice._CHOSEN),
              triton_moe.PERSISTENT_UP)
     if name.endswith("-per-tile-up"):
         triton_moe.set_persistent_up(False)
+    narrow_keys = router.NARROW_KEYS
+    router.NARROW_KEYS = narrow_keys and not name.endswith("-wide-keys")
     if name == "ours-no-gluon":
         triton_moe.GLUON_TRITON_VERSIONS = ()
         triton_moe._GLUON.clear()
@@ -269,6 +273,7 @@ def bench_one(name, master, shape, x, dy, ref, args):
         triton_moe.backward_order = saved[3]
         if name.endswith("-per-tile-up"):
             triton_moe.set_persistent_up(saved[7])
+        router.NARROW_KEYS = narrow_keys
         if name == "ours-no-gluon":
             triton_moe.GLUON_TRITON_VERSIONS = saved[4]
             triton_moe._GLUON.clear()
@@ -402,9 +407,13 @@ def breakdown(master, shape, x, dy, provider="ours", steps=5):
     for name, calls, us in rows[:20]:
         extra = f"  {gemm_flop[name] / us * 1e-6:.0f} TFLOPS" if name in gemm_flop else ""
         print(f"    {us:8.1f} us  x{calls:<2} {name[:90]}{extra}")
-    print(f"  one step of {provider} in launch order (kernels of 10 us or more):")
-    for i, (name, us) in enumerate(launch_order(prof.events(), steps)):
+    step_kernels = launch_order(prof.events(), steps, min_us=0.0)
+    small = [us for _, us in step_kernels if us < 10.0]
+    print(f"  one step of {provider}: {len(step_kernels)} kernels, {len(small)} of them under 10 us "
+          f"({sum(small):.0f} us together); in launch order, those of 10 us or more:")
+    for i, (name, us) in enumerate((name, us) for name, us in step_kernels if us >= 10.0):
         print(f"    {i:3d} {us:8.1f} us  {name[:100]}")
+    print("  under 10 us: " + "; ".join(f"{name[:48]} {us:.1f}" for name, us in step_kernels if us < 10.0))
     if not provider.startswith("ours"):
         return
     for tname in ("_up", "_scatter", "_dact", "_wgrad", "_up_tma", "_scatter_tma", "_dact_tma", "_wgrad_tma"):

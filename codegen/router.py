@@ -43,6 +43,7 @@ from .ops import _FORCE_REFERENCE
 SCORES = ("softmax", "sigmoid")
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_TRITON_E = 4096  # one row's scores in registers; beyond that the reference runs
+NARROW_KEYS = True  # int32 top-k keys where the ranked values are 16-bit (`_key_kind`); False: int64 always
 
 
 def validate_route_args(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill,
@@ -138,21 +139,47 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _blocks(T, E, k, block_t):
+def _key_kind(logits, compute_dtype, topk_first, n_group, fill, narrow_keys=True) -> int:
+    """`_order_keys`' KEYS for a call: 16-bit keys (int32 with the column) where every value the
+    kernel ranks is exactly a bf16 or fp16, int64 keys otherwise. top-k first ranks the logits as
+    they are; score first ranks the scores (plus bias) rounded to compute_dtype, and with groups the
+    fill too, which must then be exact in that dtype."""
+    from .kernels import router as kr
+
+    ranked = logits.dtype if topk_first else compute_dtype
+    if not narrow_keys or ranked not in (torch.bfloat16, torch.float16):
+        return kr.KEYS_FP32.value
+    if not topk_first and n_group > 1 and torch.tensor(fill, dtype=ranked).item() != fill:
+        return kr.KEYS_FP32.value
+    return (kr.KEYS_BF16 if ranked == torch.bfloat16 else kr.KEYS_FP16).value
+
+
+def _blocks(T, E, k, block_t, num_warps):
+    """(BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps) of a launch: up to E = 128, 2048 scores a
+    program and 8 a thread; from E = 256, 4096 scores a program on 4 warps (32 a thread). On the
+    H100 (benchmarks/bench_router.py, bf16 logits): at E = 128, k = 8, 8 scores a thread took
+    11-12 us a call at T = 24576 where 16 or 32 took 17; at E = 256, k = 16 every launch from 8 to
+    32 scores a thread was within 7% (67-72 us)."""
     BLOCK_E = _pow2(E)
-    BLOCK_T = block_t or max(1, min(64, 4096 // BLOCK_E))  # ~4K scores in registers per program
-    return BLOCK_T, BLOCK_E, _pow2(k), (T + BLOCK_T - 1) // BLOCK_T
+    per_program = 2048 if BLOCK_E <= 128 else 4096
+    BLOCK_T = block_t or max(1, min(64, per_program // BLOCK_E))
+    if num_warps is None:
+        num_warps = max(1, min(8, BLOCK_T * BLOCK_E // 256)) if BLOCK_E <= 128 else 4
+    return BLOCK_T, BLOCK_E, _pow2(k), (T + BLOCK_T - 1) // BLOCK_T, num_warps
 
 
 def triton_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill,
-                      compute_dtype, *, block_t: int | None = None) -> tuple[Tensor, Tensor]:
+                      compute_dtype, *, block_t: int | None = None, narrow_keys: bool | None = None,
+                      num_warps: int | None = None) -> tuple[Tensor, Tensor]:
+    """The forward kernel's launch. `narrow_keys=False` (default: `NARROW_KEYS`) keeps int64 keys
+    where int32 ones would do (for A/B tests and timings: the two give the same ids and weights)."""
     from .kernels.router import _route_fwd_kernel
 
     logits = logits.contiguous()
     T, E = logits.shape
     w = logits.new_empty(T, k, dtype=compute_dtype)
     ids = logits.new_empty(T, k, dtype=torch.int64)
-    BLOCK_T, BLOCK_E, BLOCK_K, grid = _blocks(T, E, k, block_t)
+    BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps = _blocks(T, E, k, block_t, num_warps)
     if grid == 0:
         return w, ids
     _route_fwd_kernel[(grid,)](
@@ -162,18 +189,20 @@ def triton_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_
         TOPK_FIRST=topk_first, RENORM=renorm, HAS_BIAS=bias is not None, N_GROUP=n_group,
         TOPK_GROUP=topk_group, GROUP_SIZE=E // n_group, BLOCK_G=_pow2(n_group),
         COMPUTE=_tl_dtype(compute_dtype), ROUND=compute_dtype != torch.float32,
+        KEYS=_key_kind(logits, compute_dtype, topk_first, n_group, fill, NARROW_KEYS if narrow_keys is None else narrow_keys),
+        num_warps=num_warps,
     )
     return w, ids
 
 
 def triton_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype, *,
-                      block_t: int | None = None) -> Tensor:
+                      block_t: int | None = None, num_warps: int | None = None) -> Tensor:
     from .kernels.router import _route_bwd_kernel
 
     logits, ids, grad_w = logits.contiguous(), ids.contiguous(), grad_w.contiguous()
     T, E = logits.shape
     grad = torch.empty_like(logits)
-    BLOCK_T, BLOCK_E, BLOCK_K, grid = _blocks(T, E, k, block_t)
+    BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps = _blocks(T, E, k, block_t, num_warps)
     if grid == 0:
         return grad
     _route_bwd_kernel[(grid,)](
@@ -181,7 +210,7 @@ def triton_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, sc
         grad_w.stride(0), logits.stride(0), ids.stride(0), grad.stride(0), float(eps), float(scale),
         K=k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SOFTMAX=score == "softmax",
         TOPK_FIRST=topk_first, RENORM=renorm, COMPUTE=_tl_dtype(compute_dtype),
-        ROUND=compute_dtype != torch.float32,
+        ROUND=compute_dtype != torch.float32, num_warps=num_warps,
     )
     return grad
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 import moe_compiler
-from codegen.kernels.router import _key_value, _order_keys
+from codegen.kernels.router import KEYS_BF16, KEYS_FP16, KEYS_FP32, _key_value, _order_keys
 from codegen.router import route, route_op, torch_router_bwd, torch_router_fwd
 
 from .helpers import (
@@ -200,19 +200,21 @@ def test_interpreted_kernel_upcast_and_large_block(kernels):
     assert empty[0].shape == (0, 4) and empty[1].shape == (0, 4)
 
 
-def test_interpreted_kernel_ranks_special_values_as_torch_topk(kernels):
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=str)
+def test_interpreted_kernel_ranks_special_values_as_torch_topk(kernels, dtype):
     """The kernel's top-k order: equal values lowest expert first; -0.0 below +0.0; NaN of either
     sign above every number; infinities and subnormals in their place. torch.topk picks the same
-    sets except where equal values straddle the k-th place (row 3: its own tie order)."""
+    sets except where equal values straddle the k-th place (row 3: its own tie order). fp16 logits
+    (16-bit keys) round row 5 to [inf, inf, -0.0, 0.0, 0, -0.0]: the same picks."""
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor([[nan, 1, nan, 2, -inf, 0], [-0.0, 0.0, -1, -2, -3, -4], [1, 3, 3, 0, 3, -1],
                            [-inf, -inf, -5, -inf, -inf, -inf], [5, -nan, 1, 2, 3, 4],
-                           [inf, 1e30, -1e-45, 1e-45, 0, -0.0]])
+                           [inf, 1e30, -1e-45, 1e-45, 0, -0.0]]).to(dtype)
     want_ids = torch.tensor([[0, 2, 3], [1, 0, 2], [1, 2, 4], [2, 0, 1], [1, 0, 5], [0, 1, 3]])
-    args = _args(6, 3, dict(topk_first=True), False, torch.float32)
+    args = _args(6, 3, dict(topk_first=True), False, dtype)
     w, ids = kernels.triton_router_fwd(logits, *args, block_t=4)
     assert torch.equal(ids, want_ids)
-    rows = [0, 1, 2, 4, 5]
+    rows = [0, 1, 2, 4, 5] if dtype == torch.float32 else [0, 1, 2, 4]  # fp16 row 5: 0.0 twice at the cut
     ref_w, ref_ids = _canonical(*torch_router_fwd(logits[rows], *args))
     got_w, got_ids = _canonical(w[rows], ids[rows])
     assert torch.equal(got_ids, ref_ids)
@@ -220,27 +222,75 @@ def test_interpreted_kernel_ranks_special_values_as_torch_topk(kernels):
 
 
 @triton.jit
-def _key_round_trip_kernel(x_ptr, y_ptr, N: tl.constexpr):
-    """y = `_key_value(_order_keys(x))` for a row of N floats."""
+def _keys_kernel(x_ptr, y_ptr, key_ptr, N: tl.constexpr, KEYS: tl.constexpr):
+    """For a row of N floats: key = `_order_keys(x)`, y = `_key_value(key)`."""
     cols = tl.arange(0, N)
     x = tl.load(x_ptr + cols)
-    tl.store(y_ptr + cols, tl.reshape(_key_value(_order_keys(x[None, :], cols, N, N)), [N]))
+    keys = _order_keys(x[None, :], cols, N, N, KEYS)
+    tl.store(key_ptr + cols, tl.reshape(keys, [N]).to(tl.int64))
+    tl.store(y_ptr + cols, tl.reshape(_key_value(keys, KEYS), [N]))
 
 
-def test_interpreted_key_value_inverts_order_keys(kernels):
-    """The forward reads a picked value back from its `_order_keys` key (no second reduction): that
-    must give the value's own bits for every float (signed zeros, subnormals, infinities, random
-    magnitudes), and NaN for NaN. The weights' tolerance could not tell a flipped last bit."""
+_NARROW = {"fp32": (KEYS_FP32, torch.float32), "bf16": (KEYS_BF16, torch.bfloat16), "fp16": (KEYS_FP16, torch.float16)}
+
+
+def _key_probe(dtype):
+    """1024 floats exactly representable in dtype (held as fp32): signed zeros, subnormals,
+    infinities, NaN of both signs, random magnitudes and repeats (equal values)."""
     torch.manual_seed(9)
-    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.17e-38, -3.4e38, float("inf"), -float("inf"), 1.0, -2.0,
-                            float("nan"), -float("nan")])
-    x = torch.cat([special, torch.randn(500) * 10.0 ** torch.randint(-30, 30, (500,)).float()])
-    x = torch.cat([x, torch.zeros(1024 - x.numel())])
-    y = torch.empty_like(x)
-    _key_round_trip_kernel[(1,)](x, y, N=1024)
+    tiny = torch.finfo(dtype).smallest_normal
+    special = torch.tensor([0.0, -0.0, tiny / 4, -tiny / 4, tiny, -torch.finfo(dtype).max, float("inf"),
+                            -float("inf"), 1.0, -2.0, float("nan"), -float("nan")])
+    x = torch.cat([special, torch.randn(500) * 10.0 ** torch.randint(-30, 30, (500,)).float()]).to(dtype).float()
+    return torch.cat([x, x[torch.randint(0, x.numel(), (1024 - x.numel(),))]])
+
+
+def _run_keys(x, keys_kind):
+    y, key = torch.empty_like(x), torch.empty(x.shape, dtype=torch.int64)
+    _keys_kernel[(1,)](x, y, key, N=x.numel(), KEYS=keys_kind)
+    return y, key
+
+
+@pytest.mark.parametrize("dtype", _NARROW, ids=str)
+def test_interpreted_key_value_inverts_order_keys(kernels, dtype):
+    """The forward reads a picked value back from its `_order_keys` key (no second reduction): that
+    must give the value's own bits for every float the keys hold (signed zeros, subnormals,
+    infinities, random magnitudes), and NaN for NaN. The weights' tolerance could not tell a flipped
+    last bit. bf16 and fp16: 16-bit keys of values exact in that dtype (the values held as fp32)."""
+    keys_kind, narrow = _NARROW[dtype]
+    x = _key_probe(narrow)
+    y, _ = _run_keys(x, keys_kind)
     nan = x.isnan()
     assert torch.equal(y.isnan(), nan)
     assert torch.equal(y[~nan].view(torch.int32), x[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "fp16"))
+def test_interpreted_narrow_keys_rank_as_wide_keys(kernels, dtype):
+    """16-bit keys order exactly as the fp32 (int64) keys do on values exact in that dtype: the
+    same descending order of all 1024 columns, equal values by the lowest column, NaN first."""
+    keys_kind, narrow = _NARROW[dtype]
+    x = _key_probe(narrow)
+    _, narrow_keys = _run_keys(x, keys_kind)
+    _, wide_keys = _run_keys(x, KEYS_FP32)
+    assert narrow_keys.unique().numel() == x.numel()
+    assert torch.equal(narrow_keys.argsort(descending=True), wide_keys.argsort(descending=True))
+
+
+@pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
+def test_interpreted_narrow_keys_equal_wide_keys(kernels, name, k, kw, bias):
+    """The fp16 forward with 16-bit keys gives the bit-exact ids and weights of int64 keys, on logits
+    with many equal values, signed zeros, infinities and NaN (fp16 scores, and fp16 logits ranked
+    as they are for top-k first)."""
+    torch.manual_seed(11)
+    logits = (torch.randint(-3, 4, (21, 6)).float() * 0.5).half()
+    logits[2, 1] = logits[7, 4] = float("nan")
+    logits[3, 0], logits[5, 2], logits[9, 5] = -0.0, float("inf"), -float("inf")
+    args = _args(6, k, kw, bias, torch.float16)
+    narrow = kernels.triton_router_fwd(logits, *args, block_t=4)
+    wide = kernels.triton_router_fwd(logits, *args, block_t=4, narrow_keys=False)
+    assert torch.equal(narrow[1], wide[1])
+    assert torch.equal(narrow[0].view(torch.int16), wide[0].view(torch.int16))
 
 
 def _assert_kernel_as_torch(kernels, logits, args):
@@ -295,6 +345,27 @@ def test_kernel_gpu_bf16(name, k, kw, bias):
     want_grad = torch_router_bwd(g, logits, ids, *_bwd_args(args)).float()
     got_grad = triton_router_bwd(g, logits, ids, *_bwd_args(args)).float()
     assert (got_grad - want_grad).norm() <= 2e-2 * want_grad.norm() + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
+def test_kernel_gpu_bf16_narrow_keys_equal_wide_keys(name, k, kw, bias):
+    """bf16 logits on the GPU (top-k first ranks them in bf16; the rest score in bf16): 16-bit keys
+    give the bit-exact ids and weights of int64 keys, with many equal logits, NaN and infinities."""
+    from codegen.router import triton_router_fwd
+
+    torch.manual_seed(12)
+    E = 6 if name == "k=E" else 96  # 3 groups of 32, padded to 128 columns
+    k = E if name == "k=E" else k
+    logits = (torch.randn(4099, E, device="cuda") * 4).round().div(4).bfloat16()  # quarters: ties in most rows
+    logits[::97, 1] = float("nan")
+    logits[::89, 2], logits[::83, 3], logits[::79, 4] = float("inf"), -float("inf"), -0.0
+    args = _args(E, k, kw, bias, torch.bfloat16)
+    args = (None if args[0] is None else args[0].cuda(), *args[1:])
+    narrow = triton_router_fwd(logits, *args)
+    wide = triton_router_fwd(logits, *args, narrow_keys=False)
+    assert torch.equal(narrow[1], wide[1])
+    assert torch.equal(narrow[0].view(torch.int16), wide[0].view(torch.int16))
 
 
 # --- the pass on Hugging Face families -----------------------------------------------------------------

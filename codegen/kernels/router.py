@@ -3,7 +3,8 @@
 One program per block of BLOCK_T tokens (grid: cdiv(T, BLOCK_T)); each row's E scores live in
 registers ([BLOCK_T, BLOCK_E], E padded to a power of two), top-k is K rounds of "take the largest
 not yet taken" over integer keys that rank values as torch.topk does (-0.0 below +0.0, NaN above
-every number; equal values: the lowest expert index first). Arithmetic is fp32; with ROUND (a
+every number; equal values: the lowest expert index first): int32 keys where every ranked value is
+a bf16 or fp16 (the model ranks 16-bit tensors), int64 keys otherwise. Arithmetic is fp32; with ROUND (a
 compute dtype narrower than fp32) every value the eager model would store in that dtype is rounded
 to it, so ranks and ties are those of the model's own tensors. See codegen/router.py for the
 semantics.
@@ -11,7 +12,13 @@ semantics.
 import triton
 import triton.language as tl
 
-_TAKEN = tl.constexpr(-9223372036854775807)  # below every `_order_keys` key: an expert already picked
+_TAKEN = tl.constexpr(-9223372036854775807)  # below every int64 `_order_keys` key: an expert already picked
+_TAKEN32 = tl.constexpr(-2147483647)  # the same for int32 keys (-2**31 would read as an int64 literal)
+
+# `_order_keys`' KEYS: what the ranked values are, which sets the keys' width
+KEYS_FP32 = tl.constexpr(0)  # any fp32 value: int64 keys
+KEYS_BF16 = tl.constexpr(1)  # every value exactly a bf16: int32 keys (a reduction over them is ~2x cheaper)
+KEYS_FP16 = tl.constexpr(2)  # every value exactly an fp16: int32 keys
 
 
 @triton.jit
@@ -35,30 +42,68 @@ def _scores(x, cmask, COMPUTE: tl.constexpr, ROUND: tl.constexpr, SOFTMAX: tl.co
 
 
 @triton.jit
-def _order_keys(v, cols, E, BLOCK_E: tl.constexpr):
-    """int64 keys of a [BLOCK_T, BLOCK_E] fp32 tile, larger for a value top-k takes first: by value
+def _order_keys(v, cols, E, BLOCK_E: tl.constexpr, KEYS: tl.constexpr):
+    """Integer keys of a [BLOCK_T, BLOCK_E] fp32 tile, larger for a value top-k takes first: by value
     as torch.topk ranks values (-0.0 below +0.0, NaN above every number), equal values by the
-    lowest column (the low 32 bits hold BLOCK_E - 1 - column); columns >= E get _TAKEN. A pick is
-    then one max over the keys."""
-    bits = v.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # the float order as signed integers
-    key = tl.where(v != v, 2147483647, key)  # NaN of either sign: above +inf's key
-    keys = (key.to(tl.int64) << 32) | (BLOCK_E - 1 - cols)[None, :].to(tl.int64)
-    return tl.where(cols[None, :] < E, keys, _TAKEN)
+    lowest column; columns >= E get the taken key (`_take`). A pick is then one max over the keys.
+
+    KEYS_FP32: int64 keys, the value's fp32 order bits above, BLOCK_E - 1 - column in the low 32 bits.
+    KEYS_BF16 / KEYS_FP16 (every value exactly representable in that dtype, which the caller
+    guarantees): int32 keys, the value's 16-bit order bits above, BLOCK_E - 1 - column in the low
+    16 bits (BLOCK_E <= 2**15). The same order, in half the width."""
+    if KEYS == KEYS_FP32:
+        bits = v.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # the float order as signed integers
+        key = tl.where(v != v, 2147483647, key)  # NaN of either sign: above +inf's key
+        keys = (key.to(tl.int64) << 32) | (BLOCK_E - 1 - cols)[None, :].to(tl.int64)
+    else:
+        if KEYS == KEYS_BF16:  # a bf16 is its fp32's high half: the fp32 order's high half, no conversion
+            bits = v.to(tl.int32, bitcast=True)
+            key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> 16
+        else:
+            bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)  # exact: v is an fp16 value
+            key = bits ^ ((bits >> 15) & 0x7FFF)
+        key = tl.where(v != v, 32767, key)  # NaN of either sign: above +inf's key
+        keys = (key << 16) | (BLOCK_E - 1 - cols)[None, :]
+    return _take(keys, cols[None, :] >= E, KEYS)
 
 
 @triton.jit
-def _pick(keys, BLOCK: tl.constexpr):
+def _take(keys, taken, KEYS: tl.constexpr):
+    """keys with those where `taken` holds set below every `_order_keys` key of their width."""
+    if KEYS == KEYS_FP32:
+        return tl.where(taken, _TAKEN, keys)
+    return tl.where(taken, _TAKEN32, keys)
+
+
+@triton.jit
+def _key_column(key, BLOCK: tl.constexpr, KEYS: tl.constexpr):
+    """The column an `_order_keys` key was made for."""
+    low = (key & 0xFFFFFFFF) if KEYS == KEYS_FP32 else (key & 0xFFFF)
+    return (BLOCK - 1) - low.to(tl.int32)
+
+
+@triton.jit
+def _pick(keys, BLOCK: tl.constexpr, KEYS: tl.constexpr):
     """Per row, the column whose `_order_keys` key is largest."""
-    return (BLOCK - 1) - (tl.max(keys, 1) & 0xFFFFFFFF).to(tl.int32)
+    return _key_column(tl.max(keys, 1), BLOCK, KEYS)
 
 
 @triton.jit
-def _key_value(key):
-    """The fp32 value an `_order_keys` key was made from (NaN for a NaN's key): its high 32 bits
+def _key_value(key, KEYS: tl.constexpr):
+    """The fp32 value an `_order_keys` key was made from (NaN for a NaN's key): its order bits
     through the same sign-dependent flip, which is its own inverse."""
-    hi = (key >> 32).to(tl.int32)
-    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    if KEYS == KEYS_FP32:
+        hi = (key >> 32).to(tl.int32)
+        value = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    else:
+        hi = key >> 16
+        half = hi ^ ((hi >> 15) & 0x7FFF)  # the 16-bit pattern, sign-extended
+        if KEYS == KEYS_BF16:
+            value = (half << 16).to(tl.float32, bitcast=True)
+        else:
+            value = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return value
 
 
 @triton.jit
@@ -96,11 +141,11 @@ def _group_keep(choice, cols, cmask, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexp
             has_nan = tl.max((in_g & nan).to(tl.int32), 1) > 0
         top2 = tl.where(has_nan, float("nan"), _rnd(m1 + m2, COMPUTE, ROUND))
         gscore = tl.where(gcols[None, :] == g, top2[:, None], gscore)
-    gkeys = _order_keys(gscore, gcols, N_GROUP, BLOCK_G)
+    gkeys = _order_keys(gscore, gcols, N_GROUP, BLOCK_G, KEYS_FP32)  # group sums: fp32
     gkeep = tl.zeros([BLOCK_T, BLOCK_G], tl.int32)
     for _ in tl.static_range(TOPK_GROUP):
-        hit = gcols[None, :] == _pick(gkeys, BLOCK_G)[:, None]
-        gkeys = tl.where(hit, _TAKEN, gkeys)
+        hit = gcols[None, :] == _pick(gkeys, BLOCK_G, KEYS_FP32)[:, None]
+        gkeys = _take(gkeys, hit, KEYS_FP32)
         gkeep = gkeep | hit.to(tl.int32)
     keep = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
     for g in tl.static_range(N_GROUP):
@@ -121,7 +166,7 @@ def _route_fwd_kernel(
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     SOFTMAX: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    COMPUTE: tl.constexpr, ROUND: tl.constexpr,
+    COMPUTE: tl.constexpr, ROUND: tl.constexpr, KEYS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -145,16 +190,16 @@ def _route_fwd_kernel(
 
     # the picked value is the key's own where the keys rank s itself: one reduction a pick, not two
     VALUE_IN_KEY: tl.constexpr = TOPK_FIRST or (not HAS_BIAS and N_GROUP == 1)
-    keys = _order_keys(choice, cols, E, BLOCK_E)
+    keys = _order_keys(choice, cols, E, BLOCK_E, KEYS)
     top_v = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
     for j in range(K):
         best = tl.max(keys, 1)
-        pick = (BLOCK_E - 1) - (best & 0xFFFFFFFF).to(tl.int32)
+        pick = _key_column(best, BLOCK_E, KEYS)
         hit = cols[None, :] == pick[:, None]
-        keys = tl.where(hit, _TAKEN, keys)
+        keys = _take(keys, hit, KEYS)
         if VALUE_IN_KEY:
-            value = _key_value(best)
+            value = _key_value(best, KEYS)
         else:
             value = tl.sum(tl.where(hit, s, 0.0), 1)
         top_v = tl.where(kcols[None, :] == j, value[:, None], top_v)
