@@ -217,6 +217,12 @@ def _bwd_part(part: str, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows,
     if impl is not None and impl.supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
         return impl.triton_moe_experts_bwd_part(part, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows,
                                                 expert_offsets, slot_token=slot_token, **tensors, **flags)
+    return _reference_part(part, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets, flags,
+                           slot_token, **tensors)
+
+
+def _reference_part(part: str, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets, flags,
+                    slot_token, **tensors):
     routing = (sorted_rows, expert_offsets)
     layout = dict(transposed=flags["transposed"], slot_token=slot_token)
     if part == "act":
@@ -337,7 +343,7 @@ def moe_experts_list_op(
 @moe_experts_list_op.register_fake
 def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation, interleaved, alpha, limit, save_h,
       slot_token=None):
-    w1_out = w_gate[0].shape[0] + (w_up[0].shape[0] if w_up else 0)
+    w1_out = _list_w1_out(w_gate, w_up)
     return (
         x.new_empty(x.shape),
         x.new_empty(topk_ids.numel() if save_h else 0, w1_out),
@@ -382,8 +388,97 @@ def moe_experts_list_backward_op(
 def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h, sorted_rows, expert_offsets, *flags,
       slot_token=None):
     E, (d, n) = len(w_gate), w_down[0].shape
-    w1_out = w_gate[0].shape[0] + (w_up[0].shape[0] if w_up else 0)
+    w1_out = _list_w1_out(w_gate, w_up)
     return torch.empty_like(x), torch.empty_like(topk_weights), x.new_empty(E, w1_out, d), x.new_empty(E, d, n)
+
+
+def _list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets,
+                   flags, slot_token, **tensors):
+    """One part of the list form's backward (as `_bwd_part`; the weight gradients stacked, no biases)."""
+    impl = _triton_backend(x)
+    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags)
+    if banks:
+        return impl.triton_moe_experts_list_bwd_part(part, x, topk_ids, topk_weights, w_gate, w_up, w_down,
+                                                     sorted_rows, expert_offsets, banks=banks, slot_token=slot_token,
+                                                     **tensors, **flags)
+    w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
+    got = _reference_part(part, x, topk_ids, topk_weights, w1, w2, None, None, sorted_rows, expert_offsets,
+                          dict(flags, transposed=False), slot_token, **tensors)
+    return got[0] if part in ("dw1", "dw2") else got
+
+
+@torch.library.custom_op("sonic::moe_experts_list_backward_act", mutates_args=())
+def moe_experts_list_backward_act_op(
+    grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
+    w_down: list[Tensor], h: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
+    activation: str, interleaved: bool, alpha: float, limit: float, slot_token: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    return _list_bwd_part("act", x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets, flags,
+                          slot_token, grad_out=grad_out, h=h)
+
+
+@moe_experts_list_backward_act_op.register_fake
+def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, *rest, slot_token=None):
+    TK, n = topk_ids.numel(), w_down[0].shape[1]
+    return x.new_empty(TK, _list_w1_out(w_gate, w_up)), x.new_empty(TK, n), torch.empty_like(topk_weights)
+
+
+@torch.library.custom_op("sonic::moe_experts_list_backward_dw2", mutates_args=())
+def moe_experts_list_backward_dw2_op(
+    grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
+    w_down: list[Tensor], a_scaled: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
+    activation: str, interleaved: bool, alpha: float, limit: float, slot_token: Optional[Tensor] = None,
+) -> Tensor:
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    return _list_bwd_part("dw2", x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets, flags,
+                          slot_token, grad_out=grad_out, a_scaled=a_scaled)
+
+
+@moe_experts_list_backward_dw2_op.register_fake
+def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, *rest, slot_token=None):
+    return x.new_empty(len(w_down), *w_down[0].shape)
+
+
+@torch.library.custom_op("sonic::moe_experts_list_backward_dw1", mutates_args=())
+def moe_experts_list_backward_dw1_op(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
+    w_down: list[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
+    activation: str, interleaved: bool, alpha: float, limit: float, slot_token: Optional[Tensor] = None,
+) -> Tensor:
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    return _list_bwd_part("dw1", x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets, flags,
+                          slot_token, dh=dh)
+
+
+@moe_experts_list_backward_dw1_op.register_fake
+def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, *rest, slot_token=None):
+    return x.new_empty(len(w_gate), _list_w1_out(w_gate, w_up), x.shape[1])
+
+
+@torch.library.custom_op("sonic::moe_experts_list_backward_dx", mutates_args=())
+def moe_experts_list_backward_dx_op(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
+    w_down: list[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
+    activation: str, interleaved: bool, alpha: float, limit: float, slot_token: Optional[Tensor] = None,
+    dx_lhs: Optional[Tensor] = None, dx_rhs: Optional[Tensor] = None,
+) -> Tensor:
+    """dx, plus dx_lhs @ dx_rhs ([T, J] @ [J, d]) when given, added before the result is rounded."""
+    if (dx_lhs is None) != (dx_rhs is None):
+        raise ValueError("sonic.moe_experts_list_backward_dx: dx_lhs and dx_rhs come together")
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    product = None if dx_lhs is None else (dx_lhs, dx_rhs)
+    return _list_bwd_part("dx", x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets, flags,
+                          slot_token, dh=dh, product=product)
+
+
+@moe_experts_list_backward_dx_op.register_fake
+def _(x, *rest, slot_token=None, dx_lhs=None, dx_rhs=None):
+    return torch.empty_like(x)
+
+
+def _list_w1_out(w_gate: list[Tensor], w_up: list[Tensor]) -> int:
+    return w_gate[0].shape[0] + (w_up[0].shape[0] if w_up else 0)
 
 
 def stack_expert_lists(w_gate: list[Tensor], w_up: list[Tensor], w_down: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -531,7 +626,7 @@ def validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, *,
     if len({w.dtype for w in tensors}) > 1 or len({w.device for w in tensors}) > 1:
         fail("expert weights must share one dtype and one device")
     # the stacked check covers the rest (shapes against d and n, dtypes, devices, routing)
-    w1_out = w_gate[0].shape[0] + (w_up[0].shape[0] if w_up else 0)
+    w1_out = _list_w1_out(w_gate, w_up)
     w1 = w_gate[0].new_empty(1, 1, 1).expand(E, w1_out, w_gate[0].shape[1])
     w2 = w_down[0].new_empty(1, 1, 1).expand(E, *w_down[0].shape)
     validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, activation=activation, transposed=False,

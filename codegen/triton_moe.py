@@ -1189,24 +1189,45 @@ def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h
 
 
 def triton_moe_experts_bwd_part(part: str, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets,
-                                *, activation, interleaved, transposed, alpha, limit, slot_token=None, grad_out=None,
-                                h=None, dh=None, a_scaled=None, product=None):
+                                *, activation, interleaved, transposed, alpha, limit, slot_token=None, **tensors):
     """One part of `triton_moe_experts_bwd`, as `codegen.ops`' split backward ops run them:
 
-        "act" (grad_out, h) -> (dH, A', d_topk_weights)   "dw2" (grad_out, A') -> (dW2, db2 | None)
-        "dw1" (dH) -> (dW1, db1 | None)                    "dx" (dH, product) -> dx
+        "act" (grad_out, h) -> (dH, A', d_topk_weights)   "dw2" (grad_out, a_scaled) -> (dW2, db2 | None)
+        "dw1" (dh) -> (dW1, db1 | None)                    "dx" (dh, product) -> dx
     """
     W1, W2 = _stacked_banks(w1, w2, transposed)
     n = w2.shape[1] if transposed else w2.shape[2]
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    return _bwd_part(part, x, topk_ids, topk_weights, W1, W2, b1, b2, sorted_rows, expert_offsets, slot_token,
+                     GradBuffer(w1, transposed), GradBuffer(w2, transposed), n=n, flags=flags, **tensors)
+
+
+def triton_moe_experts_list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows,
+                                     expert_offsets, *, banks, activation, interleaved, alpha, limit, slot_token=None,
+                                     **tensors):
+    """`triton_moe_experts_bwd_part` for per-expert weights (`list_banks`): the weight gradients come
+    stacked, dW1 [E, w1_out, d] and dW2 [E, d, n] (as `triton_moe_experts_list_bwd` gives them)."""
+    E, (d, n) = len(w_gate), w_down[0].shape
+    w1_out = w_gate[0].shape[0] + (w_up[0].shape[0] if w_up else 0)
+    meta = lambda *size: torch.empty(size, dtype=x.dtype, device="meta")  # noqa: E731
+    flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    got = _bwd_part(part, x, topk_ids, topk_weights, *banks, None, None, sorted_rows, expert_offsets, slot_token,
+                    GradBuffer(meta(E, w1_out, d), False), GradBuffer(meta(E, d, n), False), n=n, flags=flags,
+                    **tensors)
+    return got[0] if part in ("dw1", "dw2") else got  # no biases
+
+
+def _bwd_part(part, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, sorted_rows, expert_offsets, slot_token,
+              dw1: GradBuffer, dw2: GradBuffer, *, n, flags, grad_out=None, h=None, dh=None, a_scaled=None,
+              product=None):
     r = _bwd_routing(x, topk_ids, topk_weights, sorted_rows, expert_offsets, slot_token)
     if part == "act":
-        flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
         dh, a_scaled, ds = _bwd_act(r, grad_out.to(x.dtype), x, W1, W2, b1, b2, h, n=n, **flags)
         return dh, a_scaled, ds.view(r.topk_weights.shape).to(r.topk_weights.dtype)
     if part == "dw2":
-        return _bwd_dw2(r, grad_out.to(x.dtype), a_scaled, GradBuffer(w2, transposed), b2)
+        return _bwd_dw2(r, grad_out.to(x.dtype), a_scaled, dw2, b2)
     if part == "dw1":
-        return _bwd_dw1(r, dh, x, GradBuffer(w1, transposed), b1)
+        return _bwd_dw1(r, dh, x, dw1, b1)
     if part == "dx":
         return _bwd_dx(r, dh, x, W1, product)
     raise ValueError(f"unknown backward part {part!r}")

@@ -10,7 +10,8 @@ an `mm` that writes [T, d] and an `add` that reads both and writes [T, d] again:
 needs d_topk_weights, an output of that same backward op, so the sum cannot go inside it as it
 stands. This pass (an Inductor post-grad pass, run on every backward graph `backend="sonic"`
 compiles) splits the op into its four parts (`codegen.ops`: act -> dH, A', d_topk_weights; dW2;
-dW1; dX), and hands dL and Wr to the dX part, whose gather-sum adds dL @ Wr before it rounds:
+dW1; dX; the list form, `sonic::moe_experts_list_backward`, into its own four), and hands dL and Wr
+to the dX part, whose gather-sum adds dL @ Wr before it rounds:
 
     dh, a, ds = act(...);  dw2 = dw2(a);  dw1 = dw1(dh);  dx = dx(dh, dL, Wr)
 
@@ -134,23 +135,42 @@ def _find_term(bwd: fx.Node, outs: dict[int, fx.Node]) -> tuple[fx.Node, fx.Node
     return add, lhs, rhs, [*reversed(dx_chain), *term_chain]  # each before the nodes it reads
 
 
-def _order(x, w1, w2, dh_shape, a_shape) -> tuple[str, ...]:
+def _order(x, E: int, dh_shape, a_shape) -> tuple[str, ...]:
     """The parts' order `backward_order` picks at the traced example's sizes (the one op picks per call)."""
     from codegen.triton_moe import backward_order, backward_sizes
 
-    sizes = backward_sizes(T=_hint(x.shape[0]), d=_hint(x.shape[1]), TK=_hint(dh_shape[0]), w1_out=_hint(dh_shape[1]),
-                           n=_hint(a_shape[1]), elem=x.element_size(), dw1=_hint(w1.numel()) * w1.element_size(),
-                           dw2=_hint(w2.numel()) * w2.element_size())
+    T, d, TK, w1_out, n = (_hint(v) for v in (*x.shape, dh_shape[0], dh_shape[1], a_shape[1]))
+    elem = x.element_size()
+    sizes = backward_sizes(T=T, d=d, TK=TK, w1_out=w1_out, n=n, elem=elem, dw1=E * w1_out * d * elem,
+                           dw2=E * d * n * elem)
     return backward_order(**sizes)[0]
+
+
+def _parts(bwd: fx.Node):
+    """(the split ops, the arguments they share, E, the number of the op's flags) of a backward op:
+    `sonic::moe_experts_backward` (stacked weights and biases) or its list form (per-expert weights,
+    no biases, the weight gradients stacked)."""
+    sonic = torch.ops.sonic
+    if bwd.target is sonic.moe_experts_backward.default:
+        grad_out, x, ids, weights, w1, w2, b1, b2 = bwd.args[:8]
+        ops = (sonic.moe_experts_backward_act, sonic.moe_experts_backward_dw2, sonic.moe_experts_backward_dw1,
+               sonic.moe_experts_backward_dx)
+        return ops, (x, ids, weights, w1, w2, b1, b2), _val(w1).shape[0], 5
+    grad_out, x, ids, weights, w_gate, w_up, w_down = bwd.args[:7]
+    ops = (sonic.moe_experts_list_backward_act, sonic.moe_experts_list_backward_dw2,
+           sonic.moe_experts_list_backward_dw1, sonic.moe_experts_list_backward_dx)
+    return ops, (x, ids, weights, w_gate, w_up, w_down), len(w_gate), 4
 
 
 def _fold(graph: fx.Graph, bwd: fx.Node, outs: dict[int, fx.Node], term, fake_mode) -> None:
     add, lhs, rhs, dead = term
-    sonic = torch.ops.sonic
-    (grad_out, x, ids, weights, w1, w2, b1, b2, h, sorted_rows, offsets, *flags), kwargs = bwd.args, dict(bwd.kwargs)
-    if len(flags) > 5:
+    (act_op, dw2_op, dw1_op, dx_op), inputs, E, n_flags = _parts(bwd)
+    grad_out = bwd.args[0]
+    h, sorted_rows, offsets, *flags = bwd.args[len(inputs) + 1:]
+    kwargs = dict(bwd.kwargs)
+    if len(flags) > n_flags:
         kwargs["slot_token"] = flags.pop()
-    inputs = (x, ids, weights, w1, w2, b1, b2)
+    stacked = n_flags == 5
 
     def call(target, args, kw, where):
         with graph.inserting_before(where):
@@ -165,22 +185,25 @@ def _fold(graph: fx.Graph, bwd: fx.Node, outs: dict[int, fx.Node], term, fake_mo
         got.meta["val"] = node.meta["val"][i]
         return got
 
-    act = call(sonic.moe_experts_backward_act.default, bwd.args, bwd.kwargs, bwd)
+    act = call(act_op.default, bwd.args, bwd.kwargs, bwd)
     dh, a_scaled, ds = (item(act, i, bwd) for i in range(3))
     routing = (sorted_rows, offsets, *flags)
     parts = {
-        "dw2": (sonic.moe_experts_backward_dw2.default, (grad_out, *inputs, a_scaled, *routing), kwargs),
-        "dw1": (sonic.moe_experts_backward_dw1.default, (*inputs, dh, *routing), kwargs),
-        "dx": (sonic.moe_experts_backward_dx.default, (*inputs, dh, *routing), dict(kwargs, dx_lhs=lhs, dx_rhs=rhs)),
+        "dw2": (dw2_op.default, (grad_out, *inputs, a_scaled, *routing), kwargs),
+        "dw1": (dw1_op.default, (*inputs, dh, *routing), kwargs),
+        "dx": (dx_op.default, (*inputs, dh, *routing), dict(kwargs, dx_lhs=lhs, dx_rhs=rhs)),
     }
     made = {}
-    for step in _order(_val(x), _val(w1), _val(w2), dh.meta["val"].shape, a_scaled.meta["val"].shape):
+    for step in _order(_val(inputs[0]), E, dh.meta["val"].shape, a_scaled.meta["val"].shape):
         made[step] = call(*parts[step], add)
     dx = made["dx"]
     if tuple(_val(add).shape) != tuple(dx.meta["val"].shape):
         dx = call(torch.ops.aten.view.default, (dx, list(_val(add).shape)), {}, add)
     add.replace_all_uses_with(dx)
-    replacement = {1: ds, 2: (made["dw1"], 0), 3: (made["dw2"], 0), 4: (made["dw1"], 1), 5: (made["dw2"], 1)}
+    if stacked:  # outputs (dx, ds, dw1, dw2, db1, db2); the parts give (dw, db) pairs
+        replacement = {1: ds, 2: (made["dw1"], 0), 3: (made["dw2"], 0), 4: (made["dw1"], 1), 5: (made["dw2"], 1)}
+    else:  # (dx, ds, dw1, dw2)
+        replacement = {1: ds, 2: made["dw1"], 3: made["dw2"]}
     for i, old in outs.items():
         if i == 0:
             continue
@@ -192,8 +215,10 @@ def _fold(graph: fx.Graph, bwd: fx.Node, outs: dict[int, fx.Node], term, fake_mo
 
 
 def fold_input_grads(graph: fx.Graph) -> int:
-    """Fold every foldable x-gradient term into its `sonic::moe_experts_backward`; returns how many."""
-    bwds = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.sonic.moe_experts_backward.default]
+    """Fold every foldable x-gradient term into its `sonic::moe_experts_backward` (or the list form's
+    `sonic::moe_experts_list_backward`); returns how many."""
+    targets = (torch.ops.sonic.moe_experts_backward.default, torch.ops.sonic.moe_experts_list_backward.default)
+    bwds = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
     if not bwds:
         return 0
     fake_mode = next((n.meta["val"].fake_mode for n in graph.nodes

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codegen.ops import moe_experts
+from codegen.ops import moe_experts, moe_experts_list
 from codegen.router import route as sonic_route
 
 from .helpers import profiled_op_names
@@ -76,6 +76,26 @@ def float_router_layer(x, p):
     return moe_experts(x, ids, torch.softmax(vals, dim=-1).to(x.dtype), p["w1"], p["w2"])
 
 
+def list_layer(x, p):
+    """Per-expert weights (an nn.ModuleList's Linears) through the list form of the op."""
+    logits = x @ p["wr"].t()
+    vals, ids = torch.topk(logits, K, dim=-1)
+    experts = range(len([k for k in p if k.startswith("gate.")]))
+    return moe_experts_list(x, ids, torch.softmax(vals, dim=-1), [p[f"gate.{e}"] for e in experts],
+                            [p[f"up.{e}"] for e in experts], [p[f"down.{e}"] for e in experts])
+
+
+def _list_params(dtype, device="cpu", **kw):
+    p = _params(dtype, device, **kw)
+    w1, w2 = p.pop("w1").detach(), p.pop("w2").detach()
+    del p["shared"]
+    n = w2.shape[2]
+    for e in range(E):
+        p.update({f"gate.{e}": w1[e, :n].clone().requires_grad_(), f"up.{e}": w1[e, n:].clone().requires_grad_(),
+                  f"down.{e}": w2[e].clone().requires_grad_()})
+    return p
+
+
 def _grads(fn, x, p, compiled, fold=True):
     x, p = x.detach().clone().requires_grad_(), {k: v.detach().clone().requires_grad_() for k, v in p.items()}
     if compiled:
@@ -107,6 +127,18 @@ def test_fold_matches_eager(layer, shape, params, caplog):
     _assert_close(got, _grads(layer, x, p, compiled=False), 1e-12)
 
 
+def test_fold_of_the_list_form(caplog):
+    # per-expert weights: the list form's backward split into its own four parts, the router's term
+    # folded into its dX; every expert tensor's gradient as eager's
+    x, p = _x((T, D), torch.float64), _list_params(torch.float64)
+    with caplog.at_level(logging.INFO, logger="moe_compiler"):
+        got = _grads(list_layer, x, p, compiled=True)
+    assert _FOLDED in caplog.text
+    want = _grads(list_layer, x, p, compiled=False)
+    assert set(want[1]) == set(p) | {"x"}
+    _assert_close(got, want, 1e-12)
+
+
 def test_fold_with_dynamic_token_count(caplog):
     # dynamic=True: T is a symbol in the backward graph; the fold proves its shapes without a guard
     p = _params(torch.float64)
@@ -133,6 +165,16 @@ def test_fold_runs_the_split_backward():
     assert not parts & names[False] and "sonic::moe_experts_backward" in names[False]
 
 
+def test_fold_runs_the_list_forms_split_backward():
+    x, p = _x((T, D), torch.float64), _list_params(torch.float64)
+    fn = torch.compile(list_layer, backend="sonic")
+    xx = x.detach().clone().requires_grad_()
+    fn(xx, p).sum().backward()
+    names = profiled_op_names(lambda: fn(xx, p).sum().backward())
+    parts = {f"sonic::moe_experts_list_backward_{part}" for part in ("act", "dw2", "dw1", "dx")}
+    assert parts <= names and "sonic::moe_experts_list_backward" not in names
+
+
 def test_mixed_dtypes_are_left_alone(caplog):
     x, p = _x((T, D), torch.float32), _params(torch.float32)
     with caplog.at_level(logging.INFO, logger="moe_compiler"):
@@ -157,7 +199,11 @@ def test_fold_off_keeps_autograd_sum(caplog):
 def test_gpu_fold_bf16(layer, params, caplog):
     # bf16 on the Triton kernels: the folded step's error against float64 is no worse than the
     # unfolded compiled step's (the fold rounds x's gradient once, autograd twice)
-    x, p = _x((4096, 256), torch.bfloat16, "cuda"), _params(torch.bfloat16, "cuda", d=256, n=128, **params)
+    _check_gpu_fold(layer, _params(torch.bfloat16, "cuda", d=256, n=128, **params), caplog)
+
+
+def _check_gpu_fold(layer, p, caplog):
+    x = _x((4096, 256), torch.bfloat16, "cuda")
     truth = _grads(layer, x.double(), {k: v.double() for k, v in p.items()}, compiled=False)
     with caplog.at_level(logging.INFO, logger="moe_compiler"):
         folded = _grads(layer, x, p, compiled=True)
@@ -167,6 +213,12 @@ def test_gpu_fold_bf16(layer, params, caplog):
     for name, want in truth[1].items():
         err = lambda g: ((g[1][name].double() - want).norm() / want.norm()).item()  # noqa: E731
         assert err(folded) <= 1.05 * err(plain) + 1e-3, (name, err(folded), err(plain))
+
+
+@pytest.mark.gpu
+def test_gpu_fold_bf16_list_form(caplog):
+    # the list form's split parts on the Triton kernels (per-expert tensors read in place), bf16
+    _check_gpu_fold(list_layer, _list_params(torch.bfloat16, "cuda", d=256, n=128), caplog)
 
 
 @pytest.mark.gpu

@@ -714,6 +714,31 @@ def test_list_form_equals_stacked(tm, layout, dtype):
     _check_against_oracle(tm, inputs, go, flags, _TOL[dtype])  # and the stacked run is right
 
 
+@pytest.mark.parametrize("layout", ["separate", "plain"])
+def test_list_form_backward_parts_equal_the_one_op(tm, layout):
+    # the list form's four parts (`moe_compiler.grad_fold`'s split) give its one op's gradients bit
+    # for bit; its dX takes a product term as the stacked dX does
+    activation, interleaved = _LIST_LAYOUTS[layout]
+    list_flags = dict(activation=activation, interleaved=interleaved, alpha=_FLAGS["alpha"], limit=_FLAGS["limit"])
+    inputs, go = _make(13, 40, 24, 4, 2, torch.float16, activation=activation, seed=6)
+    lists = _as_lists(inputs, layout)
+    routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
+    banks = tm.list_banks(*routing, *lists, **list_flags)
+    _, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, *lists, banks=banks, save_h=True, **list_flags)
+    whole = tm.triton_moe_experts_list_bwd(go, *routing, *lists, h, rows, offs, banks=banks, **list_flags)
+    part = lambda name, **kw: tm.triton_moe_experts_list_bwd_part(  # noqa: E731
+        name, *routing, *lists, rows, offs, banks=banks, **list_flags, **kw)
+    dh, a_scaled, ds = part("act", grad_out=go, h=h)
+    got = (part("dx", dh=dh), ds, part("dw1", dh=dh), part("dw2", grad_out=go, a_scaled=a_scaled))
+    for g, want in zip(got, whole):
+        assert torch.equal(g, want)
+    gen = torch.Generator().manual_seed(7)
+    lhs, rhs = torch.randn(13, 5, generator=gen).half(), torch.randn(5, 40, generator=gen).half()
+    folded = part("dx", dh=dh, product=(lhs, rhs))
+    want = got[0].double() + lhs.double() @ rhs.double()
+    assert _rel(folded, want) <= _TOL[torch.float16], _rel(folded, want)
+
+
 def test_list_form_predicate(tm):
     inputs, _ = _make(5, 32, 16, 3, 2, torch.float32)
     gate, up, down = _as_lists(inputs, "separate")
