@@ -47,7 +47,7 @@ def run_case(name, blocks, warps, rep):
     print(f"{name}: T={T} E={E} k={k} {kw} compute {compute}; keys {'int32' if narrow_kind else 'int64'}", flush=True)
     g = torch.randn(T, k, device="cuda", generator=gen).to(compute)
     ids = triton_router_fwd(logits, *args)[1]
-    default = _blocks(T, E, k, None, None)
+    default = _blocks(T, E, k, None, None), _blocks(T, E, k, None, None, forward=False)
     launches = [(None, None)] + [(b, w) for b in blocks for w in warps]
     for block_t, nw in launches:
         times, outs = {}, {}
@@ -63,7 +63,8 @@ def run_case(name, blocks, warps, rep):
             return triton_router_bwd(g, logits, ids, *bwd_args, block_t=block_t, num_warps=nw)
         backward()  # compiled before the capture
         bwd = gpu_us(backward, calls=rep)
-        head = (f"default (BLOCK_T {default[0]}, warps {default[4]})" if block_t is None
+        head = (f"default (forward BLOCK_T {default[0][0]}, warps {default[0][4]}; backward {default[1][0]}, "
+                f"{default[1][4]})" if block_t is None
                 else f"BLOCK_T {block_t:3d} warps {nw}")
         print(f"  {head}: forward int64 keys {times[False]:7.1f} us, narrow {times[True]:7.1f} us  "
               f"(x{times[False] / times[True]:.2f}; {'bit-equal' if same else 'DIFFERENT'}); backward {bwd:7.1f} us",

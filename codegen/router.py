@@ -154,17 +154,18 @@ def _key_kind(logits, compute_dtype, topk_first, n_group, fill, narrow_keys=True
     return (kr.KEYS_BF16 if ranked == torch.bfloat16 else kr.KEYS_FP16).value
 
 
-def _blocks(T, E, k, block_t, num_warps):
-    """(BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps) of a launch: up to E = 128, 2048 scores a
-    program and 8 a thread; from E = 256, 4096 scores a program on 4 warps (32 a thread). On the
-    H100 (benchmarks/bench_router.py, bf16 logits): at E = 128, k = 8, 8 scores a thread took
-    11-12 us a call at T = 24576 where 16 or 32 took 17; at E = 256, k = 16 every launch from 8 to
-    32 scores a thread was within 7% (67-72 us)."""
+def _blocks(T, E, k, block_t, num_warps, forward=True):
+    """(BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps) of a launch. The forward, up to E = 128: 2048
+    scores a program, 8 a thread; otherwise 4096 scores a program on 4 warps. On the H100
+    (benchmarks/bench_router.py, bf16 logits, CUDA graphs), T = 24576, E = 128, k = 8: the forward
+    took 11.4 us so against 17.2 at 4096 scores on 4 warps; the backward 19.8 us so against 16.3,
+    so it keeps 4096 on 4. At E = 256, k = 16, every forward launch from 8 to 32 scores a thread
+    was within 7% (67-72 us)."""
     BLOCK_E = _pow2(E)
-    per_program = 2048 if BLOCK_E <= 128 else 4096
-    BLOCK_T = block_t or max(1, min(64, per_program // BLOCK_E))
+    narrow = forward and BLOCK_E <= 128
+    BLOCK_T = block_t or max(1, min(64, (2048 if narrow else 4096) // BLOCK_E))
     if num_warps is None:
-        num_warps = max(1, min(8, BLOCK_T * BLOCK_E // 256)) if BLOCK_E <= 128 else 4
+        num_warps = max(1, min(8, BLOCK_T * BLOCK_E // 256)) if narrow else 4
     return BLOCK_T, BLOCK_E, _pow2(k), (T + BLOCK_T - 1) // BLOCK_T, num_warps
 
 
@@ -202,7 +203,7 @@ def triton_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, sc
     logits, ids, grad_w = logits.contiguous(), ids.contiguous(), grad_w.contiguous()
     T, E = logits.shape
     grad = torch.empty_like(logits)
-    BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps = _blocks(T, E, k, block_t, num_warps)
+    BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps = _blocks(T, E, k, block_t, num_warps, forward=False)
     if grid == 0:
         return grad
     _route_bwd_kernel[(grid,)](

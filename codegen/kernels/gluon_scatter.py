@@ -230,10 +230,13 @@ if HAS_GLUON:
         k_dim, n_dim, E, stride_bias_e,
         HAS_BIAS: gl.constexpr, W_LAYOUT: gl.constexpr, E_POW2: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, COOP: gl.constexpr, ROLE: gl.constexpr,
+        STAGES: gl.constexpr, COOP: gl.constexpr, ROLE: gl.constexpr, PROBE: gl.constexpr,
     ):
         """One consumer warpgroup (ROLE 0: the default partition, 1: a worker). Ping-pong: the whole
-        of items ROLE, ROLE + 2, ... Cooperative (COOP): rows ROLE * BLOCK_M / 2 .. of every item."""
+        of items ROLE, ROLE + 2, ... Cooperative (COOP): rows ROLE * BLOCK_M / 2 .. of every item.
+        PROBE (a diagnostic, `gluon_scatter_gemm(probe=...)`; 0 in use): 1 skips the epilogue behind
+        a branch never taken at run time (the MMAs stay), 2 skips the wgmmas (the loads, the ring's
+        handshakes and the stores of zeros stay)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M  # this warpgroup's rows of an item
         ROW0: gl.constexpr = ROLE * ROWS if COOP else 0
@@ -270,25 +273,39 @@ if HAS_GLUON:
                     b = w_bufs.index(slot).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))  # K-major B
                 else:
                     b = w_bufs.index(slot).reshape([BLOCK_K, BLOCK_N])  # N-major B
-                acc = warpgroup_mma(a, b, acc, is_async=True)
-                acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))
+                if PROBE != 2:
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                    acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))
                 # the previous step's wgmma is done: its slot goes back to the loader (cooperative:
                 # once both consumers arrived, the barrier's count)
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
             if not COOP:
                 mbarrier.arrive(turn.index(1 - ROLE), count=1)  # item j+1's MMAs may follow ours
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if PROBE != 2:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((it0 + ksteps - 1) % STAGES), count=1)
             n += 1
+            if PROBE == 1:
+                if k_dim < 0:  # never at run time: the accumulator must still be computed
+                    _scatter_epilogue(acc, bias_ptr, out_ptr, slots, row_ok, expert, col0, n_dim, stride_bias_e,
+                                      HAS_BIAS, BLOCK_N, acc_layout, out_layout)
+            else:
+                _scatter_epilogue(acc, bias_ptr, out_ptr, slots, row_ok, expert, col0, n_dim, stride_bias_e,
+                                  HAS_BIAS, BLOCK_N, acc_layout, out_layout)
 
-            if HAS_BIAS:
-                bcols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-                bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_bias_e + bcols, mask=bcols < n_dim, other=0.0)
-                acc = acc + bias.to(gl.float32)[None, :]
-            out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
-            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-            ptrs = out_ptr + slots.to(gl.int64)[:, None] * n_dim + cols[None, :]
-            gl.store(ptrs, out, mask=row_ok[:, None] & (cols < n_dim)[None, :])
+    @gluon.jit
+    def _scatter_epilogue(acc, bias_ptr, out_ptr, slots, row_ok, expert, col0, n_dim, stride_bias_e,
+                          HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, acc_layout: gl.constexpr,
+                          out_layout: gl.constexpr):
+        """+ bias[e], -> out dtype, 16-byte row vectors, stored to the item's rows' slots."""
+        if HAS_BIAS:
+            bcols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_bias_e + bcols, mask=bcols < n_dim, other=0.0)
+            acc = acc + bias.to(gl.float32)[None, :]
+        out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+        ptrs = out_ptr + slots.to(gl.int64)[:, None] * n_dim + cols[None, :]
+        gl.store(ptrs, out, mask=row_ok[:, None] & (cols < n_dim)[None, :])
 
     @gluon.jit
     def _gluon_scatter_kernel(
@@ -302,7 +319,7 @@ if HAS_GLUON:
         HAS_BIAS: gl.constexpr, W_LAYOUT: gl.constexpr, E_POW2: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-        COOP: gl.constexpr,
+        COOP: gl.constexpr, PROBE: gl.constexpr = 0,
     ):
         """Grid: (number of SMs,), persistent; num_warps = 4 (the default partition: consumer 0)."""
         dtype: gl.constexpr = in_desc.dtype
@@ -320,10 +337,10 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_scatter_consumer, (a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr,
                                  k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 0)),
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 0, PROBE)),
             (_scatter_consumer, (a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr,
                                  k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 1)),
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 1, PROBE)),
             (_scatter_loader, (in_desc, w_desc, a_bufs, w_bufs, ready, empty, offsets_ptr, k_dim, n_dim, E,
                                W_LAYOUT, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
@@ -396,13 +413,15 @@ def supports(inp, w, w_layout: int, bias=None, *, n_dim: int) -> str | None:
     return None
 
 
-def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, num_programs=None, out=None, **tile):
+def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, num_programs=None, out=None, probe=0,
+                       **tile):
     """out [TK, n_dim] in SLOT order: out[sorted_rows[r]] = inp[r] @ B[e] (+ bias[e]).
 
     w: the stacked weight, [E, n_dim, k_dim] read as B[e] = w[e]^T (w_layout 1), or [E, k_dim, n_dim]
     read as B[e] = w[e] (w_layout 2). bias: [E, n_dim] or None. `tile`: ScatterTile fields
     (block_m=..., ...); none: `default_tile`. `num_programs`: the persistent grid (default: the SM
     count). `out`: a [TK, n_dim] tensor to write (default: a new one, as `triton_moe_scatter_gemm`).
+    `probe`: a diagnostic that gives wrong results (`_scatter_consumer`'s PROBE), for timings only.
     """
     import torch
 
@@ -430,13 +449,13 @@ def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, n
         HAS_BIAS=bias is not None, W_LAYOUT=w_layout, E_POW2=e_pow2(E),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, LOADER_WARPS=cfg.loader_warps, COOP=cfg.coop,
-        num_warps=4, maxnreg=cfg.kernel_maxnreg(),
+        PROBE=probe, num_warps=4, maxnreg=cfg.kernel_maxnreg(),
     )
     return out
 
 
 def compile_sm90(*, w_layout: int, E: int = 128, has_bias: bool = False, tile: ScatterTile | None = None,
-                 capability: int = 90):
+                 capability: int = 90, probe: int = 0):
     """Compile the kernel for sm90 without a GPU (triton.compile on a GPUTarget); returns the
     CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`). Argument specialization as
     the launcher's would be (16-divisible pointers, k_dim and n_dim)."""
@@ -449,7 +468,7 @@ def compile_sm90(*, w_layout: int, E: int = 128, has_bias: bool = False, tile: S
     constexprs = dict(HAS_BIAS=has_bias, W_LAYOUT=w_layout, E_POW2=e_pow2(E), BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=tile.stages,
                       CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, LOADER_WARPS=tile.loader_warps,
-                      COOP=tile.coop)
+                      COOP=tile.coop, PROBE=probe)
     divisible = ["bias_ptr", "sorted_rows_ptr", "offsets_ptr", "out_ptr", "k_dim", "n_dim", "stride_bias_e"]
     return compile_for_sm90(_gluon_scatter_kernel, signature, constexprs, divisible, num_warps=4,
                             maxnreg=tile.kernel_maxnreg(), capability=capability)
