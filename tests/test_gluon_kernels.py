@@ -94,3 +94,48 @@ def test_cooperative_scatter_compiles_for_sm90_without_a_gpu(w_layout):
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"] and "m64n256k16" in ptx and "m64n128k16" not in ptx  # one wgmma per consumer
     assert kernel.metadata.shared <= 232448  # the H100's shared memory per block
+
+
+def test_slot_rows_in_tiles_places_each_slot_in_its_tile():
+    """Slot s's row in a TILE-order output: the tiles of expert e follow the cdiv(rows, BLOCK_M)
+    tiles of every expert before it (an empty expert has none), row r of the expert at
+    tile * BLOCK_M + r % BLOCK_M; all within `tile_rows`, no two slots on one row."""
+    from codegen.reference import torch_route
+
+    gen = torch.Generator().manual_seed(2)
+    T, E, K, BM = 50, 6, 2, 8
+    ids = torch.multinomial(torch.tensor([5.0, 1, 0, 3, 2, 1]).expand(T, E), K, generator=gen)
+    sorted_rows, offsets = (t.to(torch.int32) for t in torch_route(ids, E))
+    got = gs.slot_rows_in_tiles(sorted_rows, offsets, BM)
+    want, first_tile = torch.empty_like(got), 0
+    for e in range(E):
+        lo, hi = offsets[e].item(), offsets[e + 1].item()
+        for r in range(lo, hi):
+            want[sorted_rows[r]] = (first_tile + (r - lo) // BM) * BM + (r - lo) % BM
+        first_tile += (hi - lo + BM - 1) // BM
+    assert offsets[3] == offsets[2]  # expert 2 empty
+    assert torch.equal(got, want)
+    assert got.unique().numel() == T * K and got.max() < gs.tile_rows(T * K, E, BM)
+
+
+def test_scatter_tile_shared_memory_with_output_boxes():
+    """The TILE-order output adds one bf16 box per consumer to the ring: 4 stages of 256x128 rows
+    (cooperative) no longer fit the H100's 227 KB, 3 do."""
+    assert gs.default_tile(1).shared_bytes(False) == 4 * 2 * 128 * 64 * 2
+    assert gs.default_tile(1).shared_bytes(True) == 4 * 2 * 128 * 64 * 2 + 2 * 128 * 128 * 2
+    assert gs.ScatterTile.parse("coop:256x128x64x4").shared_bytes(True) > gs.SHARED_LIMIT
+    assert gs.ScatterTile.parse("coop:256x128x64x3").shared_bytes(True) <= gs.SHARED_LIMIT
+
+
+@pytest.mark.skipif(not (gs.HAS_GLUON and triton.__version__.startswith("3.6.")),
+                    reason="the kernel is written for Triton 3.6's Gluon")
+@pytest.mark.parametrize("tile", ["default", "coop:128x256x64x3"])
+def test_scatter_tile_order_compiles_for_sm90_without_a_gpu(tile):
+    """TILE order stores by TMA (one 2-D bulk store a consumer, waited on before its buffer is
+    written again), no pointer stores; the shared memory fits."""
+    cfg = gs.default_tile(1) if tile == "default" else gs.ScatterTile.parse(tile)
+    kernel = gs.compile_sm90(w_layout=1, has_bias=True, tile=cfg, out_tiles=True)
+    ptx = kernel.asm["ptx"]
+    assert "cp.async.bulk.tensor.2d.global.shared" in ptx and "st.global" not in ptx
+    assert "cp.async.bulk.wait_group.read" in ptx
+    assert kernel.metadata.shared <= gs.SHARED_LIMIT

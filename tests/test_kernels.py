@@ -1096,13 +1096,16 @@ def test_gpu_gluon_coop_scatter_in_the_op(gluon_pinned, first_config_only, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["default", "coop:128x256x64x3", "coop:256x128x64x4"])
+@pytest.mark.parametrize("order", ["slot", "tiles"])
+@pytest.mark.parametrize("tile", ["default", "coop:128x256x64x3", "coop:256x128x64x4", "coop:256x128x64x3"])
 @pytest.mark.parametrize("w_layout", [1, 2])
 @pytest.mark.parametrize("grid", [None, 2], ids=["sms", "2ctas"])
-def test_gpu_gluon_scatter_tiles_match_reference(tile, w_layout, grid):
+def test_gpu_gluon_scatter_tiles_match_reference(tile, w_layout, grid, order):
     """Each scatter tile on uneven experts (one empty, one shorter than a tile), k_dim and n_dim
     not multiples of the tile, a bias, into NaN (an unwritten row shows), against float32; on 2
-    CTAs the ring wraps many times."""
+    CTAs the ring wraps many times. TILE order (whole boxes by TMA): every slot's row, found
+    through `slot_rows_in_tiles`, bit-equal to the slot-order output; a tile whose ring and output
+    boxes overflow shared memory is refused with a clear error."""
     from codegen.kernels import gluon_scatter as gs
     from codegen.triton_moe import _gluon_module, route
 
@@ -1121,6 +1124,18 @@ def test_gpu_gluon_scatter_tiles_match_reference(tile, w_layout, grid):
     out = torch.full((T * K, n_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
     gs.gluon_scatter_gemm(inp, w, w_layout, bias, rows, offs, n_dim=n_dim, out=out, num_programs=grid,
                           **cfg.kwargs())
+    if order == "tiles":
+        if cfg.shared_bytes(True) > gs.SHARED_LIMIT:
+            with pytest.raises(ValueError, match="shared memory"):
+                gs.gluon_scatter_gemm(inp, w, w_layout, bias, rows, offs, n_dim=n_dim, out_tiles=True, **cfg.kwargs())
+            return
+        tiled = torch.full((gs.tile_rows(T * K, E, cfg.block_m), n_dim), float("nan"), device="cuda",
+                           dtype=torch.bfloat16)
+        gs.gluon_scatter_gemm(inp, w, w_layout, bias, rows, offs, n_dim=n_dim, out=tiled, num_programs=grid,
+                              out_tiles=True, **cfg.kwargs())
+        slot_out = out
+        out = tiled[gs.slot_rows_in_tiles(rows, offs, cfg.block_m).long()]
+        assert torch.equal(out, slot_out)
     ref = torch.empty(T * K, n_dim, device="cuda")
     off = offs.tolist()
     for e in range(E):

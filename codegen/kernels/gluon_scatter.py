@@ -134,6 +134,12 @@ class ScatterTile:
         """The fields as `gluon_scatter_gemm(**tile)` takes them."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
+    def shared_bytes(self, out_tiles: bool) -> int:
+        """Shared memory of the ring, plus (out_tiles) one bf16 output box per consumer; barriers aside."""
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
+        rows = self.block_m // 2 if self.coop else self.block_m
+        return ring + (2 * rows * self.block_n * 2 if out_tiles else 0)
+
     def kernel_maxnreg(self) -> int:
         # 4 + 4 consumer warps + the loader's 1-4; registers are handed out by warpgroup: 12 warps
         return self.maxnreg or 65536 // (32 * 12) // 8 * 8
@@ -169,8 +175,9 @@ if HAS_GLUON:
     @gluon.jit
     def _work_item(lo, hi, tiles, cum, item, num_m, num_n,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, E_POW2: gl.constexpr):
-        """(expert, first row, the expert's end row, first column) of work item `item`: its M tile and N
-        tile in `_grouped_order`, the M tile's expert and rows as `routing._tile_lookup` finds them."""
+        """(expert, first row, the expert's end row, first column, M tile) of work item `item`: its M
+        tile and N tile in `_grouped_order`, the M tile's expert and rows as `routing._tile_lookup`
+        finds them. The M tile counts over all experts (an expert's tiles follow the ones before)."""
         in_group = GROUP_M * num_n
         first = (item // in_group) * GROUP_M
         size = gl.minimum(num_m - first, GROUP_M)
@@ -182,7 +189,7 @@ if HAS_GLUON:
         this = e_idx == expert
         row0 = gl.sum(gl.where(this, lo + (tile - (cum - tiles)) * BLOCK_M, 0), 0)
         row_end = gl.sum(gl.where(this, hi, 0), 0)
-        return expert, row0, row_end, col0
+        return expert, row0, row_end, col0, tile
 
     @gluon.jit
     def _num_items(offsets_ptr, n_dim, E, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr):
@@ -210,7 +217,7 @@ if HAS_GLUON:
         nprog = gl.num_programs(0)
         it = 0
         for j in range(mine):
-            expert, row0, _, col0 = _work_item(lo, hi, tiles, cum, pid + j * nprog, num_m, num_n,
+            expert, row0, _, col0, _ = _work_item(lo, hi, tiles, cum, pid + j * nprog, num_m, num_n,
                                                BLOCK_M, BLOCK_N, GROUP_M, E_POW2)
             for k in range(ksteps):
                 slot = it % STAGES
@@ -226,11 +233,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _scatter_consumer(
-        a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr,
+        a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr, out_desc, c_bufs,
         k_dim, n_dim, E, stride_bias_e,
         HAS_BIAS: gl.constexpr, W_LAYOUT: gl.constexpr, E_POW2: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, COOP: gl.constexpr, ROLE: gl.constexpr, PROBE: gl.constexpr,
+        STAGES: gl.constexpr, COOP: gl.constexpr, ROLE: gl.constexpr, PROBE: gl.constexpr, OUT_TILES: gl.constexpr,
     ):
         """One consumer warpgroup (ROLE 0: the default partition, 1: a worker). Ping-pong: the whole
         of items ROLE, ROLE + 2, ... Cooperative (COOP): rows ROLE * BLOCK_M / 2 .. of every item.
@@ -250,12 +257,13 @@ if HAS_GLUON:
         nprog = gl.num_programs(0)
         n = 0  # this consumer's items so far
         for j in range(FIRST, mine, STEP):
-            expert, row0, row_end, col0 = _work_item(lo, hi, tiles, cum, pid + j * nprog, num_m, num_n,
+            expert, row0, row_end, col0, tile = _work_item(lo, hi, tiles, cum, pid + j * nprog, num_m, num_n,
                                                      BLOCK_M, BLOCK_N, GROUP_M, E_POW2)
             # the epilogue's slots, loaded before the MMAs so their latency hides behind them
             rows = row0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
             row_ok = rows < row_end
-            slots = gl.load(sorted_rows_ptr + rows, mask=row_ok, other=0)
+            if not OUT_TILES:
+                slots = gl.load(sorted_rows_ptr + rows, mask=row_ok, other=0)
             acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
             it0 = j * ksteps
             if not COOP:
@@ -285,13 +293,34 @@ if HAS_GLUON:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((it0 + ksteps - 1) % STAGES), count=1)
             n += 1
-            if PROBE == 1:
+            if OUT_TILES:
+                # the tile's rows as one box at row tile * BLOCK_M of the tile-padded output, by TMA:
+                # the previous item's store has read this consumer's buffer before it is written again
+                if HAS_BIAS:
+                    acc = _plus_bias(acc, bias_ptr, expert, col0, n_dim, stride_bias_e, BLOCK_N, acc_layout)
+                c_buf = c_bufs.index(ROLE)
+                tma.store_wait(0)
+                gl.thread_barrier()
+                c_buf.store(acc.to(out_desc.dtype))
+                fence_async_shared()  # the generic-proxy writes, before the async proxy reads them
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(out_desc, [tile * BLOCK_M + ROW0, col0], c_buf)
+            elif PROBE == 1:
                 if k_dim < 0:  # never at run time: the accumulator must still be computed
                     _scatter_epilogue(acc, bias_ptr, out_ptr, slots, row_ok, expert, col0, n_dim, stride_bias_e,
                                       HAS_BIAS, BLOCK_N, acc_layout, out_layout)
             else:
                 _scatter_epilogue(acc, bias_ptr, out_ptr, slots, row_ok, expert, col0, n_dim, stride_bias_e,
                                   HAS_BIAS, BLOCK_N, acc_layout, out_layout)
+        if OUT_TILES:
+            tma.store_wait(0)  # the last store has read shared memory before the kernel ends
+
+    @gluon.jit
+    def _plus_bias(acc, bias_ptr, expert, col0, n_dim, stride_bias_e, BLOCK_N: gl.constexpr,
+                   acc_layout: gl.constexpr):
+        bcols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_bias_e + bcols, mask=bcols < n_dim, other=0.0)
+        return acc + bias.to(gl.float32)[None, :]
 
     @gluon.jit
     def _scatter_epilogue(acc, bias_ptr, out_ptr, slots, row_ok, expert, col0, n_dim, stride_bias_e,
@@ -299,9 +328,7 @@ if HAS_GLUON:
                           out_layout: gl.constexpr):
         """+ bias[e], -> out dtype, 16-byte row vectors, stored to the item's rows' slots."""
         if HAS_BIAS:
-            bcols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_bias_e + bcols, mask=bcols < n_dim, other=0.0)
-            acc = acc + bias.to(gl.float32)[None, :]
+            acc = _plus_bias(acc, bias_ptr, expert, col0, n_dim, stride_bias_e, BLOCK_N, acc_layout)
         out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
         ptrs = out_ptr + slots.to(gl.int64)[:, None] * n_dim + cols[None, :]
@@ -314,20 +341,27 @@ if HAS_GLUON:
         bias_ptr,  # [E, n_dim] bf16, unit column stride, read when HAS_BIAS
         sorted_rows_ptr,  # [TK] int32: the slot (out row) of each expert-ordered row
         offsets_ptr,  # [E+1] int32: expert e's rows are offsets[e] .. offsets[e+1]
-        out_ptr,  # [TK, n_dim] bf16, contiguous, SLOT order
+        out_ptr,  # [TK, n_dim] bf16, contiguous, SLOT order (not OUT_TILES)
+        out_desc,  # OUT_TILES: TMA descriptor over out [rows, n_dim], block [consumer rows, BLOCK_N]; else unused
         k_dim, n_dim, E, stride_bias_e,
         HAS_BIAS: gl.constexpr, W_LAYOUT: gl.constexpr, E_POW2: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-        COOP: gl.constexpr, PROBE: gl.constexpr = 0,
+        COOP: gl.constexpr, PROBE: gl.constexpr = 0, OUT_TILES: gl.constexpr = False,
     ):
-        """Grid: (number of SMs,), persistent; num_warps = 4 (the default partition: consumer 0)."""
+        """Grid: (number of SMs,), persistent; num_warps = 4 (the default partition: consumer 0).
+        OUT_TILES: out in TILE order instead of slot order: M tile t's rows at rows t * BLOCK_M.., by
+        TMA from one [consumer rows, BLOCK_N] shared buffer per consumer (`gluon_scatter_gemm`)."""
         dtype: gl.constexpr = in_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + in_desc.block_type.shape, in_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        if OUT_TILES:
+            c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+        else:
+            c_bufs = turn  # not read
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)  # the loader's expect-tx arrival
             mbarrier.init(empty.index(i), count=2 if COOP else 1)  # the consumer(s) that read the slot
@@ -336,11 +370,11 @@ if HAS_GLUON:
         fence_async_shared()  # the initialized barriers, before the TMA unit signals them
         gl.warp_specialize([
             (_scatter_consumer, (a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr,
-                                 k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 0, PROBE)),
+                                 out_desc, c_bufs, k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 0, PROBE, OUT_TILES)),
             (_scatter_consumer, (a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr,
-                                 k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 1, PROBE)),
+                                 out_desc, c_bufs, k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 1, PROBE, OUT_TILES)),
             (_scatter_loader, (in_desc, w_desc, a_bufs, w_bufs, ready, empty, offsets_ptr, k_dim, n_dim, E,
                                W_LAYOUT, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
@@ -357,6 +391,7 @@ def default_tile(w_layout: int, k_dim: int | None = None) -> ScatterTile:
     return ScatterTile()
 
 
+SHARED_LIMIT = 232448  # bytes of shared memory a block may take on the H100 (227 KB)
 COOP_TILE = ScatterTile(block_m=128, block_n=256, block_k=64, stages=3, coop=True)
 COOP_MIN_K = 1024  # the reduction length from which `candidate_tiles` offers COOP_TILE
 
@@ -413,8 +448,29 @@ def supports(inp, w, w_layout: int, bias=None, *, n_dim: int) -> str | None:
     return None
 
 
+def tile_rows(TK: int, E: int, block_m: int) -> int:
+    """Rows of a TILE-order output (`gluon_scatter_gemm(out_tiles=True)`): BLOCK_M for each M tile,
+    at most cdiv(TK, BLOCK_M) + E tiles (each expert's last one partial), sized with no host sync."""
+    return (triton.cdiv(TK, block_m) + E) * block_m
+
+
+def slot_rows_in_tiles(sorted_rows, offsets, block_m: int):
+    """[TK] int32: the row of a TILE-order output that holds slot s's product, on the device (no host
+    sync). Expert e's r-th row (expert order) lies in its M tile r // BLOCK_M, the expert's tiles
+    following the cdiv(rows, BLOCK_M) tiles of the experts before it."""
+    import torch
+
+    sizes = offsets.diff()
+    tiles_before = torch.cumsum((sizes + block_m - 1) // block_m, 0) - (sizes + block_m - 1) // block_m
+    r = torch.arange(sorted_rows.numel(), device=sorted_rows.device, dtype=torch.int32)
+    expert = torch.searchsorted(offsets[1:], r, right=True)
+    rows = torch.empty_like(sorted_rows)
+    rows[sorted_rows.long()] = (tiles_before[expert] * block_m + r - offsets[expert]).to(rows.dtype)
+    return rows
+
+
 def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, num_programs=None, out=None, probe=0,
-                       **tile):
+                       out_tiles=False, **tile):
     """out [TK, n_dim] in SLOT order: out[sorted_rows[r]] = inp[r] @ B[e] (+ bias[e]).
 
     w: the stacked weight, [E, n_dim, k_dim] read as B[e] = w[e]^T (w_layout 1), or [E, k_dim, n_dim]
@@ -422,21 +478,33 @@ def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, n
     (block_m=..., ...); none: `default_tile`. `num_programs`: the persistent grid (default: the SM
     count). `out`: a [TK, n_dim] tensor to write (default: a new one, as `triton_moe_scatter_gemm`).
     `probe`: a diagnostic that gives wrong results (`_scatter_consumer`'s PROBE), for timings only.
+    `out_tiles`: out [tile_rows(TK, E, BLOCK_M), n_dim] in TILE order instead, every M tile's BLOCK_M
+    rows stored as whole boxes by TMA (rows past an expert's end hold products of no slot); slot s's
+    row is `slot_rows_in_tiles(sorted_rows, offsets, BLOCK_M)[s]`.
     """
     import torch
 
     cfg = ScatterTile(**tile) if tile else default_tile(w_layout, inp.shape[1])
     why = supports(inp, w, w_layout, bias, n_dim=n_dim)
     assert why is None, why
+    if out_tiles and cfg.shared_bytes(True) > SHARED_LIMIT:
+        raise ValueError(f"tile {cfg}: {cfg.shared_bytes(True)} bytes of shared memory with TILE-order output "
+                         f"boxes, over the H100's {SHARED_LIMIT} a block (fewer stages)")
     TK, k_dim = inp.shape
     E = offsets.numel() - 1
     assert w.shape[0] == E and sorted_rows.numel() == TK
     assert sorted_rows.dtype == torch.int32 and offsets.dtype == torch.int32
+    out_rows = tile_rows(TK, E, cfg.block_m) if out_tiles else TK
     if out is None:
-        out = inp.new_empty(TK, n_dim)
-    assert out.shape == (TK, n_dim) and out.is_contiguous() and out.dtype == inp.dtype
+        out = inp.new_empty(out_rows, n_dim)
+    assert out.shape == (out_rows, n_dim) and out.is_contiguous() and out.dtype == inp.dtype
     in_block = [cfg.block_m, cfg.block_k]
     in_desc = TensorDescriptor.from_tensor(inp, in_block, gl.NVMMASharedLayout.get_default_for(in_block, gl.bfloat16))
+    out_desc = in_desc  # not read
+    if out_tiles:
+        out_block = [cfg.block_m // 2 if cfg.coop else cfg.block_m, cfg.block_n]
+        out_desc = TensorDescriptor.from_tensor(out, out_block,
+                                                gl.NVMMASharedLayout.get_default_for(out_block, gl.bfloat16))
     w_block = weight_block(cfg, w_layout)
     w_desc = TensorDescriptor.from_tensor(w, w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.bfloat16))
     if num_programs is None:
@@ -444,18 +512,18 @@ def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, n
     upper = (triton.cdiv(TK, cfg.block_m) + E) * triton.cdiv(n_dim, cfg.block_n)  # >= the real work items
     grid = (max(1, min(num_programs, upper)),)
     _gluon_scatter_kernel[grid](
-        in_desc, w_desc, inp if bias is None else bias, sorted_rows, offsets, out,
+        in_desc, w_desc, inp if bias is None else bias, sorted_rows, offsets, out, out_desc,
         k_dim, n_dim, E, 0 if bias is None else bias.stride(0),
         HAS_BIAS=bias is not None, W_LAYOUT=w_layout, E_POW2=e_pow2(E),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, LOADER_WARPS=cfg.loader_warps, COOP=cfg.coop,
-        PROBE=probe, num_warps=4, maxnreg=cfg.kernel_maxnreg(),
+        PROBE=probe, OUT_TILES=out_tiles, num_warps=4, maxnreg=cfg.kernel_maxnreg(),
     )
     return out
 
 
 def compile_sm90(*, w_layout: int, E: int = 128, has_bias: bool = False, tile: ScatterTile | None = None,
-                 capability: int = 90, probe: int = 0):
+                 capability: int = 90, probe: int = 0, out_tiles: bool = False):
     """Compile the kernel for sm90 without a GPU (triton.compile on a GPUTarget); returns the
     CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`). Argument specialization as
     the launcher's would be (16-divisible pointers, k_dim and n_dim)."""
@@ -463,12 +531,14 @@ def compile_sm90(*, w_layout: int, E: int = 128, has_bias: bool = False, tile: S
     signature = {
         "in_desc": bf16_desc_type([tile.block_m, tile.block_k]), "w_desc": bf16_desc_type(weight_block(tile, w_layout)),
         "bias_ptr": "*bf16", "sorted_rows_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": "*bf16",
+        "out_desc": bf16_desc_type([tile.block_m // 2 if tile.coop else tile.block_m, tile.block_n] if out_tiles
+                                   else [tile.block_m, tile.block_k]),
         "k_dim": "i32", "n_dim": "i32", "E": "i32", "stride_bias_e": "i32",
     }
     constexprs = dict(HAS_BIAS=has_bias, W_LAYOUT=w_layout, E_POW2=e_pow2(E), BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=tile.stages,
                       CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, LOADER_WARPS=tile.loader_warps,
-                      COOP=tile.coop, PROBE=probe)
+                      COOP=tile.coop, PROBE=probe, OUT_TILES=out_tiles)
     divisible = ["bias_ptr", "sorted_rows_ptr", "offsets_ptr", "out_ptr", "k_dim", "n_dim", "stride_bias_e"]
     return compile_for_sm90(_gluon_scatter_kernel, signature, constexprs, divisible, num_warps=4,
                             maxnreg=tile.kernel_maxnreg(), capability=capability)
