@@ -158,9 +158,10 @@ def _blocks(T, E, k, block_t, num_warps, forward=True):
     """(BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps) of a launch. The forward, up to E = 128: 2048
     scores a program, 8 a thread; otherwise 4096 scores a program on 4 warps. On the H100
     (benchmarks/bench_router.py, bf16 logits, CUDA graphs), T = 24576, E = 128, k = 8: the forward
-    took 11.4 us so against 17.2 at 4096 scores on 4 warps; the backward 19.8 us so against 16.3,
-    so it keeps 4096 on 4. At E = 256, k = 16, every forward launch from 8 to 32 scores a thread
-    was within 7% (67-72 us)."""
+    took 11.4 us with 8 scores a thread against 17.2 with 32 (4096 on 4 warps); the backward took
+    19.8 us with 8 against 16.3 with 32, so it keeps 4096 on 4. At E = 256, k = 16, every forward
+    launch from 8 to 32 scores a thread was within 7% (67-72 us). Below E = 128 the forward takes
+    the same 8 a thread, not measured there."""
     BLOCK_E = _pow2(E)
     narrow = forward and BLOCK_E <= 128
     BLOCK_T = block_t or max(1, min(64, (2048 if narrow else 4096) // BLOCK_E))

@@ -116,6 +116,12 @@ def test_slot_rows_in_tiles_places_each_slot_in_its_tile():
     assert offsets[3] == offsets[2]  # expert 2 empty
     assert torch.equal(got, want)
     assert got.unique().numel() == T * K and got.max() < gs.tile_rows(T * K, E, BM)
+    padded = ids.clone()
+    padded[::7, 1] = -1  # the slot form's padding: sorted last, in no expert, no row
+    sorted_rows, offsets = (t.to(torch.int32) for t in torch_route(padded, E))
+    got = gs.slot_rows_in_tiles(sorted_rows, offsets, BM)
+    pad = (padded.flatten() == -1)
+    assert (got[pad] == -1).all() and (got[~pad] >= 0).all() and got[~pad].unique().numel() == (~pad).sum()
 
 
 def test_scatter_tile_shared_memory_with_output_boxes():

@@ -457,15 +457,17 @@ def tile_rows(TK: int, E: int, block_m: int) -> int:
 def slot_rows_in_tiles(sorted_rows, offsets, block_m: int):
     """[TK] int32: the row of a TILE-order output that holds slot s's product, on the device (no host
     sync). Expert e's r-th row (expert order) lies in its M tile r // BLOCK_M, the expert's tiles
-    following the cdiv(rows, BLOCK_M) tiles of the experts before it."""
+    following the cdiv(rows, BLOCK_M) tiles of the experts before it. Padding slots (the slot form's,
+    sorted past offsets[E]) get -1."""
     import torch
 
     sizes = offsets.diff()
     tiles_before = torch.cumsum((sizes + block_m - 1) // block_m, 0) - (sizes + block_m - 1) // block_m
     r = torch.arange(sorted_rows.numel(), device=sorted_rows.device, dtype=torch.int32)
-    expert = torch.searchsorted(offsets[1:], r, right=True)
+    expert = torch.searchsorted(offsets[1:], r, right=True).clamp(max=sizes.numel() - 1)
+    row = torch.where(r < offsets[-1], tiles_before[expert] * block_m + r - offsets[expert], -1)
     rows = torch.empty_like(sorted_rows)
-    rows[sorted_rows.long()] = (tiles_before[expert] * block_m + r - offsets[expert]).to(rows.dtype)
+    rows[sorted_rows.long()] = row.to(rows.dtype)
     return rows
 
 
