@@ -44,6 +44,7 @@ import shlex
 import statistics
 import sys
 import time
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -299,8 +300,18 @@ def median_ms(fn, args, grad_to_none=None):
     return do_bench(fn, warmup=args.warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
-def _bench_one(name, master, shape, x, dy, ref, args):
-    T, d, n, E, K = shape
+class ProviderStep(NamedTuple):
+    """A provider's layer on its own copy of x: `step()` runs forward and backward (gradients
+    accumulate into `leaves`, x's copy and the parameters); `zero()` drops them."""
+
+    fn: Callable
+    xg: torch.Tensor
+    leaves: list
+    zero: Callable
+    step: Callable
+
+
+def provider_step(name, master, shape, x, dy) -> ProviderStep:
     fn, params = build_provider(name, master, shape)
     xg = x.detach().clone().requires_grad_()
     leaves = [xg, *params.values()]
@@ -311,6 +322,13 @@ def _bench_one(name, master, shape, x, dy, ref, args):
 
     def step():
         fn(xg).backward(dy)
+
+    return ProviderStep(fn, xg, leaves, zero, step)
+
+
+def _bench_one(name, master, shape, x, dy, ref, args):
+    T, d, n, E, K = shape
+    fn, xg, leaves, zero, step = provider_step(name, master, shape, x, dy)
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -381,14 +399,11 @@ def breakdown(master, shape, x, dy, provider="ours", steps=5):
     from codegen import triton_moe
 
     T, d, n, E, K = shape
-    fn, params = build_provider(provider, master, shape)
-    xg = x.detach().clone().requires_grad_()
-    leaves = [xg, *params.values()]
+    run = provider_step(provider, master, shape, x, dy)
 
     def step():  # as the timed steps run: gradients dropped first, so none is accumulated (an add)
-        for t in leaves:
-            t.grad = None
-        fn(xg).backward(dy)
+        run.zero()
+        run.step()
 
     step()
     torch.cuda.synchronize()

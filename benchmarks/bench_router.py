@@ -57,7 +57,8 @@ def run_case(name, blocks, warps, rep):
             outs[narrow] = call()
             times[narrow] = gpu_us(call, calls=rep)
         bits = torch.int16 if compute != torch.float32 else torch.int32
-        same = torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][0].view(bits), outs[1][0].view(bits))
+        same = torch.equal(outs[False][1], outs[True][1]) and torch.equal(outs[False][0].view(bits),
+                                                                          outs[True][0].view(bits))
         bwd_args = (k, full["score"], full["topk_first"], full["renorm"], full["eps"], full["scale"], compute)
         def backward():
             return triton_router_bwd(g, logits, ids, *bwd_args, block_t=block_t, num_warps=nw)

@@ -18,30 +18,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from bench_layer import SHAPES, build_provider, graphed  # noqa: E402
+from bench_layer import SHAPES, graphed, provider_step  # noqa: E402
 
 
 def probe(provider, shape, master, x, dy, replays, min_gap, verbose):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    fn, params = build_provider(provider, master, shape)
-    xg = x.detach().clone().requires_grad_()
-    leaves = [xg, *params.values()]
-
-    def zero():
-        for t in leaves:
-            t.grad = None
-
-    def step():
-        fn(xg).backward(dy)
-
-    zero()
-    step()  # compile and tune outside the capture
-    replay = graphed(step, zero)
-    for _ in range(5):
-        replay()
-    torch.cuda.synchronize()
+    run = provider_step(provider, master, shape, x, dy)
+    run.step()  # compile and tune outside the capture
+    replay = graphed(run.step, run.zero)
     for _ in range(replays - 1):  # back to back before the profiled one, as a timed run replays them
         replay()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
