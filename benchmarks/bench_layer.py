@@ -32,7 +32,8 @@ x's gradient through the router folded into the experts' dX gather-sum, `moe_com
 "ours-compiled-per-tile-up" the same with one program per tile in the up-projection and dA' GEMMs
 (`triton_moe.set_persistent_up(False)`) instead of the persistent kernel; "ours-compiled-wide-keys"
 with the router's top-k on int64 keys (`codegen.router.NARROW_KEYS = False`) where bf16 logits
-would give int32 ones.
+would give int32 ones; "ours-compiled-slot-order" with the Gluon scatter GEMMs storing Y and dX~ in
+slot order (`triton_moe.set_scatter_tiles(False)`) instead of TILE order.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ SHAPES = {
 GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
 PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order",
              "ours-no-gluon", "ours-interleaved", "ours-list", "ours-compiled", "ours-compiled-nofold",
-             "ours-compiled-per-tile-up", "ours-compiled-wide-keys", "sonic", "liger",
+             "ours-compiled-per-tile-up", "ours-compiled-wide-keys", "ours-compiled-slot-order", "sonic", "liger",
              "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
@@ -182,7 +183,8 @@ def build_provider(name, master, shape):
         return (lambda x: layer_liger(params, x, K)), params
     if name == "grouped_mm":
         return (lambda x: layer_grouped_mm(params, x, K)), params
-    if name in ("ours-compiled", "ours-compiled-nofold", "ours-compiled-per-tile-up", "ours-compiled-wide-keys"):
+    if name in ("ours-compiled", "ours-compiled-nofold", "ours-compiled-per-tile-up", "ours-compiled-wide-keys",
+                "ours-compiled-slot-order"):
         import moe_compiler  # noqa: F401  (registers backend="sonic" without the entry point too)
 
         fold = name != "ours-compiled-nofold"
@@ -245,9 +247,10 @@ def bench_one(name, master, shape, x, dy, ref, args):
 
     saved = (triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP, triton_moe.backward_order,
              triton_moe.GLUON_TRITON_VERSIONS, dict(triton_moe._GLUON), dict(wgrad_choice._CHOSEN),
-             triton_moe.PERSISTENT_UP)
+             triton_moe.PERSISTENT_UP, triton_moe.SCATTER_TILES)
     if name.endswith("-per-tile-up"):
         triton_moe.set_persistent_up(False)
+    triton_moe.set_scatter_tiles(saved[8] and not name.endswith("-slot-order"))
     narrow_keys = router.NARROW_KEYS
     router.NARROW_KEYS = narrow_keys and not name.endswith("-wide-keys")
     if name == "ours-no-gluon":
@@ -274,6 +277,7 @@ def bench_one(name, master, shape, x, dy, ref, args):
         triton_moe.backward_order = saved[3]
         if name.endswith("-per-tile-up"):
             triton_moe.set_persistent_up(saved[7])
+        triton_moe.set_scatter_tiles(saved[8])
         router.NARROW_KEYS = narrow_keys
         if name == "ours-no-gluon":
             triton_moe.GLUON_TRITON_VERSIONS = saved[4]

@@ -13,7 +13,8 @@ exclusive prefix of the per-expert counts. H (saved for the backward) is in expe
 
 Forward:  route (a Triton counting sort: one program for small batches, three launches over pieces of the
           slots for larger ones up to 511 experts, else a torch sort; no host sync) -> _up_proj_kernel (gather x, H and A = act(H))
-          -> _scatter_gemm_kernel (Y = A W2^T + b2, stored in slot order) -> _gather_sum_kernel (out).
+          -> _scatter_gemm_kernel (Y = A W2^T + b2, stored in slot order; the Gluon kernel's in TILE order,
+          `SCATTER_TILES`) -> _gather_sum_kernel (out).
 Backward: _up_proj_kernel as a gathered GEMM (dA' = gather(dO) W2) -> _act_grad_kernel (dS, dH,
           A' = s A) -> then, in the order `backward_order` finds holds the fewest bytes at once:
           _wgrad_kernel for dW2 and for dW1 (and the biases; or torch._grouped_mm where `wgrad_choice`
@@ -72,6 +73,7 @@ from .kernels.routing import (
     _route_prefix_kernel,
     _route_small_kernel,
     _slot_check_kernel,
+    _tile_rows_kernel,
     e_pow2,
 )
 from . import wgrad_choice
@@ -179,6 +181,11 @@ WIDE_UP = os.environ.get("SONIC_MOE_WIDE_UP", "1") != "0"
 # `_up_proj_persistent_kernel`; env SONIC_MOE_PERSISTENT_UP=0 (or `set_persistent_up`) keeps one
 # program per tile.
 PERSISTENT_UP = os.environ.get("SONIC_MOE_PERSISTENT_UP", "1") != "0"
+# The Gluon scatter GEMMs (Y, dX~) store TILE order (`gluon_scatter_gemm(out_tiles=True)`: every M
+# tile's rows as whole boxes by TMA, no scattered row stores), and the gather-sums read each slot's
+# row through a map (`tile_row_map`); env SONIC_MOE_SCATTER_TILES=0 (or `set_scatter_tiles`) keeps
+# slot order.
+SCATTER_TILES = os.environ.get("SONIC_MOE_SCATTER_TILES", "1") != "0"
 
 
 def _w_block_hook(nargs):
@@ -275,6 +282,12 @@ def set_persistent_up(persistent: bool) -> None:
     global PERSISTENT_UP
     PERSISTENT_UP = persistent
     forget_tuned_launches()
+
+
+def set_scatter_tiles(tiles: bool) -> None:
+    """Switch `SCATTER_TILES` at run time (A/B runs; the scatter GEMM's choice keys on it)."""
+    global SCATTER_TILES
+    SCATTER_TILES = tiles
 
 
 def set_wide_up(wide: bool) -> None:
@@ -630,30 +643,55 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
     return h, a
 
 
-def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets, *, n_dim, split=0):
+def tile_row_map(sorted_rows: Tensor, offsets: Tensor, block_m: int) -> Tensor:
+    """[TK] int32: the row of a TILE-order output that holds each slot's product (-1 for the slot
+    form's padding slots), from the routing on the device (`_tile_rows_kernel`, one launch)."""
+    TK, E = sorted_rows.numel(), offsets.numel() - 1
+    rows = torch.empty_like(sorted_rows)
+    if TK:
+        _tile_rows_kernel[(E + 1,)](sorted_rows, offsets, rows, TK, E, BLOCK_M=block_m, E_POW2=e_pow2(E),
+                                    BLOCK=16 if INTERPRETED else 1024, num_warps=4)
+    return rows
+
+
+def _gluon_scatter(gluon, tile, out_tiles: bool, inp, w_view, w_desc, bias, sorted_rows, offsets, *, n_dim,
+                   num_programs) -> tuple[Tensor, Tensor | None]:
+    """(out, row_map) of the Gluon scatter GEMM: TILE order and the map from slots to its rows, or
+    slot order and None."""
+    out = gluon.gluon_scatter_gemm(inp, w_view, w_desc, bias, sorted_rows, offsets, n_dim=n_dim,
+                                   num_programs=num_programs, out_tiles=out_tiles, **tile.kwargs())
+    return out, tile_row_map(sorted_rows, offsets, tile.block_m) if out_tiles else None
+
+
+def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets, *, n_dim, split=0, row_map=False):
     """out [TK, n_dim] in SLOT order: out[sorted_rows[r]] = inp[r] @ B[e] (+ bias[e]).
 
     w_strides = (e, k, n) strides reading the expert weight as B[e] [k_dim, n_dim]; `split` > 0:
     rows k >= split of B[e] come from the bank's up table (W1 as separate gate/up tensors).
+    `row_map`: returns (out, row_map) instead, where the Gluon kernel, if chosen, stores out in
+    TILE order (with `SCATTER_TILES`), slot s's product at row row_map[s] (`tile_row_map`); a
+    row_map of None: slot order.
     """
     TK, k_dim = inp.shape
     E = offsets.numel() - 1
-    out = inp.new_empty(TK, n_dim)
+    tiles = row_map and SCATTER_TILES
     if TK == 0:
-        return out
+        out = inp.new_empty(TK, n_dim)
+        return (out, None) if row_map else out
     biasc = bias.contiguous() if bias is not None else inp
     if split == 0:
         w_d, w_desc = _weight_desc(w, E, n_dim, k_dim, w_strides[2], w_strides[1])
         in_d = _tma_operand(inp, tuple(inp.shape), tuple(inp.stride())) if w_d is not None else None
         if in_d is not None:
             def triton_kernel():
+                out = inp.new_empty(TK, n_dim)
                 _launch(
                     _scatter_tma, _persistent_grid(TK, E, n_dim, inp.device),
                     in_d, w_d, biasc, sorted_rows, offsets, out,
                     TK, k_dim, n_dim, E, n_dim,
                     HAS_BIAS=bias is not None, E_POW2=e_pow2(E), W_DESC=w_desc,
                 )
-                return out
+                return out, None
 
             candidates = {"triton": triton_kernel}
             gluon = _gluon_module("gluon_scatter", inp)
@@ -664,12 +702,15 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
                 w_view = w.ptr.as_strided(dims, strides)
                 b = biasc if bias is not None else None
                 if gluon.supports(inp, w_view, w_desc, b, n_dim=n_dim) is None:
-                    for name, tile in gluon.candidate_tiles(w_desc, k_dim).items():
+                    for name, tile in gluon.candidate_tiles(w_desc, k_dim, out_tiles=tiles).items():
+                        out_tiles = tiles and tile.shared_bytes(True) <= gluon.SHARED_LIMIT
                         candidates[name] = functools.partial(
-                            gluon.gluon_scatter_gemm, inp, w_view, w_desc, b, sorted_rows, offsets, n_dim=n_dim,
-                            num_programs=_programs(inp.device), out=out, **tile.kwargs())
-            key = ("scatter", k_dim, n_dim, E, w_desc, bias is not None, inp.dtype)
-            return wgrad_choice.choose(key, candidates, cuda=True, pinned=wgrad_choice.SCATTER_PINNED)()
+                            _gluon_scatter, gluon, tile, out_tiles, inp, w_view, w_desc, b, sorted_rows, offsets,
+                            n_dim=n_dim, num_programs=_programs(inp.device))
+            key = ("scatter", k_dim, n_dim, E, w_desc, bias is not None, inp.dtype, tiles)
+            out, rows = wgrad_choice.choose(key, candidates, cuda=True, pinned=wgrad_choice.SCATTER_PINNED)()
+            return (out, rows) if row_map else out
+    out = inp.new_empty(TK, n_dim)
     w_ptr, w_table, has_table, align = w.kernel_args()
     _launch(
         _scatter, _tile_grid(TK, E, n_dim),
@@ -679,7 +720,7 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
         HAS_BIAS=bias is not None, E_POW2=e_pow2(E), DOT_PRECISION=_dot_precision(inp.dtype),
         W_TABLE=has_table, SPLIT_K=split > 0, W_ALIGN=align,
     )
-    return out
+    return (out, None) if row_map else out
 
 
 def gather_sum_blocks(d: int) -> tuple[int, int]:
@@ -731,8 +772,10 @@ def gather_sum_product_launch(d: int, J: int) -> ProductLaunch:
 
 def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype,
                           slots: tuple[Tensor, Tensor] | None = None,
-                          product: tuple[Tensor, Tensor] | None = None, launch: ProductLaunch | None = None) -> Tensor:
-    """out [T, d] = sum_k (s[t, k]) y[t*K + k] (+ L[t] @ R), float32 accumulation; y [T*K, d] in slot order.
+                          product: tuple[Tensor, Tensor] | None = None, launch: ProductLaunch | None = None,
+                          row_map: Tensor | None = None) -> Tensor:
+    """out [T, d] = sum_k (s[t, k]) y[t*K + k] (+ L[t] @ R), float32 accumulation; y [T*K, d] in slot order,
+    or, given row_map [TK] (`triton_moe_scatter_gemm(row_map=True)`), slot j's row at y[row_map[j]].
 
     slots = (ids [TK], token_offsets [T+1]) for the slot form: token t sums its real slots in
     [token_offsets[t], token_offsets[t+1]). product = (L [T, J], R [J, d]), both of one float dtype,
@@ -748,8 +791,9 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
     if product is None:
         block_t, block_d = gather_sum_blocks(d)
         grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
-        _gather_sum_kernel[grid](y, _or(s, y), ids, offs, out, T, d, TOP_K=K, HAS_WEIGHTS=s is not None,
-                                 SLOTS=slots is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+        _gather_sum_kernel[grid](y, _or(s, y), ids, offs, _or(row_map, ids), out, T, d, TOP_K=K,
+                                 HAS_WEIGHTS=s is not None, SLOTS=slots is not None, ROW_MAP=row_map is not None,
+                                 BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
         return out
     lhs, rhs = product
     J = lhs.shape[1]
@@ -758,8 +802,8 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
                          f"do not make a [{T}, {d}] term (or weights were given)")
     lp = launch or gather_sum_product_launch(d, J)
     _gather_sum_product_kernel[lp.grid(T, d, _programs(y.device))](
-        y, ids, offs, lhs, rhs, out, T, d, J, lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1),
-        TOP_K=K, SLOTS=slots is not None, BLOCK_T=lp.block_t, BLOCK_D=lp.block_d, BLOCK_J=lp.block_j,
+        y, ids, offs, _or(row_map, ids), lhs, rhs, out, T, d, J, lhs.stride(0), lhs.stride(1), rhs.stride(0),
+        rhs.stride(1), TOP_K=K, SLOTS=slots is not None, ROW_MAP=row_map is not None, BLOCK_T=lp.block_t, BLOCK_D=lp.block_d, BLOCK_J=lp.block_j,
         R_RESIDENT=J <= lp.block_j, PRODUCT_FIRST=lp.product_first, DOT_PRECISION=_dot_precision(lhs.dtype),
         num_warps=lp.warps,
     )
@@ -1079,9 +1123,10 @@ def _forward(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, activa
     h, a = triton_moe_up(x, W1, b1, sorted_rows, offsets, n=n, top_k=K, store_h=save_h,
                          row_token=_row_token(slot_token, sorted_rows), **flags)
     sw = W2.strides  # (e, d, n); the down-projection reads B[e] = W2[e]^T [n, d]
-    y = triton_moe_scatter_gemm(a, W2, (sw[0], sw[2], sw[1]), b2, sorted_rows, offsets, n_dim=d)
+    y, y_rows = triton_moe_scatter_gemm(a, W2, (sw[0], sw[2], sw[1]), b2, sorted_rows, offsets, n_dim=d,
+                                        row_map=True)
     del a
-    out = triton_moe_gather_sum(y, topk_weights.reshape(-1), T, K, x.dtype, slots)
+    out = triton_moe_gather_sum(y, topk_weights.reshape(-1), T, K, x.dtype, slots, row_map=y_rows)
     return out, h, sorted_rows, offsets
 
 
@@ -1137,13 +1182,13 @@ def _bwd_dw1(r: _BwdRouting, dh, x, dw1: GradBuffer, b1) -> tuple[Tensor, Tensor
 
 
 def _bwd_dx(r: _BwdRouting, dh, x, W1: Bank, product=None) -> Tensor:
-    """dX: dX~ = dH @ B[e] with B[e] = W1[e] [w1_out, d], in slot order; then each token's K rows
-    summed (with the `product` term, when given, added in the same pass)."""
+    """dX: dX~ = dH @ B[e] with B[e] = W1[e] [w1_out, d], in slot order (or TILE order, `SCATTER_TILES`);
+    then each token's K rows summed (with the `product` term, when given, added in the same pass)."""
     T, d = x.shape
     kw = r.kernel_args
-    dx_rows = triton_moe_scatter_gemm(dh, W1, W1.strides, None, kw["sorted_rows"], kw["offsets"], n_dim=d,
-                                      split=W1.split)
-    return triton_moe_gather_sum(dx_rows, None, T, r.K, x.dtype, r.slots, product=product)
+    dx_rows, rows = triton_moe_scatter_gemm(dh, W1, W1.strides, None, kw["sorted_rows"], kw["offsets"], n_dim=d,
+                                            split=W1.split, row_map=True)
+    return triton_moe_gather_sum(dx_rows, None, T, r.K, x.dtype, r.slots, product=product, row_map=rows)
 
 
 def backward_sizes(*, T: int, d: int, TK: int, w1_out: int, n: int, elem: int, dw1: int, dw2: int) -> dict[str, int]:

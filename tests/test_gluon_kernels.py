@@ -76,6 +76,9 @@ def test_cooperative_scatter_tile_offered_from_a_long_reduction():
     short, long = gs.candidate_tiles(1, gs.COOP_MIN_K - 8), gs.candidate_tiles(2, gs.COOP_MIN_K)
     assert list(short) == ["gluon"] and list(long) == ["gluon", "gluon-coop"]
     assert long["gluon-coop"] == gs.COOP_TILE and not long["gluon"].coop
+    # with a TILE-order output (TMA stores) it is offered from COOP_MIN_K_TILES
+    assert list(gs.candidate_tiles(1, gs.COOP_MIN_K_TILES - 8, out_tiles=True)) == ["gluon"]
+    assert list(gs.candidate_tiles(2, gs.COOP_MIN_K_TILES, out_tiles=True)) == ["gluon", "gluon-coop"]
 
 
 @pytest.mark.skipif(not (gs.HAS_GLUON and triton.__version__.startswith("3.6.")),

@@ -245,6 +245,13 @@ def test_tma_paths_match_oracle(tm, layout, persistent, monkeypatch):
                                        "_wgrad_tma"})
 
 
+def test_slot_order_switch(tm, monkeypatch):
+    """SCATTER_TILES off (slot order wherever the scatter GEMM runs) gives the same results."""
+    monkeypatch.setattr(tm, "SCATTER_TILES", False)
+    inputs, go = _make(13, 40, 24, 3, 2, torch.float16)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
+
+
 def test_tma_off_for_what_it_cannot_read(tm, monkeypatch):
     """fp32, rows not a multiple of 16 bytes and USE_TMA=False take the pointer kernels, with the
     same results against the oracle."""
@@ -591,6 +598,58 @@ def test_gather_sum_with_a_product_term(tm, dtype, slots, launch):
     with pytest.raises(ValueError, match="do not make"):
         tm.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs.float() if dtype != torch.float32
                                                                     else rhs.half()))
+
+
+def _tile_rows_brute(sorted_rows, offsets, block_m):
+    """Each slot's row in TILE order, by walking the experts (-1: padding slots past offsets[E])."""
+    want = torch.full((sorted_rows.numel(),), -1, dtype=torch.int32)
+    tiles_before = 0
+    for e in range(offsets.numel() - 1):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        for r in range(lo, hi):
+            want[int(sorted_rows[r])] = tiles_before * block_m + r - lo
+        tiles_before += -(-(hi - lo) // block_m)
+    return want
+
+
+@pytest.mark.parametrize("E,TK,padded,block_m", [(5, 37, False, 16), (6, 0, False, 16), (64, 300, True, 16),
+                                                 (3, 1100, False, 128), (200, 1024, True, 128)])
+def test_tile_row_map_matches_brute_force(tm, E, TK, padded, block_m):
+    """`tile_row_map`: every slot's row of a TILE-order output (each expert's rows in whole tiles,
+    empty experts taking none), -1 for the slot form's padding slots; uneven and empty experts."""
+    gen = torch.Generator().manual_seed(E + TK)
+    ids = torch.multinomial(torch.rand(E, generator=gen) ** 4, TK, replacement=True, generator=gen) if TK else (
+        torch.empty(0, dtype=torch.int64))
+    if padded:
+        ids[torch.rand(TK, generator=gen) < 0.3] = -1
+    rows, offs = tm.route(ids.view(-1, 1), E, padded=padded)
+    got = tm.tile_row_map(rows, offs, block_m)
+    assert got.dtype == torch.int32 and torch.equal(got, _tile_rows_brute(rows, offs, block_m))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", ["weights", "slots", "product"])
+def test_gather_sum_through_a_row_map(tm, dtype, form):
+    """The gather-sums read slot s's row at y[row_map[s]] (a TILE-order y) bit-equal to reading a
+    slot-order y; every row no slot maps to holds NaN, so a wrong row shows."""
+    T, K, d, E = 37, 3, 40, 5
+    gen = torch.Generator().manual_seed(11)
+    y = torch.randn(T * K, d, generator=gen).to(dtype)
+    ids = torch.randint(0, E, (T * K,), generator=gen)
+    arg, s, product = None, torch.rand(T * K, generator=gen).to(dtype), None
+    if form == "slots":  # every 4th slot is padding, never written or read
+        ids[::4] = -1
+        arg = (ids, tm.token_offsets(torch.arange(T * K) // K, T))
+    if form == "product":
+        s, product = None, (torch.randn(T, 7, generator=gen).to(dtype), torch.randn(7, d, generator=gen).to(dtype))
+    rows, offs = tm.route(ids.view(-1, 1), E, padded=form == "slots")
+    row_map = tm.tile_row_map(rows, offs, 16)
+    y_tiles = torch.full(((T * K // 16 + E + 1) * 16, d), float("nan"), dtype=dtype)
+    live = row_map >= 0
+    y_tiles[row_map[live].long()] = y[live]
+    want = tm.triton_moe_gather_sum(y, s, T, K, dtype, arg, product=product)
+    got = tm.triton_moe_gather_sum(y_tiles, s, T, K, dtype, arg, product=product, row_map=row_map)
+    assert torch.equal(got, want)
 
 
 def test_deterministic(tm):
@@ -1051,33 +1110,40 @@ def test_gpu_persistent_up_equals_per_tile(case, programs, first_config_only, mo
 @pytest.fixture
 def gluon_pinned(monkeypatch):
     """The weight gradients and the scatter GEMMs through the Gluon kernels wherever they run;
-    yields their calls: {"wgrad": [gather_lhs of each], "scatter": [w_layout of each]}."""
+    yields their calls: {"wgrad": [gather_lhs of each], "scatter": [w_layout of each], "out_tiles": [...]}."""
     from codegen import triton_moe, wgrad_choice
 
     if triton_moe._gluon_module("gluon_wgrad", torch.empty(1, device="cuda")) is None:
         pytest.skip("no Gluon kernels here (they need Hopper and a checked Triton version)")
     from codegen.kernels import gluon_scatter, gluon_wgrad
 
-    calls = {"wgrad": [], "scatter": []}
+    calls = {"wgrad": [], "scatter": [], "out_tiles": []}
     wgrad, scatter = gluon_wgrad.gluon_wgrad, gluon_scatter.gluon_scatter_gemm
     monkeypatch.setattr(gluon_wgrad, "gluon_wgrad",
                         lambda *a, **k: calls["wgrad"].append(k["gather_lhs"]) or wgrad(*a, **k))
     monkeypatch.setattr(gluon_scatter, "gluon_scatter_gemm",
-                        lambda *a, **k: calls["scatter"].append(a[2]) or scatter(*a, **k))
+                        lambda *a, **k: calls["scatter"].append(a[2]) or calls["out_tiles"].append(k["out_tiles"])
+                        or scatter(*a, **k))
     monkeypatch.setattr(wgrad_choice, "PINNED", "gluon")
     monkeypatch.setattr(wgrad_choice, "SCATTER_PINNED", "gluon")
     yield calls
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [True, False], ids=["tile_order", "slot_order"])
 @pytest.mark.parametrize("case", list(_GPU_CASES))
-def test_gpu_gluon_kernels_match_oracle(case, first_config_only, gluon_pinned):
+def test_gpu_gluon_kernels_match_oracle(case, tiles, first_config_only, gluon_pinned, monkeypatch):
+    from codegen import triton_moe
+
+    monkeypatch.setattr(triton_moe, "SCATTER_TILES", tiles)
     _check_gpu_case(case)
     # both weight gradients, except where x is a strided view (dW1 then runs our Triton kernel),
     # and both scatter GEMMs: Y (W2 read k-contiguous, layout 1) and dX~ (W1 [E, 2n, d]: layout 2,
-    # or 1 where the case lays W1 out transposed)
+    # or 1 where the case lays W1 out transposed), into TILE order (read through the row map) or
+    # slot order
     assert sorted(set(gluon_pinned["wgrad"])) == ([True] if case == "non_contiguous" else [False, True])
     assert gluon_pinned["scatter"] == ([1, 1] if case == "non_contiguous" else [1, 2]), gluon_pinned
+    assert gluon_pinned["out_tiles"] == [tiles, tiles], gluon_pinned
 
 
 @pytest.mark.gpu

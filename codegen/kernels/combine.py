@@ -5,20 +5,24 @@
     dX[t] += sum_j L[t, j] R[j]              (backward, HAS_PRODUCT: another [T, J] @ [J, d] term of
                                               x's gradient, the router's, added before the one rounding)
 
-Y and dX~ are stored in slot order by `_scatter_gemm_kernel`, so each token's slots are one
-contiguous block of rows: [t*K, t*K + K) for [T, K] routing, [token_offsets[t], token_offsets[t+1])
-in the slot form (SLOTS), where padding slots (id -1) were never written and are skipped. The sum
-runs in float32 in a fixed slot order: no atomics, bitwise repeatable.
+Each token's slots are [t*K, t*K + K) for [T, K] routing, [token_offsets[t], token_offsets[t+1])
+in the slot form (SLOTS), where padding slots (id -1) were never written and are skipped. Y and
+dX~ hold slot s's row at row s (slot order, `_scatter_gemm_kernel`), or at row row_map[s]
+(ROW_MAP: TILE order, `gluon_scatter_gemm(out_tiles=True)`, the map from `_tile_rows_kernel`). The
+sum runs in float32 in a fixed slot order: no atomics, bitwise repeatable.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _weighted_row(y_ptr, s_ptr, slot, live, cols, d, HAS_WEIGHTS: tl.constexpr):
-    """(s[slot]) * y[slot, cols] in float32, zeros where not `live`."""
+def _weighted_row(y_ptr, s_ptr, row_map_ptr, slot, live, cols, d, HAS_WEIGHTS: tl.constexpr, ROW_MAP: tl.constexpr):
+    """(s[slot]) * y[slot's row, cols] in float32, zeros where not `live`."""
     mask = live[:, None] & (cols < d)[None, :]
-    y = tl.load(y_ptr + slot[:, None] * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    row = slot
+    if ROW_MAP:
+        row = tl.load(row_map_ptr + slot, mask=live, other=0).to(tl.int64)
+    y = tl.load(y_ptr + row[:, None] * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_WEIGHTS:
         s = tl.load(s_ptr + slot, mask=live, other=0.0).to(tl.float32)
         y = y * s[:, None]
@@ -26,8 +30,8 @@ def _weighted_row(y_ptr, s_ptr, slot, live, cols, d, HAS_WEIGHTS: tl.constexpr):
 
 
 @triton.jit
-def _token_rows_sum(acc, y_ptr, s_ptr, ids_ptr, token_offsets_ptr, toks, t_mask, cols, d,
-                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr):
+def _token_rows_sum(acc, y_ptr, s_ptr, ids_ptr, token_offsets_ptr, row_map_ptr, toks, t_mask, cols, d,
+                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr, ROW_MAP: tl.constexpr):
     """acc + the (weighted) sum of each token's rows of y, in float32 and a fixed slot order."""
     if SLOTS:
         first = tl.load(token_offsets_ptr + toks, mask=t_mask, other=0).to(tl.int64)
@@ -37,24 +41,26 @@ def _token_rows_sum(acc, y_ptr, s_ptr, ids_ptr, token_offsets_ptr, toks, t_mask,
             slot = first + k
             live = t_mask & (k < count)
             live = live & (tl.load(ids_ptr + slot, mask=live, other=-1) >= 0)
-            acc += _weighted_row(y_ptr, s_ptr, slot, live, cols, d, HAS_WEIGHTS)
+            acc += _weighted_row(y_ptr, s_ptr, row_map_ptr, slot, live, cols, d, HAS_WEIGHTS, ROW_MAP)
     else:
         first = toks.to(tl.int64) * TOP_K
         for k in tl.static_range(TOP_K):
-            acc += _weighted_row(y_ptr, s_ptr, first + k, t_mask, cols, d, HAS_WEIGHTS)
+            acc += _weighted_row(y_ptr, s_ptr, row_map_ptr, first + k, t_mask, cols, d, HAS_WEIGHTS, ROW_MAP)
     return acc
 
 
 @triton.jit(do_not_specialize=["T"])
 def _gather_sum_kernel(
-    y_ptr,  # [TK, d] x.dtype, contiguous, slot order
+    y_ptr,  # [rows, d] x.dtype, contiguous: slot order, or TILE order (ROW_MAP)
     s_ptr,  # [TK] router weights (any float dtype), contiguous; read when HAS_WEIGHTS
     ids_ptr,  # [TK] int expert id per slot (-1: padding); read when SLOTS
     token_offsets_ptr,  # [T+1] int32, first slot of each token; read when SLOTS
+    row_map_ptr,  # [TK] int32, y's row of each slot; read when ROW_MAP
     out_ptr,  # [T, d] out dtype, contiguous
     T, d,
     TOP_K: tl.constexpr,  # K of [T, K] routing (the slot form reads each token's count instead)
-    HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr, ROW_MAP: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(d, BLOCK_D)). With [T, K] routing the K slots' loop is unrolled
     (K a constexpr), so all K row loads of a token are in flight together."""
@@ -62,19 +68,19 @@ def _gather_sum_kernel(
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_mask = toks < T
     acc = _token_rows_sum(tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), y_ptr, s_ptr, ids_ptr, token_offsets_ptr,
-                          toks, t_mask, cols, d, TOP_K, HAS_WEIGHTS, SLOTS)
+                          row_map_ptr, toks, t_mask, cols, d, TOP_K, HAS_WEIGHTS, SLOTS, ROW_MAP)
     mask = t_mask[:, None] & (cols < d)[None, :]
     tl.store(out_ptr + toks.to(tl.int64)[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _gather_sum_product_kernel(
-    y_ptr, ids_ptr, token_offsets_ptr,  # as _gather_sum_kernel's (no weights: the backward's dX~)
+    y_ptr, ids_ptr, token_offsets_ptr, row_map_ptr,  # as _gather_sum_kernel's (no weights: the backward's dX~)
     lhs_ptr, rhs_ptr,  # L [T, J] and R [J, d], any strides
     out_ptr,  # [T, d] out dtype, contiguous
     T, d, J,
     stride_lt, stride_lj, stride_rj, stride_rd,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, ROW_MAP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
     R_RESIDENT: tl.constexpr,  # J <= BLOCK_J: R's [J, BLOCK_D] tile is loaded once per program
     PRODUCT_FIRST: tl.constexpr,  # the dot before the row loads (else after)
@@ -95,8 +101,8 @@ def _gather_sum_product_kernel(
         l_rows = lhs_ptr + toks.to(tl.int64)[:, None] * stride_lt
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         if not PRODUCT_FIRST:
-            acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, toks, t_mask, cols, d, TOP_K,
-                                  False, SLOTS)
+            acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, row_map_ptr, toks, t_mask, cols,
+                                  d, TOP_K, False, SLOTS, ROW_MAP)
         if R_RESIDENT:
             lhs = tl.load(l_rows + js[None, :] * stride_lj, mask=t_mask[:, None] & (js < J)[None, :], other=0.0)
             acc = tl.dot(lhs, rhs, acc, input_precision=DOT_PRECISION)
@@ -109,8 +115,8 @@ def _gather_sum_product_kernel(
                                mask=j_mask[:, None] & c_mask[None, :], other=0.0)
                 acc = tl.dot(lhs, part, acc, input_precision=DOT_PRECISION)
         if PRODUCT_FIRST:
-            acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, toks, t_mask, cols, d, TOP_K,
-                                  False, SLOTS)
+            acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, row_map_ptr, toks, t_mask, cols,
+                                  d, TOP_K, False, SLOTS, ROW_MAP)
         mask = t_mask[:, None] & c_mask[None, :]
         tl.store(out_ptr + toks.to(tl.int64)[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask)

@@ -394,12 +394,16 @@ def default_tile(w_layout: int, k_dim: int | None = None) -> ScatterTile:
 SHARED_LIMIT = 232448  # bytes of shared memory a block may take on the H100 (227 KB)
 COOP_TILE = ScatterTile(block_m=128, block_n=256, block_k=64, stages=3, coop=True)
 COOP_MIN_K = 1024  # the reduction length from which `candidate_tiles` offers COOP_TILE
+COOP_MIN_K_TILES = 512  # the same with TILE-order output (TMA stores)
 
 
-def candidate_tiles(w_layout: int, k_dim: int) -> dict[str, ScatterTile]:
+def candidate_tiles(w_layout: int, k_dim: int, out_tiles: bool = False) -> dict[str, ScatterTile]:
     """The tiles `triton_moe` offers `wgrad_choice` to time at a scatter GEMM's first call: the
     ping-pong default as "gluon", and from k_dim >= COOP_MIN_K the cooperative 128x256 tile as
-    "gluon-coop".
+    "gluon-coop" (from COOP_MIN_K_TILES for a TILE-order output: with TMA stores its epilogue
+    stalls the tensor cores less; H100, `scripts/probe_scatter_epilogue.py`, us, ping-pong /
+    cooperative in TILE order: 7b-256 dX~ (k_dim 512) 530.0 / 510.3, 1.4b-256 dX~ 457.5 / 455.8,
+    7b-256 Y (k_dim 256) 331.7 / 340.3).
 
     The cooperative tile loads 25% fewer operand bytes per flop (one 64x256 weight tile for two
     m64n256 wgmmas, against a 64x128 one per 128x128 item), but its epilogue stops the tensor cores
@@ -414,7 +418,7 @@ def candidate_tiles(w_layout: int, k_dim: int) -> dict[str, ScatterTile]:
         k_dim 2048: OLMoE dX~ 1.129 / 0.950
     Below COOP_MIN_K it lost at every shape, so it is not compiled and timed there."""
     tiles = {"gluon": default_tile(w_layout, k_dim)}
-    if k_dim >= COOP_MIN_K:
+    if k_dim >= (COOP_MIN_K_TILES if out_tiles else COOP_MIN_K):
         tiles["gluon-coop"] = COOP_TILE
     return tiles
 
