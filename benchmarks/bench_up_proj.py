@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -87,20 +88,38 @@ def main():
         triton_moe.set_wide_up(wide_up)
 
 
+class UpInputs(NamedTuple):
+    """A shape's bf16 inputs of the up-projection and the dA' GEMM (seed 0), W1 concatenated."""
+
+    dims: tuple  # (T, d, n, E, K)
+    x: torch.Tensor
+    rows: torch.Tensor  # the routing's sorted rows and offsets
+    offs: torch.Tensor
+    w1: torch.Tensor  # [E, 2n, d]
+    w2: torch.Tensor  # [E, d, n]
+    s: torch.Tensor  # [TK] router weights, float32
+    gen: torch.Generator  # for anything else the caller draws
+
+
+def up_inputs(shape: str) -> UpInputs:
+    T, d, n, E, K = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, d, device="cuda", generator=gen).bfloat16()
+    ids = torch.randn(T, E, device="cuda", generator=gen).topk(K, -1).indices
+    rows, offs = triton_moe.route(ids, E)
+    w1 = (torch.randn(E, 2 * n, d, device="cuda", generator=gen) / d**0.5).bfloat16()
+    w2 = (torch.randn(E, d, n, device="cuda", generator=gen) / n**0.5).bfloat16()
+    s = torch.rand(T * K, device="cuda", generator=gen)
+    return UpInputs((T, d, n, E, K), x, rows, offs, w1, w2, s, gen)
+
+
 def persistent_ab(args):
     print(f"device: {torch.cuda.get_device_name()}")
     print("| shape | GEMM | persistent us (TFLOPS) | per tile us (TFLOPS) | ratio | outputs |\n|---|---|---|---|---|---|")
     saved = triton_moe.PERSISTENT_UP
     try:
         for shape in args.shapes.split(","):
-            T, d, n, E, K = SHAPES[shape]
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            x = torch.randn(T, d, device="cuda", generator=gen).bfloat16()
-            ids = torch.randn(T, E, device="cuda", generator=gen).topk(K, -1).indices
-            rows, offs = triton_moe.route(ids, E)
-            w1 = (torch.randn(E, 2 * n, d, device="cuda", generator=gen) / d**0.5).bfloat16()
-            w2 = (torch.randn(E, d, n, device="cuda", generator=gen) / n**0.5).bfloat16()
-            s = torch.rand(T * K, device="cuda", generator=gen)
+            (T, d, n, E, K), x, rows, offs, w1, w2, s, _ = up_inputs(shape)
             up_flop, dact_flop = 2 * T * K * d * 2 * n, 2 * T * K * d * n
             b1 = triton_moe._stacked_banks(w1, w2, False)
             calls = {}
