@@ -4,7 +4,9 @@ that `wgrad_choice` times at each key's first call (`triton_moe.triton_moe_scatt
     out[sorted_rows[r]] = In[r] @ B[e] (+ bias[e])   for expert e's rows r in [offsets[e], offsets[e+1])
 
 float32 accumulate, stored in out's dtype into out [TK, n_dim] in SLOT order (row r of the product
-goes to row sorted_rows[r]). In [TK, k_dim] is contiguous, in expert order. B[e] [k_dim, n_dim] is
+goes to row sorted_rows[r]), or with `out_tiles` in TILE order (each M tile's rows as one box by
+TMA; what the op uses, its gather-sums reading each slot's row through `triton_moe.tile_row_map`).
+In [TK, k_dim] is contiguous, in expert order. B[e] [k_dim, n_dim] is
 a stacked weight read by TMA through its strides, in one of two layouts (`W_LAYOUT`, the W_DESC
 codes of `triton_moe._weight_desc`):
     1: w [E, n_dim, k_dim], k contiguous, B[e] = w[e]^T   (forward Y = A W2[e]^T: W2 [E, d, n])
