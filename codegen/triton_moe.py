@@ -803,7 +803,8 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
     lp = launch or gather_sum_product_launch(d, J)
     _gather_sum_product_kernel[lp.grid(T, d, _programs(y.device))](
         y, ids, offs, _or(row_map, ids), lhs, rhs, out, T, d, J, lhs.stride(0), lhs.stride(1), rhs.stride(0),
-        rhs.stride(1), TOP_K=K, SLOTS=slots is not None, ROW_MAP=row_map is not None, BLOCK_T=lp.block_t, BLOCK_D=lp.block_d, BLOCK_J=lp.block_j,
+        rhs.stride(1), TOP_K=K, SLOTS=slots is not None, ROW_MAP=row_map is not None, BLOCK_T=lp.block_t,
+        BLOCK_D=lp.block_d, BLOCK_J=lp.block_j,
         R_RESIDENT=J <= lp.block_j, PRODUCT_FIRST=lp.product_first, DOT_PRECISION=_dot_precision(lhs.dtype),
         num_warps=lp.warps,
     )
@@ -1191,17 +1192,30 @@ def _bwd_dx(r: _BwdRouting, dh, x, W1: Bank, product=None) -> Tensor:
     return triton_moe_gather_sum(dx_rows, None, T, r.K, x.dtype, r.slots, product=product, row_map=rows)
 
 
-def backward_sizes(*, T: int, d: int, TK: int, w1_out: int, n: int, elem: int, dw1: int, dw2: int) -> dict[str, int]:
+def scatter_rows(TK: int, E: int, t: Tensor) -> int:
+    """Rows the scatter GEMMs' output (Y, dX~) may take on `t`'s device: TK in slot order; in TILE
+    order (`SCATTER_TILES`, where the Gluon kernel can run) up to cdiv(TK, 128) + E whole 128-row
+    tiles (`gluon_scatter.tile_rows`), whichever kernel `wgrad_choice` then picks."""
+    if SCATTER_TILES and _gluon_module("gluon_scatter", t) is not None:
+        return (triton.cdiv(TK, M_TILE) + E) * M_TILE
+    return TK
+
+
+def backward_sizes(*, T: int, d: int, TK: int, w1_out: int, n: int, elem: int, dw1: int, dw2: int,
+                   dx_rows: int | None = None) -> dict[str, int]:
     """The byte sizes `backward_order` weighs (without the grouped-GEMM copies): activations of
-    `elem` bytes, dw1 and dw2 in bytes."""
-    return dict(a_scaled=TK * n * elem, dh=TK * w1_out * elem, dx_rows=TK * d * elem, dx=T * d * elem, dw1=dw1,
-                dw2=dw2)
+    `elem` bytes, dw1 and dw2 in bytes; dX~ of `dx_rows` rows (`scatter_rows`; default TK)."""
+    return dict(a_scaled=TK * n * elem, dh=TK * w1_out * elem, dx_rows=(TK if dx_rows is None else dx_rows) * d * elem,
+                dx=T * d * elem, dw1=dw1, dw2=dw2)
 
 
 def _bwd_sizes(x, dh, a_scaled, dw1: GradBuffer, dw2: GradBuffer) -> dict[str, int]:
     T, d = x.shape
-    return backward_sizes(T=T, d=d, TK=dh.shape[0], w1_out=dh.shape[1], n=a_scaled.shape[1], elem=x.element_size(),
-                          dw1=dw1.like.numel() * dw1.like.element_size(), dw2=dw2.like.numel() * dw2.like.element_size())
+    TK = dh.shape[0]
+    bytes_of = lambda t: t.numel() * t.element_size()  # noqa: E731
+    return backward_sizes(T=T, d=d, TK=TK, w1_out=dh.shape[1], n=a_scaled.shape[1], elem=x.element_size(),
+                          dw1=bytes_of(dw1.like), dw2=bytes_of(dw2.like),
+                          dx_rows=scatter_rows(TK, dw1.like.shape[0], dh))
 
 
 def _backward(grad_out, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, h, sorted_rows, expert_offsets, *,

@@ -137,12 +137,12 @@ def _find_term(bwd: fx.Node, outs: dict[int, fx.Node]) -> tuple[fx.Node, fx.Node
 
 def _order(x, E: int, dh_shape, a_shape) -> tuple[str, ...]:
     """The parts' order `backward_order` picks at the traced example's sizes (the one op picks per call)."""
-    from codegen.triton_moe import backward_order, backward_sizes
+    from codegen.triton_moe import backward_order, backward_sizes, scatter_rows
 
     T, d, TK, w1_out, n = (_hint(v) for v in (*x.shape, dh_shape[0], dh_shape[1], a_shape[1]))
     elem = x.element_size()
     sizes = backward_sizes(T=T, d=d, TK=TK, w1_out=w1_out, n=n, elem=elem, dw1=E * w1_out * d * elem,
-                           dw2=E * d * n * elem)
+                           dw2=E * d * n * elem, dx_rows=scatter_rows(TK, E, x))
     return backward_order(**sizes)[0]
 
 

@@ -1295,8 +1295,9 @@ def test_gpu_backward_peak_follows_the_chosen_order(first_config_only, monkeypat
     T, d, n, E, K = 2048, 1536, 256, 16, 8
     transient, _ = _backward_transient(T, d, n, E, K, seed=4)
     TK, b = T * K, 2
+    rows = triton_moe.scatter_rows(TK, E, torch.empty(0, device="cuda"))  # dX~'s, TILE order where it may run
     sizes = dict(a_scaled=TK * n * b, dh=TK * 2 * n * b, dw1=E * 2 * n * d * b, dw2=E * d * n * b,
-                 dx_rows=TK * d * b, dx=T * d * b)
+                 dx_rows=rows * d * b, dx=T * d * b)
     order, peak = triton_moe.backward_order(**sizes)
     assert order.index("dx") < order.index("dw1"), order
     fixed = triton_moe.backward_peak(triton_moe.BACKWARD_STEPS, **sizes)
