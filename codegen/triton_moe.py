@@ -1196,9 +1196,8 @@ def scatter_rows(TK: int, E: int, t: Tensor) -> int:
     """Rows the scatter GEMMs' output (Y, dX~) may take on `t`'s device: TK in slot order; in TILE
     order (`SCATTER_TILES`, where the Gluon kernel can run) up to cdiv(TK, 128) + E whole 128-row
     tiles (`gluon_scatter.tile_rows`), whichever kernel `wgrad_choice` then picks."""
-    if SCATTER_TILES and _gluon_module("gluon_scatter", t) is not None:
-        return (triton.cdiv(TK, M_TILE) + E) * M_TILE
-    return TK
+    gluon = _gluon_module("gluon_scatter", t) if SCATTER_TILES else None
+    return TK if gluon is None else gluon.tile_rows(TK, E, M_TILE)
 
 
 def backward_sizes(*, T: int, d: int, TK: int, w1_out: int, n: int, elem: int, dw1: int, dw2: int,
