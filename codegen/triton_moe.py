@@ -123,9 +123,18 @@ _GPU_CONFIGS = {
     "wgrad": [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
               (128, 128, 64, 4, 3)],
 }
+# IEEE float32 dots (float32 operands, `_dot_precision`) run on the CUDA cores, not as wgmma: the
+# tiles above then spill ~2.7 KB a thread and each took 7-10 s to compile (sm90, Triton 3.6), so a
+# float32 model's first call autotuned for minutes. These compile in 0.4-1.6 s, without spills.
+_IEEE_GPU_CONFIGS = {
+    "up": [(128, 64, 32, 8, 2), (128, 32, 32, 4, 2)],
+    "scatter": [(128, 64, 32, 8, 2), (128, 32, 32, 4, 2)],
+    "dact": [(128, 64, 32, 8, 2), (128, 32, 32, 4, 2)],
+    "wgrad": [(64, 64, 32, 4, 2), (64, 32, 32, 4, 2)],
+}
 # Every row-tiled kernel uses M tiles of token_rounding.M_TILE rows: the tile `sonic.token_rounding`
 # rounds expert counts to, so a rounded expert fills its tiles exactly.
-assert all(c[0] == M_TILE for k in ("up", "scatter", "dact") for c in _GPU_CONFIGS[k])
+assert all(c[0] == M_TILE for t in (_GPU_CONFIGS, _IEEE_GPU_CONFIGS) for k in ("up", "scatter", "dact") for c in t[k])
 # The interpreter: one config, small tiles (tiny test shapes; ~0.25 GFLOP/s there).
 _INTERPRETER_CONFIG = (16, 16, 16, 1, 1, True)
 
@@ -161,11 +170,37 @@ def _configs(kernel: str) -> list[triton.Config]:
     return [_cfg(kernel, *c) for c in _GPU_CONFIGS[kernel]]
 
 
+def _pointer_configs(kernel: str) -> list[triton.Config]:
+    """The pointer-load kernels' configs: `_configs`, then on the GPU the IEEE float32 ones (marked
+    `ieee_dot`); `_by_dot_precision` gives each launch one of the two sets. TMA kernels never see
+    float32 (`_tma_operand`), so their configs derive from `_configs` alone."""
+    configs = _configs(kernel)
+    if INTERPRETED or kernel in _PINNED:
+        return configs
+    ieee = [_cfg(kernel, *c) for c in _IEEE_GPU_CONFIGS[kernel]]
+    for c in ieee:
+        c.ieee_dot = True
+    return configs + ieee
+
+
+def _by_dot_precision(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Autotuner pruning: the `ieee_dot` configs for a launch with DOT_PRECISION "ieee" (float32
+    operands), the others for 16-bit ones; all of them where the set is empty (the interpreter's one
+    config, a pinned one, tests that swap a tuner's configs)."""
+    ieee = kwargs.get("DOT_PRECISION", named_args.get("DOT_PRECISION")) == "ieee"
+    return [c for c in configs if getattr(c, "ieee_dot", False) == ieee] or configs
+
+
+def _pointer_tuner(kernel: str, fn, key: list[str]):
+    return triton.autotune(_pointer_configs(kernel), key=key,
+                           prune_configs_by={"early_config_prune": _by_dot_precision})(fn)
+
+
 # Autotune keys: the fixed problem dims only (never TK/T: a new batch size must not retune).
-_up = triton.autotune(_configs("up"), key=["d", "n", "E", "top_k"])(_up_proj_kernel)
-_scatter = triton.autotune(_configs("scatter"), key=["k_dim", "n_dim", "E"])(_scatter_gemm_kernel)
-_dact = triton.autotune(_configs("dact"), key=["d", "n", "E", "top_k"])(_up_proj_kernel)  # dA' GEMM
-_wgrad = triton.autotune(_configs("wgrad"), key=["P", "Q", "E", "top_k"])(_wgrad_kernel)
+_up = _pointer_tuner("up", _up_proj_kernel, ["d", "n", "E", "top_k"])
+_scatter = _pointer_tuner("scatter", _scatter_gemm_kernel, ["k_dim", "n_dim", "E"])
+_dact = _pointer_tuner("dact", _up_proj_kernel, ["d", "n", "E", "top_k"])  # dA' GEMM
+_wgrad = _pointer_tuner("wgrad", _wgrad_kernel, ["P", "Q", "E", "top_k"])
 
 
 # ------------------------------------------------------------------------ TMA (the copy engine) paths
