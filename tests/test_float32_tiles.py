@@ -1,0 +1,64 @@
+"""The float32 (IEEE dot) tiles of the pointer-load GEMMs (`triton_moe._IEEE_GPU_CONFIGS`) compile
+for sm90 without a GPU and without register spills. The wgmma tiles the 16-bit launches tune over
+spill ~2.7 KB a thread as IEEE float32 dots and took 7-10 s each to compile, which made a float32
+model's first call on the GPU autotune for minutes (docs/BENCHMARKS.md, twenty-third session)."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_up_proj import compile_sm90  # noqa: E402
+from gluon_bench_common import ptxas_usage  # noqa: E402
+
+from codegen import triton_moe  # noqa: E402
+from codegen.kernels.backward import _wgrad_kernel  # noqa: E402
+from codegen.kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel  # noqa: E402
+
+T, D, N, E, K = 24576, 1536, 256, 128, 8  # the 7b-256 layer
+H100_SHARED = 232448
+
+
+def _launch_args(kernel: str, config: tuple) -> tuple:
+    """(fn, runtime argument types or example values, constexprs) of a float32 launch at one tile."""
+    a, b, c = config[:3]
+    if kernel in ("up", "dact"):
+        gated = kernel == "up"
+        args = dict(x_ptr="*fp32", w1_ptr="*fp32", b1_ptr="*fp32", sorted_rows_ptr="*i32", row_token_ptr="*i32",
+                    offsets_ptr="*i32", h_ptr="*fp32", a_ptr="*fp32", w_table_ptr="*i64", TK=T * K, d=D, n=N, E=E,
+                    stride_x_t=D, stride_x_d=1, stride_w1_e=2 * N * D, stride_w1_o=D, stride_w1_i=1,
+                    stride_b1_e=0, stride_b1_o=1, alpha=1.702, limit=7.0)
+        flags = dict(top_k=K, ACTIVATION=0 if gated else triton_moe._IDENTITY, GATED=gated, INTERLEAVED=False,
+                     HAS_B1=False, STORE_H=gated, STORE_A=True, E_POW2=E, TOKEN_MAP=False, W_DESC=0,
+                     W_TABLE=False, W_ALIGN=1, FUSED_GU=False)
+        return _up_proj_kernel, args, dict(flags, BLOCK_M=a, BLOCK_N=b, BLOCK_K=c, GROUP_M=8)
+    if kernel == "scatter":
+        args = dict(in_ptr="*fp32", w_ptr="*fp32", bias_ptr="*fp32", sorted_rows_ptr="*i32", offsets_ptr="*i32",
+                    out_ptr="*fp32", w_table_ptr="*i64", TK=T * K, k_dim=N, n_dim=D, E=E, k_split=1,
+                    stride_w_e=N * D, stride_w_k=1, stride_w_n=N, stride_bias_e=0)
+        flags = dict(HAS_BIAS=False, E_POW2=E, W_TABLE=False, SPLIT_K=False, W_ALIGN=1)
+        return _scatter_gemm_kernel, args, dict(flags, BLOCK_M=a, BLOCK_N=b, BLOCK_K=c, GROUP_M=8)
+    args = dict(lhs_ptr="*fp32", rhs_ptr="*fp32", s_ptr="*fp32", sorted_rows_ptr="*i32", row_token_ptr="*i32",
+                offsets_ptr="*i32", dw_ptr="*fp32", db_ptr="*fp32", TK=T * K, P=D, Q=2 * N, E=E,
+                stride_lhs_r=D, stride_lhs_c=1, stride_rhs_r=2 * N, stride_rhs_c=1,
+                stride_dw_e=2 * N * D, stride_dw_p=1, stride_dw_q=D)
+    flags = dict(top_k=K, GATHER_LHS=True, GATHER_RHS=False, BIAS_GRAD=False, BIAS_SCALED=False, TOKEN_MAP=False)
+    return _wgrad_kernel, args, dict(flags, BLOCK_P=a, BLOCK_Q=b, BLOCK_M=c)
+
+
+@pytest.mark.parametrize("kernel,config", [(k, c) for k, cs in triton_moe._IEEE_GPU_CONFIGS.items() for c in cs],
+                         ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
+def test_float32_tile_compiles_for_sm90_without_spills(kernel, config):
+    fn, args, constexprs = _launch_args(kernel, config)
+    compiled = compile_sm90(fn, args, dict(constexprs, DOT_PRECISION="ieee"), num_warps=config[3],
+                            num_stages=config[4])
+    usage = ptxas_usage(compiled)
+    spills = re.search(r"spills (\d+)/(\d+) B", usage)
+    assert spills is not None, usage
+    assert spills.groups() == ("0", "0"), usage
+    assert compiled.metadata.shared <= H100_SHARED, usage
