@@ -1,7 +1,8 @@
-"""The float32 (IEEE dot) tiles of the pointer-load GEMMs (`triton_moe._IEEE_GPU_CONFIGS`) compile
-for sm90 without a GPU and without register spills. The wgmma tiles the 16-bit launches tune over
-spill ~2.7 KB a thread as IEEE float32 dots and took 7-10 s each to compile, which made a float32
-model's first call on the GPU autotune for minutes (docs/BENCHMARKS.md, twenty-third session)."""
+"""The float32 (IEEE dot) tiles of the pointer-load GEMMs (`triton_moe._IEEE_GPU_CONFIGS`): float32
+launches tune over them alone, and they compile for sm90 without a GPU and without register
+spills. The wgmma tiles the 16-bit launches tune over spill ~2.7 KB a thread as IEEE float32 dots
+and took 7-10 s each to compile, which made a float32 model's first call on the GPU autotune for
+minutes (docs/BENCHMARKS.md, twenty-third session)."""
 from __future__ import annotations
 
 import re
@@ -22,6 +23,28 @@ from codegen.kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel  
 
 T, D, N, E, K = 24576, 1536, 256, 128, 8  # the 7b-256 layer
 H100_SHARED = 232448
+
+pytestmark = pytest.mark.skipif(triton_moe.INTERPRETED, reason="the GPU's config tables (TRITON_INTERPRET=1 is set)")
+
+
+def test_float32_launches_tune_over_their_own_configs():
+    """The pointer-load GEMMs autotune float32 (IEEE dot) launches over small CUDA-core tiles and
+    16-bit ones over the wgmma tiles: Triton's own pruning step gives each launch one set."""
+    def tiles(configs, name):
+        names = ("BLOCK_P", "BLOCK_Q", "BLOCK_M") if name == "wgrad" else ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+        return [(*(c.kwargs[k] for k in names), c.num_warps, c.num_stages) for c in configs]
+
+    for name in ("up", "scatter", "dact", "wgrad"):
+        tuner = getattr(triton_moe, "_" + name)
+        tuner.nargs = {}
+        ieee = tuner.prune_configs({"DOT_PRECISION": "ieee"})
+        tf32 = tuner.prune_configs({"DOT_PRECISION": "tf32"})
+        assert tiles(ieee, name) == triton_moe._IEEE_GPU_CONFIGS[name], name
+        assert tiles(tf32, name) == [c[:5] for c in triton_moe._GPU_CONFIGS[name]], name
+    # a set with no config of the launch's kind (the interpreter's, a pin, a test's swap) is kept
+    one = [triton_moe._cfg("up", 16, 16, 16, 1, 1)]
+    assert triton_moe._by_dot_precision(one, {}, DOT_PRECISION="ieee") == one
+    assert triton_moe._by_dot_precision(one, {}, DOT_PRECISION="tf32") == one
 
 
 def _launch_args(kernel: str, config: tuple) -> tuple:

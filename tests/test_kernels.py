@@ -725,29 +725,6 @@ def test_pinned_config_parsing(tm):
         tm._parse_pinned("gemm:128x64x64:4:3")
 
 
-@pytest.mark.skipif(_INTERPRETING, reason="the GPU's config tables; the interpreter has one config")
-def test_float32_launches_tune_over_their_own_configs():
-    """The pointer-load GEMMs autotune float32 (IEEE dot) launches over small CUDA-core tiles and
-    16-bit ones over the wgmma tiles: Triton's own pruning step gives each launch one set."""
-    from codegen import triton_moe as t
-
-    def tiles(configs, name):
-        names = ("BLOCK_P", "BLOCK_Q", "BLOCK_M") if name == "wgrad" else ("BLOCK_M", "BLOCK_N", "BLOCK_K")
-        return [(*(c.kwargs[k] for k in names), c.num_warps, c.num_stages) for c in configs]
-
-    for name in ("up", "scatter", "dact", "wgrad"):
-        tuner = getattr(t, "_" + name)
-        tuner.nargs = {}
-        ieee = tuner.prune_configs({"DOT_PRECISION": "ieee"})
-        tf32 = tuner.prune_configs({"DOT_PRECISION": "tf32"})
-        assert tiles(ieee, name) == t._IEEE_GPU_CONFIGS[name], name
-        assert tiles(tf32, name) == [c[:5] for c in t._GPU_CONFIGS[name]], name
-    # a set with no config of the launch's kind (the interpreter's, a pin, a test's swap) is kept
-    one = [t._cfg("up", 16, 16, 16, 1, 1)]
-    assert t._by_dot_precision(one, {}, DOT_PRECISION="ieee") == one
-    assert t._by_dot_precision(one, {}, DOT_PRECISION="tf32") == one
-
-
 def _as_lists(inputs, layout, seed=0):
     """Per-expert tensors (separate allocations, in shuffled order so some offsets are negative) holding
     the stacked weights of `inputs`; layout: separate (gate/up tensors), fused, interleaved, plain."""
