@@ -181,6 +181,19 @@ def compile_sm90(fn, args: dict, constexprs: dict, *, num_warps: int, num_stages
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def up_compile_args(T: int, d: int, n: int, E: int, K: int, *, gated: bool, dtype: str = "bf16") -> tuple[dict, dict]:
+    """(argument types or example values, constexpr flags) of an up-projection (`gated`, W1
+    concatenated) or dA' GEMM launch for `compile_sm90`, with no bias and no token map. The caller
+    adds the weight operand (`w_desc` or `w1_ptr`), W_DESC and the tile's constexprs."""
+    args = dict(x_ptr=f"*{dtype}", b1_ptr=f"*{dtype}", sorted_rows_ptr="*i32", row_token_ptr="*i32",
+                offsets_ptr="*i32", h_ptr=f"*{dtype}", a_ptr=f"*{dtype}", w_table_ptr="*i64",
+                TK=T * K, d=d, n=n, E=E, stride_x_t=d, stride_x_d=1, stride_b1_e=0, stride_b1_o=1, alpha=1.702,
+                limit=7.0, stride_w1_e=2 * n * d, stride_w1_o=d, stride_w1_i=1)
+    flags = dict(top_k=K, ACTIVATION=0 if gated else triton_moe._IDENTITY, GATED=gated, INTERLEAVED=False,
+                 HAS_B1=False, STORE_H=gated, STORE_A=True, E_POW2=triton_moe.e_pow2(E), TOKEN_MAP=False)
+    return args, flags
+
+
 def compile_only(args):
     """The up-projection (W1 concatenated as [E, 2, n, d]) and the dA' GEMM, per tile and persistent,
     compiled for sm90 at each config of their autotuners."""
@@ -192,26 +205,21 @@ def compile_only(args):
     from codegen.kernels.grouped_gemm import _up_proj_kernel, _up_proj_persistent_kernel
 
     print(f"triton {triton.__version__}; command: python " + " ".join(sys.argv))
-    pointers = dict(x_ptr="*bf16", b1_ptr="*bf16", sorted_rows_ptr="*i32", row_token_ptr="*i32", offsets_ptr="*i32",
-                    h_ptr="*bf16", a_ptr="*bf16", w_table_ptr="*i64")
     for shape in args.shapes.split(","):
         T, d, n, E, K = SHAPES[shape]
-        ints = dict(TK=T * K, d=d, n=n, E=E, stride_x_t=d, stride_x_d=1, stride_b1_e=0, stride_b1_o=1, alpha=1.702,
-                    limit=7.0, stride_w1_e=2 * n * d, stride_w1_o=d, stride_w1_i=1)
         for gemm, configs, w_desc, gated in (("up", triton_moe._persistent_configs("up"), 3, True),
                                              ("dact", triton_moe._persistent_configs("dact"), 1, False)):
+            base_args, base_flags = up_compile_args(T, d, n, E, K, gated=gated)
             for c in configs:
                 bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
                 box = f"[1, 2, {bn}, {bk}]" if w_desc == 3 else f"[1, {bn}, {bk}]"
-                flags = dict(top_k=K, ACTIVATION=0 if gated else triton_moe._IDENTITY, GATED=gated, INTERLEAVED=False,
-                             HAS_B1=False, STORE_H=gated, STORE_A=True, E_POW2=triton_moe.e_pow2(E), TOKEN_MAP=False,
-                             W_DESC=w_desc, **c.kwargs)
+                flags = dict(base_flags, W_DESC=w_desc, **c.kwargs)
                 for name, fn, extra in (("persistent", _up_proj_persistent_kernel, {}),
                                         ("per tile", _up_proj_kernel,
                                          dict(DOT_PRECISION="tf32", W_TABLE=False, W_ALIGN=1, FUSED_GU=False))):
                     head = f"{shape} {gemm} {name} {c.kwargs['BLOCK_M']}x{bn}x{bk}:{c.num_warps}:{c.num_stages}"
-                    args_ = dict(pointers, **ints, **{("w_desc" if name == "persistent" else "w1_ptr"):
-                                                      f"tensordesc<bf16{box}>"})
+                    args_ = dict(base_args, **{("w_desc" if name == "persistent" else "w1_ptr"):
+                                               f"tensordesc<bf16{box}>"})
                     try:
                         kernel = compile_sm90(fn, args_, dict(flags, **extra), num_warps=c.num_warps,
                                               num_stages=c.num_stages)

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_up_proj import compile_sm90  # noqa: E402
+from bench_up_proj import compile_sm90, up_compile_args  # noqa: E402
 from gluon_bench_common import ptxas_usage  # noqa: E402
 
 from codegen import triton_moe  # noqa: E402
@@ -51,15 +51,9 @@ def _launch_args(kernel: str, config: tuple) -> tuple:
     """(fn, runtime argument types or example values, constexprs) of a float32 launch at one tile."""
     a, b, c = config[:3]
     if kernel in ("up", "dact"):
-        gated = kernel == "up"
-        args = dict(x_ptr="*fp32", w1_ptr="*fp32", b1_ptr="*fp32", sorted_rows_ptr="*i32", row_token_ptr="*i32",
-                    offsets_ptr="*i32", h_ptr="*fp32", a_ptr="*fp32", w_table_ptr="*i64", TK=T * K, d=D, n=N, E=E,
-                    stride_x_t=D, stride_x_d=1, stride_w1_e=2 * N * D, stride_w1_o=D, stride_w1_i=1,
-                    stride_b1_e=0, stride_b1_o=1, alpha=1.702, limit=7.0)
-        flags = dict(top_k=K, ACTIVATION=0 if gated else triton_moe._IDENTITY, GATED=gated, INTERLEAVED=False,
-                     HAS_B1=False, STORE_H=gated, STORE_A=True, E_POW2=E, TOKEN_MAP=False, W_DESC=0,
-                     W_TABLE=False, W_ALIGN=1, FUSED_GU=False)
-        return _up_proj_kernel, args, dict(flags, BLOCK_M=a, BLOCK_N=b, BLOCK_K=c, GROUP_M=8)
+        args, flags = up_compile_args(T, D, N, E, K, gated=kernel == "up", dtype="fp32")
+        flags = dict(flags, W_DESC=0, W_TABLE=False, W_ALIGN=1, FUSED_GU=False)
+        return _up_proj_kernel, dict(args, w1_ptr="*fp32"), dict(flags, BLOCK_M=a, BLOCK_N=b, BLOCK_K=c, GROUP_M=8)
     if kernel == "scatter":
         args = dict(in_ptr="*fp32", w_ptr="*fp32", bias_ptr="*fp32", sorted_rows_ptr="*i32", offsets_ptr="*i32",
                     out_ptr="*fp32", w_table_ptr="*i64", TK=T * K, k_dim=N, n_dim=D, E=E, k_split=1,
