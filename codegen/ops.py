@@ -16,9 +16,9 @@ TK above is the number of slots.
 Autograd saves x, the routing (ids, weights, sorted_rows, offsets) and the pre-activation H; the
 backward recomputes A = act(H) and never sees the gathered x or the expert outputs Y.
 
-    sonic::moe_experts_list(x, topk_ids, topk_weights, w_gate[], w_up[], w_down[], activation,
+    sonic::moe_experts_list(x, topk_ids, topk_weights, w_gate[], w_up[], w_down[], b1?, b2?, activation,
                             interleaved, alpha, limit, save_h, slot_token?) -> as moe_experts
-    sonic::moe_experts_list_backward(...) -> (dx, d_topk_weights, dW1 [E, w1_out, d], dW2 [E, d, n])
+    sonic::moe_experts_list_backward(...) -> (dx, d_topk_weights, dW1 [E, w1_out, d], dW2 [E, d, n], db1, db2)
 
     sonic::moe_experts_backward_act(<moe_experts_backward's arguments>) -> (dH [TK, w1_out], A' [TK, n],
                                                                           d_topk_weights)
@@ -34,9 +34,12 @@ needs d_topk_weights first. Eager autograd runs the one op.
 
 The list form takes each expert's nn.Linear weights as they are (an `nn.ModuleList` of experts):
 w_gate[e] [n, d] with w_up[e] [n, d] (gated, separate), or w_gate[e] [w1_out, d] alone (non-gated,
-or gate and up in one tensor, laid out per `interleaved`); w_down[e] [d, n]; no biases. The
-kernels read those tensors where they are, through a cached table of their addresses: nothing is
-stacked per step. The weight gradients come back stacked and each expert gets a view of its slice.
+or gate and up in one tensor, laid out per `interleaved`); w_down[e] [d, n]. The kernels read
+those tensors where they are, through a cached table of their addresses: no weight is stacked per
+step. The weight gradients come back stacked and each expert gets a view of its slice. Biases, when
+the experts' Linears have them, come stacked as in the stacked form: b1 [E, w1_out] (gate then up
+for separate tensors), b2 [E, d]; the rewrite stacks the per-expert bias vectors in the graph
+(E (w1_out + d) elements, 1/d of the weights' size), so their gradients flow back through that stack.
 
 Implementations: on CUDA the Triton kernels (`codegen.triton_moe`) when they support the call;
 everywhere else the pure-torch reference (`codegen.reference`). `SONIC_MOE_KERNEL=reference` forces
@@ -322,6 +325,8 @@ def moe_experts_list_op(
     w_gate: list[Tensor],
     w_up: list[Tensor],
     w_down: list[Tensor],
+    b1: Optional[Tensor],
+    b2: Optional[Tensor],
     activation: str,
     interleaved: bool,
     alpha: float,
@@ -331,17 +336,17 @@ def moe_experts_list_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     impl = _triton_backend(x)
-    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags)
+    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, **flags)
     if banks:
-        return impl.triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, banks=banks,
-                                                save_h=save_h, slot_token=slot_token, **flags)
+        return impl.triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2,
+                                                banks=banks, save_h=save_h, slot_token=slot_token, **flags)
     w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
-    return torch_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, save_h=save_h, slot_token=slot_token,
+    return torch_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, save_h=save_h, slot_token=slot_token,
                                  transposed=False, **flags)
 
 
 @moe_experts_list_op.register_fake
-def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation, interleaved, alpha, limit, save_h,
+def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, activation, interleaved, alpha, limit, save_h,
       slot_token=None):
     w1_out = _list_w1_out(w_gate, w_up)
     return (
@@ -361,6 +366,8 @@ def moe_experts_list_backward_op(
     w_gate: list[Tensor],
     w_up: list[Tensor],
     w_down: list[Tensor],
+    b1: Optional[Tensor],
+    b2: Optional[Tensor],
     h: Tensor,
     sorted_rows: Tensor,
     expert_offsets: Tensor,
@@ -369,53 +376,58 @@ def moe_experts_list_backward_op(
     alpha: float,
     limit: float,
     slot_token: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     impl = _triton_backend(x)
-    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags)
+    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, **flags)
     if banks:
-        return impl.triton_moe_experts_list_bwd(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h,
-                                                sorted_rows, expert_offsets, banks=banks, slot_token=slot_token,
-                                                **flags)
-    w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
-    dx, dw, dw1, dw2, _, _ = torch_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, None, None, h,
-                                                   sorted_rows, expert_offsets, slot_token=slot_token,
-                                                   transposed=False, **flags)
-    return dx, dw, dw1, dw2
+        dx, dw, dw1, dw2, db1, db2 = impl.triton_moe_experts_list_bwd(
+            grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, h, sorted_rows, expert_offsets,
+            banks=banks, slot_token=slot_token, **flags)
+    else:
+        w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
+        dx, dw, dw1, dw2, db1, db2 = torch_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h,
+                                                           sorted_rows, expert_offsets, slot_token=slot_token,
+                                                           transposed=False, **flags)
+    return dx, dw, dw1, dw2, _bias_or_empty(db1, x), _bias_or_empty(db2, x)
 
 
 @moe_experts_list_backward_op.register_fake
-def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h, sorted_rows, expert_offsets, *flags,
+def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, h, sorted_rows, expert_offsets, *flags,
       slot_token=None):
     E, (d, n) = len(w_gate), w_down[0].shape
     w1_out = _list_w1_out(w_gate, w_up)
-    return torch.empty_like(x), torch.empty_like(topk_weights), x.new_empty(E, w1_out, d), x.new_empty(E, d, n)
+    return (torch.empty_like(x), torch.empty_like(topk_weights), x.new_empty(E, w1_out, d), x.new_empty(E, d, n),
+            _empty_bias_grad(b1, x), _empty_bias_grad(b2, x))
 
 
-def _list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets,
+def _list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, sorted_rows, expert_offsets,
                    flags, slot_token, **tensors):
-    """One part of the list form's backward (as `_bwd_part`; the weight gradients stacked, no biases)."""
+    """One part of the list form's backward (as `_bwd_part`; the weight gradients stacked, the
+    weight-gradient parts giving (dw, db) pairs with db empty for an absent bias, as the stacked form's)."""
     impl = _triton_backend(x)
-    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, **flags)
+    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, **flags)
     if banks:
-        return impl.triton_moe_experts_list_bwd_part(part, x, topk_ids, topk_weights, w_gate, w_up, w_down,
-                                                     sorted_rows, expert_offsets, banks=banks, slot_token=slot_token,
-                                                     **tensors, **flags)
-    w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
-    got = _reference_part(part, x, topk_ids, topk_weights, w1, w2, None, None, sorted_rows, expert_offsets,
-                          dict(flags, transposed=False), slot_token, **tensors)
-    return got[0] if part in ("dw1", "dw2") else got
+        got = impl.triton_moe_experts_list_bwd_part(part, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2,
+                                                    sorted_rows, expert_offsets, banks=banks, slot_token=slot_token,
+                                                    **tensors, **flags)
+    else:
+        w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
+        got = _reference_part(part, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets,
+                              dict(flags, transposed=False), slot_token, **tensors)
+    return (got[0], _bias_or_empty(got[1], x)) if part in ("dw1", "dw2") else got
 
 
 @torch.library.custom_op("sonic::moe_experts_list_backward_act", mutates_args=())
 def moe_experts_list_backward_act_op(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
-    w_down: list[Tensor], h: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
-    activation: str, interleaved: bool, alpha: float, limit: float, slot_token: Optional[Tensor] = None,
+    w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], h: Tensor, sorted_rows: Tensor,
+    expert_offsets: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
+    slot_token: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    return _list_bwd_part("act", x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets, flags,
-                          slot_token, grad_out=grad_out, h=h)
+    return _list_bwd_part("act", x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, sorted_rows,
+                          expert_offsets, flags, slot_token, grad_out=grad_out, h=h)
 
 
 @moe_experts_list_backward_act_op.register_fake
@@ -427,49 +439,51 @@ def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, *rest, slot_tok
 @torch.library.custom_op("sonic::moe_experts_list_backward_dw2", mutates_args=())
 def moe_experts_list_backward_dw2_op(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
-    w_down: list[Tensor], a_scaled: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
-    activation: str, interleaved: bool, alpha: float, limit: float, slot_token: Optional[Tensor] = None,
-) -> Tensor:
+    w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], a_scaled: Tensor, sorted_rows: Tensor,
+    expert_offsets: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
+    slot_token: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    return _list_bwd_part("dw2", x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets, flags,
-                          slot_token, grad_out=grad_out, a_scaled=a_scaled)
+    return _list_bwd_part("dw2", x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, sorted_rows,
+                          expert_offsets, flags, slot_token, grad_out=grad_out, a_scaled=a_scaled)
 
 
 @moe_experts_list_backward_dw2_op.register_fake
-def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, *rest, slot_token=None):
-    return x.new_empty(len(w_down), *w_down[0].shape)
+def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, *rest, slot_token=None):
+    return x.new_empty(len(w_down), *w_down[0].shape), _empty_bias_grad(b2, x)
 
 
 @torch.library.custom_op("sonic::moe_experts_list_backward_dw1", mutates_args=())
 def moe_experts_list_backward_dw1_op(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
-    w_down: list[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
-    activation: str, interleaved: bool, alpha: float, limit: float, slot_token: Optional[Tensor] = None,
-) -> Tensor:
+    w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor,
+    expert_offsets: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
+    slot_token: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    return _list_bwd_part("dw1", x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets, flags,
-                          slot_token, dh=dh)
+    return _list_bwd_part("dw1", x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, sorted_rows,
+                          expert_offsets, flags, slot_token, dh=dh)
 
 
 @moe_experts_list_backward_dw1_op.register_fake
-def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, *rest, slot_token=None):
-    return x.new_empty(len(w_gate), _list_w1_out(w_gate, w_up), x.shape[1])
+def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, *rest, slot_token=None):
+    return x.new_empty(len(w_gate), _list_w1_out(w_gate, w_up), x.shape[1]), _empty_bias_grad(b1, x)
 
 
 @torch.library.custom_op("sonic::moe_experts_list_backward_dx", mutates_args=())
 def moe_experts_list_backward_dx_op(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
-    w_down: list[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
-    activation: str, interleaved: bool, alpha: float, limit: float, slot_token: Optional[Tensor] = None,
-    dx_lhs: Optional[Tensor] = None, dx_rhs: Optional[Tensor] = None,
+    w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor,
+    expert_offsets: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
+    slot_token: Optional[Tensor] = None, dx_lhs: Optional[Tensor] = None, dx_rhs: Optional[Tensor] = None,
 ) -> Tensor:
     """dx, plus dx_lhs @ dx_rhs ([T, J] @ [J, d]) when given, added before the result is rounded."""
     if (dx_lhs is None) != (dx_rhs is None):
         raise ValueError("sonic.moe_experts_list_backward_dx: dx_lhs and dx_rhs come together")
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     product = None if dx_lhs is None else (dx_lhs, dx_rhs)
-    return _list_bwd_part("dx", x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows, expert_offsets, flags,
-                          slot_token, dh=dh, product=product)
+    return _list_bwd_part("dx", x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, sorted_rows,
+                          expert_offsets, flags, slot_token, dh=dh, product=product)
 
 
 @moe_experts_list_backward_dx_op.register_fake
@@ -488,28 +502,31 @@ def stack_expert_lists(w_gate: list[Tensor], w_up: list[Tensor], w_down: list[Te
 
 
 def _setup_list_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w_gate, w_up, w_down, activation, interleaved, alpha, limit, _, slot_token = inputs
+    x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, activation, interleaved, alpha, limit, _, slot_token = inputs
     _, h, sorted_rows, offsets = output
     _saved_outputs_are_not_differentiable(ctx, h)
     E = len(w_gate)
-    ctx.save_for_backward(x, topk_ids, topk_weights, h, sorted_rows, offsets, slot_token, *w_gate, *w_up, *w_down)
+    ctx.save_for_backward(x, topk_ids, topk_weights, h, sorted_rows, offsets, slot_token, b1, b2, *w_gate, *w_up,
+                          *w_down)
     ctx.sizes = (E, len(w_up), w_gate[0].shape[0])
     ctx.flags = (activation, interleaved, alpha, limit)
 
 
 def _list_backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
-    x, topk_ids, topk_weights, h, sorted_rows, offsets, slot_token, *weights = ctx.saved_tensors
+    x, topk_ids, topk_weights, h, sorted_rows, offsets, slot_token, b1, b2, *weights = ctx.saved_tensors
     E, n_up, gate_rows = ctx.sizes
     w_gate, w_up, w_down = weights[:E], weights[E:E + n_up], weights[E + n_up:]
     if grad_out is None:
         grad_out = torch.zeros_like(x)
-    dx, dw, dw1, dw2 = moe_experts_list_backward_op(
-        grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h, sorted_rows, offsets, *ctx.flags, slot_token
+    dx, dw, dw1, dw2, db1, db2 = moe_experts_list_backward_op(
+        grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, h, sorted_rows, offsets, *ctx.flags,
+        slot_token
     )
     # views of the stacked gradients, one per expert tensor (no copy)
     d_gate = list(dw1[:, :gate_rows].unbind(0))
     d_up = list(dw1[:, gate_rows:].unbind(0)) if n_up else []
-    grads = (dx, None, dw, d_gate, d_up, list(dw2.unbind(0)))
+    grads = (dx, None, dw, d_gate, d_up, list(dw2.unbind(0)), None if b1 is None else db1,
+             None if b2 is None else db2)
     # one entry per input as the caller passed them (slot_token may have been left to its default)
     return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
@@ -605,9 +622,10 @@ def moe_experts(
     return out
 
 
-def validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, interleaved=False,
-                             slot_token=None):
-    """`validate_moe_inputs` for the list form: E experts, each list of one shape, dtype and device."""
+def validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1=None, b2=None, *, activation,
+                             interleaved=False, slot_token=None):
+    """`validate_moe_inputs` for the list form: E experts, each list of one shape, dtype and device;
+    the stacked biases b1 [E, w1_out], b2 [E, d] as the stacked form checks them."""
     def fail(msg):
         raise ValueError(f"sonic.moe_experts_list: {msg}")
 
@@ -629,7 +647,7 @@ def validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, *,
     w1_out = _list_w1_out(w_gate, w_up)
     w1 = w_gate[0].new_empty(1, 1, 1).expand(E, w1_out, w_gate[0].shape[1])
     w2 = w_down[0].new_empty(1, 1, 1).expand(E, *w_down[0].shape)
-    validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, activation=activation, transposed=False,
+    validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1, b2, activation=activation, transposed=False,
                         slot_token=slot_token)
 
 
@@ -646,19 +664,23 @@ def moe_experts_list(
     alpha: float = 1.702,
     limit: float = 7.0,
     slot_token: Tensor | None = None,
+    b1: Tensor | None = None,
+    b2: Tensor | None = None,
 ) -> Tensor:
     """`moe_experts` over per-expert nn.Linear weights, read in place (see the module docstring).
 
-    Expert e computes act(cat(x w_gate[e]^T, x w_up[e]^T)) w_down[e]^T, or act(x w_gate[e]^T)
-    w_down[e]^T when `w_up` is empty. Gradients reach every tensor of the three lists.
+    Expert e computes act(cat(x w_gate[e]^T, x w_up[e]^T) + b1[e]) w_down[e]^T + b2[e], or
+    act(x w_gate[e]^T + b1[e]) w_down[e]^T + b2[e] when `w_up` is empty; b1 [E, w1_out] and
+    b2 [E, d] are optional (stacked, as `moe_experts` takes them). Gradients reach every tensor of
+    the three lists and the biases.
     """
     w_gate, w_up, w_down = list(w_gate), list(w_up), list(w_down)
-    validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation=activation,
+    validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, activation=activation,
                              slot_token=slot_token)
     check_activation_params(activation, alpha, limit)
-    save_h = needs_saved_h(x, topk_weights, *w_gate, *w_up, *w_down)
-    out, _, _, _ = moe_experts_list_op(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation, interleaved,
-                                       float(alpha), float(limit), save_h, slot_token)
+    save_h = needs_saved_h(x, topk_weights, b1, b2, *w_gate, *w_up, *w_down)
+    out, _, _, _ = moe_experts_list_op(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, activation,
+                                       interleaved, float(alpha), float(limit), save_h, slot_token)
     return out
 
 

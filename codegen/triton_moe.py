@@ -465,10 +465,10 @@ _LIST_BANKS: dict[tuple, tuple[Bank, Bank] | None] = {}
 _MAX_LIST_BANKS = 256
 
 
-def list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, interleaved, **_):
+def list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1=None, b2=None, *, activation, interleaved, **_):
     """(W1, W2) Banks reading per-expert tensors in place, or None when the kernels do not take
     this call (then the reference runs). Every tensor of a list must share expert 0's shape and
-    strides: the kernels address each expert with them."""
+    strides: the kernels address each expert with them. b1, b2: the stacked biases, if any."""
     tensors = (*w_gate, *w_up, *w_down)
     key = (activation, interleaved, len(w_gate), len(w_up), tuple(map(Tensor.data_ptr, tensors)),
            tuple(map(Tensor.stride, tensors)), tuple(map(Tensor.size, tensors)),
@@ -484,7 +484,7 @@ def list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, i
         return None
     E = len(w_gate)
     stand_in = (w_gate[0].expand(E, -1, -1), w_down[0].expand(E, -1, -1))  # [E, ., .] views, no copy
-    ok = supports(x, topk_ids, topk_weights, *stand_in, None, None, activation=activation, interleaved=interleaved,
+    ok = supports(x, topk_ids, topk_weights, *stand_in, b1, b2, activation=activation, interleaved=interleaved,
                   transposed=False, alpha=0.0, limit=0.0)
     return banks if ok else None
 
@@ -1118,28 +1118,27 @@ def triton_moe_experts_bwd(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, 
                      interleaved=interleaved, alpha=alpha, limit=limit, slot_token=slot_token)
 
 
-def triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, banks, activation, interleaved,
-                                alpha, limit, save_h, slot_token=None):
+def triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1=None, b2=None, *, banks,
+                                activation, interleaved, alpha, limit, save_h, slot_token=None):
     """`sonic::moe_experts_list` on CUDA: the same kernels, reading each expert's tensors in place
-    (`banks` from `list_banks`)."""
+    (`banks` from `list_banks`); b1, b2 stacked, as the stacked form takes them."""
     W1, W2 = banks
-    return _forward(x, topk_ids, topk_weights, W1, W2, None, None, n=w_down[0].shape[1], activation=activation,
+    return _forward(x, topk_ids, topk_weights, W1, W2, b1, b2, n=w_down[0].shape[1], activation=activation,
                     interleaved=interleaved, alpha=alpha, limit=limit, save_h=save_h, slot_token=slot_token)
 
 
-def triton_moe_experts_list_bwd(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, h, sorted_rows,
+def triton_moe_experts_list_bwd(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, h, sorted_rows,
                                 expert_offsets, *, banks, activation, interleaved, alpha, limit, slot_token=None):
-    """-> (dx, d_topk_weights, dW1 [E, w1_out, d], dW2 [E, d, n]): weight gradients stacked (fresh
-    tensors; `codegen.ops` hands each expert a view of its slice)."""
+    """-> (dx, d_topk_weights, dW1 [E, w1_out, d], dW2 [E, d, n], db1 | None, db2 | None): weight
+    gradients stacked (fresh tensors; `codegen.ops` hands each expert a view of its slice)."""
     gated = GATED[activation]
     W1, W2 = banks
     E, n, d = len(w_gate), w_down[0].shape[1], x.shape[1]
     shape = lambda *size: torch.empty(size, dtype=x.dtype, device="meta")  # noqa: E731
-    dx, ds, dw1, dw2, _, _ = _backward(grad_out, x, topk_ids, topk_weights, W1, W2, None, None, h, sorted_rows,
-                                       expert_offsets, dw1=GradBuffer(shape(E, 2 * n if gated else n, d), False),
-                                       dw2=GradBuffer(shape(E, d, n), False), n=n, activation=activation,
-                                       interleaved=interleaved, alpha=alpha, limit=limit, slot_token=slot_token)
-    return dx, ds, dw1, dw2
+    return _backward(grad_out, x, topk_ids, topk_weights, W1, W2, b1, b2, h, sorted_rows, expert_offsets,
+                     dw1=GradBuffer(shape(E, 2 * n if gated else n, d), False), dw2=GradBuffer(shape(E, d, n), False),
+                     n=n, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit,
+                     slot_token=slot_token)
 
 
 def _dense_routing(topk_ids, topk_weights, slot_token):
@@ -1295,19 +1294,19 @@ def triton_moe_experts_bwd_part(part: str, x, topk_ids, topk_weights, w1, w2, b1
                      GradBuffer(w1, transposed), GradBuffer(w2, transposed), n=n, flags=flags, **tensors)
 
 
-def triton_moe_experts_list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, sorted_rows,
-                                     expert_offsets, *, banks, activation, interleaved, alpha, limit, slot_token=None,
-                                     **tensors):
+def triton_moe_experts_list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2,
+                                     sorted_rows, expert_offsets, *, banks, activation, interleaved, alpha, limit,
+                                     slot_token=None, **tensors):
     """`triton_moe_experts_bwd_part` for per-expert weights (`list_banks`): the weight gradients come
-    stacked, dW1 [E, w1_out, d] and dW2 [E, d, n] (as `triton_moe_experts_list_bwd` gives them)."""
+    stacked, dW1 [E, w1_out, d] and dW2 [E, d, n] (as `triton_moe_experts_list_bwd` gives them), in
+    (dw, db | None) pairs."""
     E, (d, n) = len(w_gate), w_down[0].shape
     w1_out = w_gate[0].shape[0] + (w_up[0].shape[0] if w_up else 0)
     meta = lambda *size: torch.empty(size, dtype=x.dtype, device="meta")  # noqa: E731
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    got = _bwd_part(part, x, topk_ids, topk_weights, *banks, None, None, sorted_rows, expert_offsets, slot_token,
-                    GradBuffer(meta(E, w1_out, d), False), GradBuffer(meta(E, d, n), False), n=n, flags=flags,
-                    **tensors)
-    return got[0] if part in ("dw1", "dw2") else got  # no biases
+    return _bwd_part(part, x, topk_ids, topk_weights, *banks, b1, b2, sorted_rows, expert_offsets, slot_token,
+                     GradBuffer(meta(E, w1_out, d), False), GradBuffer(meta(E, d, n), False), n=n, flags=flags,
+                     **tensors)
 
 
 def _bwd_part(part, x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, sorted_rows, expert_offsets, slot_token,

@@ -149,17 +149,17 @@ def _order(x, E: int, dh_shape, a_shape) -> tuple[str, ...]:
 def _parts(bwd: fx.Node):
     """(the split ops, the arguments they share, E, the number of the op's flags) of a backward op:
     `sonic::moe_experts_backward` (stacked weights and biases) or its list form (per-expert weights,
-    no biases, the weight gradients stacked)."""
+    stacked biases, the weight gradients stacked)."""
     sonic = torch.ops.sonic
     if bwd.target is sonic.moe_experts_backward.default:
         grad_out, x, ids, weights, w1, w2, b1, b2 = bwd.args[:8]
         ops = (sonic.moe_experts_backward_act, sonic.moe_experts_backward_dw2, sonic.moe_experts_backward_dw1,
                sonic.moe_experts_backward_dx)
         return ops, (x, ids, weights, w1, w2, b1, b2), _val(w1).shape[0], 5
-    grad_out, x, ids, weights, w_gate, w_up, w_down = bwd.args[:7]
+    grad_out, x, ids, weights, w_gate, w_up, w_down, b1, b2 = bwd.args[:9]
     ops = (sonic.moe_experts_list_backward_act, sonic.moe_experts_list_backward_dw2,
            sonic.moe_experts_list_backward_dw1, sonic.moe_experts_list_backward_dx)
-    return ops, (x, ids, weights, w_gate, w_up, w_down), len(w_gate), 4
+    return ops, (x, ids, weights, w_gate, w_up, w_down, b1, b2), len(w_gate), 4
 
 
 def _fold(graph: fx.Graph, bwd: fx.Node, outs: dict[int, fx.Node], term, fake_mode) -> None:
@@ -170,7 +170,6 @@ def _fold(graph: fx.Graph, bwd: fx.Node, outs: dict[int, fx.Node], term, fake_mo
     kwargs = dict(bwd.kwargs)
     if len(flags) > n_flags:
         kwargs["slot_token"] = flags.pop()
-    stacked = n_flags == 5
 
     def call(target, args, kw, where):
         with graph.inserting_before(where):
@@ -200,10 +199,8 @@ def _fold(graph: fx.Graph, bwd: fx.Node, outs: dict[int, fx.Node], term, fake_mo
     if tuple(_val(add).shape) != tuple(dx.meta["val"].shape):
         dx = call(torch.ops.aten.view.default, (dx, list(_val(add).shape)), {}, add)
     add.replace_all_uses_with(dx)
-    if stacked:  # outputs (dx, ds, dw1, dw2, db1, db2); the parts give (dw, db) pairs
-        replacement = {1: ds, 2: (made["dw1"], 0), 3: (made["dw2"], 0), 4: (made["dw1"], 1), 5: (made["dw2"], 1)}
-    else:  # (dx, ds, dw1, dw2)
-        replacement = {1: ds, 2: made["dw1"], 3: made["dw2"]}
+    # outputs (dx, ds, dw1, dw2, db1, db2), in both forms; the parts give (dw, db) pairs
+    replacement = {1: ds, 2: (made["dw1"], 0), 3: (made["dw2"], 0), 4: (made["dw1"], 1), 5: (made["dw2"], 1)}
     for i, old in outs.items():
         if i == 0:
             continue

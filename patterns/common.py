@@ -48,6 +48,9 @@ class MoEMatch:
     # The list form (an nn.ModuleList of experts): each expert's Linear weights as graph inputs,
     # (w_gate [E x [n or 2n, d]], w_up [] or [E x [n, d]], w_down [E x [d, n]]), never stacked.
     expert_lists: tuple[list[fx.Node], list[fx.Node], list[fx.Node]] | None = None
+    # Their Linears' biases, (gate [E x [n or 2n]], up [] or [E x [n]], down [] or [E x [d]]), a list
+    # empty where the experts have none; the rewrite stacks them into the op's b1, b2. None: no bias.
+    expert_bias_lists: tuple[list[fx.Node], list[fx.Node], list[fx.Node]] | None = None
     # A combine accumulated in place (`out.index_add_(...)` per expert): the tensor whose reads
     # after the anchor (its last in-place add) become reads of the op's output.
     accumulator: fx.Node | None = None
@@ -64,7 +67,7 @@ class MoEMatch:
             w_gate, w_up, _ = self.expert_lists
             gated = w_up or shape_of(w_gate[0])[0] == 2 * self.shape.get("n", -1)
             layout = "per-expert list" + (", separate gate/up" if w_up else f", fused gate/up {layout}" if gated else "")
-        if self.b1 is not None or self.b2 is not None:
+        if self.b1 is not None or self.b2 is not None or self.expert_bias_lists is not None:
             layout += ", bias"
         if self.input_scaled:
             layout += ", router-scaled inputs"
@@ -493,7 +496,9 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         call = insert(torch.ops.sonic.moe_experts.default, args)
     else:
         lists = tuple([cast(w) for w in group] for group in match.expert_lists)
-        call = insert(torch.ops.sonic.moe_experts_list.default, _list_call_args(match, lists, x, ids, weights, slot_token))
+        b1, b2 = _stacked_list_biases(match.expert_bias_lists, insert)
+        call = insert(torch.ops.sonic.moe_experts_list.default,
+                      _list_call_args(match, lists, cast(b1), cast(b2), x, ids, weights, slot_token))
     result = out = insert(operator.getitem, (call, 0))
     if match.input_scaled:  # [T*K, d] rows -> [T, d]
         rows = insert(torch.reshape, (out, (-1, match.shape["K"], match.shape["d"])))
@@ -511,21 +516,37 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     return call
 
 
-def _list_call_args(match: MoEMatch, lists, x: fx.Node, ids: fx.Node, weights: fx.Node,
-                    slot_token: fx.Node | None) -> tuple:
+def _stacked_list_biases(bias_lists, insert) -> tuple[fx.Node | None, fx.Node | None]:
+    """(b1 [E, w1_out], b2 [E, d]) nodes stacking the list form's per-expert biases (gate then up
+    for separate gate and up), None where there are none. A copy of E (w1_out + d) elements a call,
+    1/d of the weights' size; autograd takes each bias its row of the stacked gradient."""
+    if bias_lists is None:
+        return None, None
+    b_gate, b_up, b_down = bias_lists
+    b1 = insert(torch.stack, (list(b_gate), 0)) if b_gate else None
+    if b1 is not None and b_up:
+        b1 = insert(torch.cat, ([b1, insert(torch.stack, (list(b_up), 0))], 1))
+    b2 = insert(torch.stack, (list(b_down), 0)) if b_down else None
+    return b1, b2
+
+
+def _list_call_args(match: MoEMatch, lists, b1: fx.Node | None, b2: fx.Node | None, x: fx.Node, ids: fx.Node,
+                    weights: fx.Node, slot_token: fx.Node | None) -> tuple:
     """`sonic::moe_experts_list` arguments, validated on the fake values (as the stacked form is);
-    `lists`: the (gate, up, down) weight nodes of `match.expert_lists`, cast if autocast needs it."""
+    `lists`: the (gate, up, down) weight nodes of `match.expert_lists`, cast if autocast needs it;
+    b1, b2: the stacked biases (`_stacked_list_biases`)."""
     from codegen.ops import needs_saved_h, validate_moe_list_inputs
 
     w_gate, w_up, w_down = (list(group) for group in lists)
     fake = lambda nodes: [example_value(n) for n in nodes]  # noqa: E731
     rows, x, fake_weights = x, example_value(x), example_value(weights)
-    validate_moe_list_inputs(x, example_value(ids), fake_weights, fake(w_gate), fake(w_up), fake(w_down),
-                             activation=match.activation, interleaved=match.interleaved,
+    fake_b1, fake_b2 = example_value(b1), example_value(b2)
+    validate_moe_list_inputs(x, example_value(ids), fake_weights, fake(w_gate), fake(w_up), fake(w_down), fake_b1,
+                             fake_b2, activation=match.activation, interleaved=match.interleaved,
                              slot_token=example_value(slot_token))
-    save_h = needs_saved_h(x, fake_weights, *fake(w_gate), *fake(w_up), *fake(w_down))
+    save_h = needs_saved_h(x, fake_weights, fake_b1, fake_b2, *fake(w_gate), *fake(w_up), *fake(w_down))
     return (
-        rows, ids, weights, w_gate, w_up, w_down,
+        rows, ids, weights, w_gate, w_up, w_down, b1, b2,
         match.activation, match.interleaved, float(match.alpha), float(match.limit), save_h, slot_token,
     )
 

@@ -12,7 +12,7 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
 
 with experts as in `module_list`. It becomes the sparse computation
 
-    out = moe_experts_list(x, ids, w, [w1_e], [w3_e] or [], [w2_e], activation=<probed>)
+    out = moe_experts_list(x, ids, w, [w1_e], [w3_e] or [], [w2_e], b1?, b2?, activation=<probed>)
 
 which runs each expert on its top-k tokens only. That is the same function because the gate
 matrix is checked to be zero outside the top-k: built by scattering the top-k weights into zeros

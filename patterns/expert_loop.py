@@ -12,10 +12,12 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
         y = self.experts[e](x[tok]) * w[tok, k, None]             # or w[tok, k].unsqueeze(-1), w[tok, k][:, None]
         out.index_add_(0, tok, y.to(x.dtype))                     # or out = out.index_add(0, tok, y)
 
-with each expert `w2(act(w1(x)) * w3(x))`, `w2(act(chunk(w13(x))))` or `w2(act(w1(x)))`, bias-free
-nn.Linear layers (see `module_list`). It becomes
+with each expert `w2(act(w1(x)) * w3(x))`, `w2(act(chunk(w13(x))))` or `w2(act(w1(x)))`,
+nn.Linear layers with or without biases (see `module_list`). It becomes
 
-    out = moe_experts_list(x, ids, w, [w1_e], [w3_e] or [], [w2_e], activation=<probed>)
+    out = moe_experts_list(x, ids, w, [w1_e], [w3_e] or [], [w2_e], b1?, b2?, activation=<probed>)
+
+(b1, b2: the experts' biases stacked in the graph, when they have them)
 
 reading each expert's weights where they are. Experts stored as stacked [E, ., .] parameters and
 sliced per expert work too (see `module_list`):

@@ -22,6 +22,12 @@ reads slice e of one parameter per projection, all in one orientation, none muta
 passes the parameters themselves to `sonic::moe_experts` (w1 = gate/up or fused gate_up, w2 = down;
 `transposed` for [E, in, out]); gate and up in two stacked parameters go to
 `sonic::moe_experts_list` as the slices `W[e]` (views: the list kernels read each where it is).
+
+Biases: an expert's Linears may carry them (nn.Linear's default), and a stacked expert may read
+`F.linear(rows, W[e], B[e])` with B [E, out]. Gate and up are biased together or not at all; the
+down projection on its own. Linear experts' bias vectors go to the list op stacked
+(`MoEMatch.expert_bias_lists`: the rewrite stacks them in the graph, E (w1_out + d) elements);
+stacked experts pass B itself to `sonic::moe_experts` (no copy).
 """
 from __future__ import annotations
 
@@ -66,6 +72,7 @@ class Slice:
     base: fx.Node  # W, a graph input
     index: int  # e
     transposed: bool  # read as [in, out] (`rows @ W[e]`), not [out, in] (`F.linear(rows, W[e])`, `rows @ W[e].T`)
+    bias: fx.Node | None = None  # B[e] of `F.linear(rows, W[e], B[e])`, as the graph holds it
 
 
 @dataclasses.dataclass
@@ -79,10 +86,17 @@ class ExpertMLP:
     act: dict  # activation, interleaved, alpha, limit
     # (gate, up, down) slices when the weights are W[e] of stacked parameters, else None
     slices: tuple[Slice, Slice | None, Slice] | None = None
+    # the Linears' biases (1-D graph inputs, or the B[e] slices of stacked experts), None where absent
+    biases: tuple[fx.Node | None, fx.Node | None, fx.Node | None] = (None, None, None)
 
     @property
     def layout(self) -> str:
         return "separate" if self.w_up is not None else "single"
+
+    @property
+    def biased(self) -> tuple[bool, bool]:
+        """(the up side has biases, the down projection has one)"""
+        return self.biases[0] is not None, self.biases[2] is not None
 
 
 def through_float_casts(node, walk: RegionWalk):
@@ -104,17 +118,18 @@ def is_weight(node) -> bool:
     return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
 
 
-def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, fx.Node, Slice | None]:
-    """(input, weight, slice) of `F.linear(input, weight)`, rejecting biases and computed weights.
+def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, fx.Node, Slice | None, fx.Node | None]:
+    """(input, weight, slice, bias) of `F.linear(input, weight, bias?)`, rejecting computed weights
+    and biases.
 
-    With a walk (stacked experts allowed), also `F.linear(input, W[e])`, `input @ W[e].T` and
-    `input @ W[e]`: then the weight is the slice node `W[e]` and `slice` says which of W and e."""
+    With a walk (stacked experts allowed), also `F.linear(input, W[e], B[e]?)`, `input @ W[e].T` and
+    `input @ W[e]`: then the weight is the slice node `W[e]` and `slice` says which of W and e (and
+    of B, for a bias)."""
     projection = _LINEAR + (_MATMUL if walk is not None else ())
     expect(is_call(node, *projection), f"{what} is not an nn.Linear/F.linear call" + (" or a matmul" if walk else ""))
+    bias = None
     if is_call(node, *_LINEAR):
-        bias = arg(node, 2, "bias")
-        expect(bias is None, f"{what} has a bias: per-expert Linear biases are not supported yet")
-        inp, weight, transposed = arg(node, 0, "input"), arg(node, 1, "weight"), False
+        inp, weight, bias, transposed = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias"), False
     else:
         expect(len(node.args) == 2 and not node.kwargs, f"{what} is a matmul with extra arguments")
         inp, weight, transposed = node.args[0], node.args[1], True  # rows @ W: W is [in, out]
@@ -126,10 +141,16 @@ def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, f
         found = _slice_of(weight)
         expect(found is not None, f"{what} weight is neither a parameter of the expert nor a slice W[e] of a stacked [E, ., .] parameter")
         walk.mark(weight)
-        return inp, weight, Slice(found[0], found[1], transposed)
+        if bias is not None:
+            found_bias = _slice_of(bias, dims=2)
+            expect(found_bias is not None and found_bias[1] == found[1],
+                   f"{what} bias is not the slice B[{found[1]}] of a stacked [E, out] parameter, as its weight is of {found[0].name}")
+            walk.mark(bias)
+        return inp, weight, Slice(found[0], found[1], transposed, bias), bias
     expect(not transposed, f"{what} multiplies by a parameter that is not a slice W[e] of stacked experts")
     expect(is_weight(weight) and len(shape_of(weight)) == 2, f"{what} weight is not a parameter of the expert")
-    return inp, weight, None
+    expect(bias is None or (is_weight(bias) and len(shape_of(bias)) == 1), f"{what} bias is not a 1-D parameter of the expert")
+    return inp, weight, None, bias
 
 
 def _transposed_2d(node) -> fx.Node | None:
@@ -154,12 +175,13 @@ def _transposed_2d(node) -> fx.Node | None:
     return None
 
 
-def _slice_of(node) -> tuple[fx.Node, int] | None:
-    """(W, e) when `node` is `W[e]`: a constant integer index into dim 0 of a 3-D graph input W."""
+def _slice_of(node, dims: int = 3) -> tuple[fx.Node, int] | None:
+    """(W, e) when `node` is `W[e]`: a constant integer index into dim 0 of a graph input W of
+    `dims` dimensions (3 for weights, 2 for biases)."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
         return None
     base, index = node.args
-    if not is_weight(base) or len(shape_of(base)) != 3 or not isinstance(index, int) or isinstance(index, bool):
+    if not is_weight(base) or len(shape_of(base)) != dims or not isinstance(index, int) or isinstance(index, bool):
         return None
     return base, index
 
@@ -170,7 +192,7 @@ def expert_mlp(y: fx.Node, walk: RegionWalk, e: int, stacked: bool = False) -> E
     `stacked`: projections may also be matmuls with slices W[e] of stacked parameters (see above)."""
     what = f"expert {e}"
     slicing = walk if stacked else None
-    a, w_down, s_down = _linear(y, f"{what}'s down projection", slicing)
+    a, w_down, s_down, b_down = _linear(y, f"{what}'s down projection", slicing)
     a = through_float_casts(a, walk)
     walk.mark(y)
     ups = _projections_before(a, _LINEAR + (_MATMUL if stacked else ()))
@@ -179,21 +201,25 @@ def expert_mlp(y: fx.Node, walk: RegionWalk, e: int, stacked: bool = False) -> E
     expect(len(rows) == 1, f"{what}'s projections read different inputs")
     expect(len(ups) in (1, 2), f"{what} has {len(ups)} projections of its input; 1 (fused or non-gated) or 2 (gate, up) are matched")
     found_ups = [_linear(n, f"{what}'s up projection", slicing) for n in ups]
-    weights, slices = [f[1] for f in found_ups], [f[2] for f in found_ups]
+    weights, slices, biases = ([f[i] for f in found_ups] for i in (1, 2, 3))
     expect(a not in ups, f"{what} has no activation between its projections")
     if len(ups) == 1:
         act = identify_activation(ups[0], a)
         expect(not isinstance(act, str), f"{what}: {act}")
-        (w_gate, s_gate), w_up, s_up = (weights[0], slices[0]), None, None
+        (w_gate, s_gate, b_gate), w_up, s_up, b_up = (weights[0], slices[0], biases[0]), None, None, None
     else:
         found = identify_pair_activation(ups[0], ups[1], a)
         expect(not isinstance(found, str), f"{what}: {found}")
         act, swapped = found
-        (w_gate, w_up), (s_gate, s_up) = (weights[::-1], slices[::-1]) if swapped else (weights, slices)
+        if swapped:
+            weights, slices, biases = weights[::-1], slices[::-1], biases[::-1]
+        (w_gate, w_up), (s_gate, s_up), (b_gate, b_up) = weights, slices, biases
+        expect((b_gate is None) == (b_up is None), f"{what} has a bias on one of its gate and up projections only")
     kinds = {s is None for s, w in ((s_gate, w_gate), (s_up, w_up), (s_down, w_down)) if w is not None}
     expect(len(kinds) == 1, f"{what} mixes Linear weights and slices of stacked parameters")
     walk.mark(*ups, *backward_slice([a], stop=set(ups)))
-    return ExpertMLP(rows.pop(), w_gate, w_up, w_down, act, None if kinds == {True} else (s_gate, s_up, s_down))
+    return ExpertMLP(rows.pop(), w_gate, w_up, w_down, act, None if kinds == {True} else (s_gate, s_up, s_down),
+                     (b_gate, b_up, b_down))
 
 
 def _projections_before(a: fx.Node, ops=_LINEAR) -> list[fx.Node]:
@@ -218,6 +244,7 @@ def same_experts(experts: list[ExpertMLP]) -> None:
     for e, ex in enumerate(experts[1:], 1):
         expect(ex.layout == first.layout, f"expert {e} has a {ex.layout} gate/up layout, expert 0 a {first.layout} one")
         expect(ex.act == first.act, f"expert {e}'s activation ({ex.act['activation']}) differs from expert 0's ({first.act['activation']})")
+        expect(ex.biased == first.biased, f"expert {e} has biases on (up, down) = {ex.biased}, expert 0 on {first.biased}")
 
 
 def topk_routing(topk_ids: fx.Node, walk: RegionWalk) -> tuple[int, int]:
@@ -263,10 +290,25 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     w_gate = [ex.w_gate for ex in experts]
     w_up = [ex.w_up for ex in experts] if experts[0].w_up is not None else []
     w_down = [ex.w_down for ex in experts]
-    region = _closed_region(walk, anchors, {x, topk_ids, topk_weights, *w_gate, *w_up, *w_down}, extra_region, shape_only)
+    bias_lists = _bias_lists(experts, want_gate[0], n, d, x_dtype)
+    inputs = {x, topk_ids, topk_weights, *w_gate, *w_up, *w_down, *(b for group in bias_lists for b in group)}
+    region = _closed_region(walk, anchors, inputs, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
                          shape={"T": T, "d": d, "n": n, "E": E, "K": K}, expert_lists=(w_gate, w_up, w_down),
-                         gates=gates)
+                         expert_bias_lists=bias_lists if any(bias_lists) else None, gates=gates)
+
+
+def _bias_lists(experts: list[ExpertMLP], gate_width: int, n: int, d: int, x_dtype) -> tuple[list, list, list]:
+    """(gate biases, up biases, down biases) of the experts, each list empty where they have none;
+    every bias a vector of its projection's width in the hidden states' dtype."""
+    roles = ((0, gate_width, "gate"), (1, n, "up"), (2, d, "down"))
+    lists = tuple([ex.biases[role] for ex in experts] if experts[0].biases[role] is not None else []
+                  for role, _, _ in roles)
+    for (role, width, name), group in zip(roles, lists):
+        for e, bias in enumerate(group):
+            expect(shape_of(bias) == (width,), f"expert {e}'s {name} bias is {shape_of(bias)}, not ({width},)")
+            expect(dtype_of(bias) == x_dtype, f"expert {e}'s {name} bias ({dtype_of(bias)}) and the hidden states ({x_dtype}) differ in dtype")
+    return lists
 
 
 def _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator, *, shape,
@@ -322,11 +364,13 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     same_experts(experts)
     expect(len(experts) == E, f"{len(experts)} experts for E={E}")
     w1, w_up, w2, transposed = _stacked_params(experts, E)
+    b1, b2 = _stacked_biases(experts, E)
     if w_up is not None:
         expect(not transposed, f"gate and up are two stacked parameters ({w1.name}, {w_up.name}) read as rows @ W[e] "
                f"([E, in, out]): the stacked op takes them as one w1 (a copy) and the list op as [out, in] slices; "
                f"keep gate and up in one [E, d, 2n] parameter, or store them as [E, n, d]")
         # the list op on the slices W[e] themselves: views of the stacked parameters, read where they are
+        # (bias slices B[e], if any, are stacked by the rewrite as Linear biases are)
         return finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts, **kw)
 
     act = experts[0].act
@@ -337,9 +381,35 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     n, w2_out = (s2[1], s2[2]) if transposed else (s2[2], s2[1])
     expect(w1_in == d and w2_out == d, f"stacked expert weights {s1} / {s2} do not map d={d}")
     expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
-    region = _closed_region(walk, anchors, {x, topk_ids, topk_weights, w1, w2}, extra_region, shape_only)
+    for bias, width, name in ((b1, w1_out, "up"), (b2, d, "down")):
+        expect(bias is None or shape_of(bias) == (E, width), f"stacked {name} bias {bias and bias.name} {shape_of(bias)} is not [E={E}, {width}]")
+        expect(bias is None or dtype_of(bias) == x_dtype, f"stacked {name} bias ({dtype_of(bias)}) and the hidden states ({x_dtype}) differ in dtype")
+    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2) if b is not None}
+    region = _closed_region(walk, anchors, inputs, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
-                         shape={"T": T, "d": d, "n": n, "E": E, "K": K}, w1=w1, w2=w2, transposed=transposed)
+                         shape={"T": T, "d": d, "n": n, "E": E, "K": K}, w1=w1, w2=w2, b1=b1, b2=b2,
+                         transposed=transposed)
+
+
+def _stacked_biases(experts: list[ExpertMLP], E: int) -> tuple[fx.Node | None, fx.Node | None]:
+    """(up bias B1, down bias B2) of stacked experts, each None where the experts have none: expert
+    e's bias is B[e] of one [E, out] parameter per projection (`_linear` matched its index to the
+    weight's), not modified in the graph. With gate and up in two parameters the list op takes the
+    slices instead (stacked by the rewrite), so only the down bias is looked at here then."""
+    found = []
+    for role, name in ((0, "up"), (2, "down")):
+        biases = [ex.biases[role] for ex in experts]
+        if biases[0] is None:
+            found.append(None)
+            continue
+        bases = {_slice_of(b, dims=2)[0] for b in biases}
+        expect(len(bases) == 1, f"experts read their {name} biases from different stacked parameters")
+        base = bases.pop()
+        expect(shape_of(base)[0] == E, f"stacked {name} bias {base.name} {shape_of(base)} does not hold the router's E={E} experts")
+        mutation = _mutation_of(base)
+        expect(mutation is None, f"stacked bias {base.name} is modified in the graph (by {getattr(mutation, 'name', '')}): the op would read it once")
+        found.append(base)
+    return found[0], found[1]
 
 
 def _stacked_params(experts: list[ExpertMLP], E: int) -> tuple[fx.Node, fx.Node | None, fx.Node, bool]:

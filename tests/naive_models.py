@@ -17,13 +17,14 @@ def relu2(h):
 
 
 class GatedExpert(nn.Module):
-    """w2(act(w1(x)) * w3(x)), three bias-free Linears (Mixtral's names)."""
+    """w2(act(w1(x)) * w3(x)), three Linears (Mixtral's names); bias: False, True (all three, as
+    nn.Linear's default), "gate" (w1's alone) or "down" (w2's alone)."""
 
     def __init__(self, d, n, act=F.silu, bias=False, up_first=False):
         super().__init__()
-        self.w1 = nn.Linear(d, n, bias=bias)
-        self.w3 = nn.Linear(d, n, bias=bias)
-        self.w2 = nn.Linear(n, d, bias=bias)
+        self.w1 = nn.Linear(d, n, bias=bias in (True, "gate"))
+        self.w3 = nn.Linear(d, n, bias=bias is True)
+        self.w2 = nn.Linear(n, d, bias=bias in (True, "down"))
         self.act, self.up_first = act, up_first
 
     def forward(self, x):
@@ -35,11 +36,11 @@ class GatedExpert(nn.Module):
 class FusedExpert(nn.Module):
     """One Linear(d, 2n) for gate and up, split by chunk or slicing, then w2."""
 
-    def __init__(self, d, n, split="chunk"):
+    def __init__(self, d, n, split="chunk", bias=False):
         super().__init__()
         self.n, self.split = n, split
-        self.w13 = nn.Linear(d, 2 * n, bias=False)
-        self.w2 = nn.Linear(n, d, bias=False)
+        self.w13 = nn.Linear(d, 2 * n, bias=bias)
+        self.w2 = nn.Linear(n, d, bias=bias)
 
     def forward(self, x):
         h = self.w13(x)
@@ -53,10 +54,10 @@ class FusedExpert(nn.Module):
 class PlainExpert(nn.Module):
     """w2(act(w1(x))): a non-gated expert."""
 
-    def __init__(self, d, n, act=F.gelu):
+    def __init__(self, d, n, act=F.gelu, bias=False):
         super().__init__()
-        self.w1 = nn.Linear(d, n, bias=False)
-        self.w2 = nn.Linear(n, d, bias=False)
+        self.w1 = nn.Linear(d, n, bias=bias)
+        self.w2 = nn.Linear(n, d, bias=bias)
         self.act = act
 
     def forward(self, x):
@@ -64,15 +65,17 @@ class PlainExpert(nn.Module):
 
 
 def make_experts(kind, d, n, E, acts=None, bias=False):
+    """bias: as the experts take it, or a list of one per expert."""
+    biases = bias if isinstance(bias, list) else [bias] * E
     if kind in ("gated", "gated_up_first"):
         acts = acts or [F.silu] * E
-        return nn.ModuleList(GatedExpert(d, n, act, bias, kind == "gated_up_first") for act in acts)
+        return nn.ModuleList(GatedExpert(d, n, act, b, kind == "gated_up_first") for act, b in zip(acts, biases))
     if kind in ("fused", "fused_slice"):
-        return nn.ModuleList(FusedExpert(d, n, "chunk" if kind == "fused" else "slice") for _ in range(E))
+        return nn.ModuleList(FusedExpert(d, n, "chunk" if kind == "fused" else "slice", b) for b in biases)
     if kind == "plain":
-        return nn.ModuleList(PlainExpert(d, n, act) for act in (acts or [F.gelu] * E))
+        return nn.ModuleList(PlainExpert(d, n, act, b) for act, b in zip(acts or [F.gelu] * E, biases))
     if kind == "plain_relu2":
-        return nn.ModuleList(PlainExpert(d, n, relu2) for _ in range(E))
+        return nn.ModuleList(PlainExpert(d, n, relu2, b) for b in biases)
     raise ValueError(kind)
 
 
@@ -165,9 +168,10 @@ class DenseMoE(Router):
              (out = out + gates[:, e:e+1] * experts[e](x)), "builtin_sum" (sum(gates[:, e, None] * ...))
     """
 
-    def __init__(self, d=16, n=8, E=4, K=2, experts="gated", gates="scatter", combine="stack_sum", acts=None):
+    def __init__(self, d=16, n=8, E=4, K=2, experts="gated", gates="scatter", combine="stack_sum", acts=None,
+                 bias=False):
         super().__init__(d, E, K)
-        self.experts = make_experts(experts, d, n, E, acts)
+        self.experts = make_experts(experts, d, n, E, acts, bias)
         self.gates, self.combine = gates, combine
 
     def _gates(self, probs, w, ids):
@@ -229,10 +233,11 @@ class StackedLoopMoE(Router):
     down_orient: the down projection's orientation when it differs (a layout mismatch)
     index:   "own" (W[e]), "next" (W[(e + 1) % E]), "shuffled" (W[perm[e]], one fixed permutation)
     experts_used: the experts the loop visits (default all); mutate: clamp_ the down slice in place
+    bias:    stacked [E, out] biases read as F.linear(h, W[e], B[e]) (orient "linear"); "next": B[(e + 1) % E]
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, orient="T", gate_up="separate", down_orient=None, index="own",
-                 experts_used=None, mutate=False):
+                 experts_used=None, mutate=False, bias=False):
         super().__init__(d, E, K)
         self.orient, self.down_orient, self.gate_up, self.index = orient, down_orient or orient, gate_up, index
         self.experts_used = list(range(E)) if experts_used is None else experts_used
@@ -247,6 +252,11 @@ class StackedLoopMoE(Router):
         if gate_up == "separate":
             self.w3 = stacked(n, d, orient)
         self.w2 = stacked(d, n, self.down_orient)
+        self.bias = bias
+        if bias:
+            for name in ("w1", "w3", "w2"):
+                if hasattr(self, name):
+                    setattr(self, "b" + name[1], nn.Parameter(torch.randn(E, getattr(self, name).shape[1]) * 0.1))
 
     def _slice(self, W, e):
         if self.index == "next":
@@ -255,10 +265,12 @@ class StackedLoopMoE(Router):
             return W[self.perm[e]]
         return W[e]
 
-    def _project(self, h, W, e, orient):
+    def _project(self, h, W, e, orient, B=None):
         if orient == "T":
             return h @ self._slice(W, e).T
         if orient == "linear":
+            if B is not None:
+                return F.linear(h, self._slice(W, e), B[(e + 1) % self.E] if self.bias == "next" else B[e])
             return F.linear(h, self._slice(W, e))
         return h @ self._slice(W, e)
 
@@ -268,17 +280,18 @@ class StackedLoopMoE(Router):
         for e in self.experts_used:
             tok, k = torch.where(ids == e)
             xe = x[tok]
+            b1, b3, b2 = (getattr(self, name, None) for name in ("b1", "b3", "b2"))
             if self.gate_up == "separate":
-                h = F.silu(self._project(xe, self.w1, e, self.orient)) * self._project(xe, self.w3, e, self.orient)
+                h = F.silu(self._project(xe, self.w1, e, self.orient, b1)) * self._project(xe, self.w3, e, self.orient, b3)
             elif self.gate_up == "fused":
-                g, u = self._project(xe, self.w1, e, self.orient).chunk(2, dim=-1)
+                g, u = self._project(xe, self.w1, e, self.orient, b1).chunk(2, dim=-1)
                 h = F.silu(g) * u
             else:
-                h = F.gelu(self._project(xe, self.w1, e, self.orient))
+                h = F.gelu(self._project(xe, self.w1, e, self.orient, b1))
             if self.mutate:
                 with torch.no_grad():
                     self.w2[e].clamp_(-0.5, 0.5)
-            out.index_add_(0, tok, self._project(h, self.w2, e, self.down_orient) * w[tok, k, None])
+            out.index_add_(0, tok, self._project(h, self.w2, e, self.down_orient, b2) * w[tok, k, None])
         return out
 
 

@@ -82,10 +82,11 @@ def list_layer(x, p):
     vals, ids = torch.topk(logits, K, dim=-1)
     experts = range(len([k for k in p if k.startswith("gate.")]))
     return moe_experts_list(x, ids, torch.softmax(vals, dim=-1), [p[f"gate.{e}"] for e in experts],
-                            [p[f"up.{e}"] for e in experts], [p[f"down.{e}"] for e in experts])
+                            [p[f"up.{e}"] for e in experts], [p[f"down.{e}"] for e in experts],
+                            b1=p.get("b1"), b2=p.get("b2"))
 
 
-def _list_params(dtype, device="cpu", **kw):
+def _list_params(dtype, device="cpu", bias=False, **kw):
     p = _params(dtype, device, **kw)
     w1, w2 = p.pop("w1").detach(), p.pop("w2").detach()
     del p["shared"]
@@ -93,6 +94,10 @@ def _list_params(dtype, device="cpu", **kw):
     for e in range(E):
         p.update({f"gate.{e}": w1[e, :n].clone().requires_grad_(), f"up.{e}": w1[e, n:].clone().requires_grad_(),
                   f"down.{e}": w2[e].clone().requires_grad_()})
+    if bias:  # the stacked biases the rewrite gives the list op
+        gen = torch.Generator().manual_seed(3)
+        p["b1"] = (torch.randn(E, w1.shape[1], generator=gen) * 0.1).to(device, dtype).requires_grad_()
+        p["b2"] = (torch.randn(E, w2.shape[1], generator=gen) * 0.1).to(device, dtype).requires_grad_()
     return p
 
 
@@ -127,10 +132,11 @@ def test_fold_matches_eager(layer, shape, params, caplog):
     _assert_close(got, _grads(layer, x, p, compiled=False), 1e-12)
 
 
-def test_fold_of_the_list_form(caplog):
+@pytest.mark.parametrize("bias", [False, True])
+def test_fold_of_the_list_form(bias, caplog):
     # per-expert weights: the list form's backward split into its own four parts, the router's term
-    # folded into its dX; every expert tensor's gradient as eager's
-    x, p = _x((T, D), torch.float64), _list_params(torch.float64)
+    # folded into its dX; every expert tensor's gradient (and the biases') as eager's
+    x, p = _x((T, D), torch.float64), _list_params(torch.float64, bias=bias)
     with caplog.at_level(logging.INFO, logger="moe_compiler"):
         got = _grads(list_layer, x, p, compiled=True)
     assert _FOLDED in caplog.text
@@ -216,9 +222,10 @@ def _check_gpu_fold(layer, p, caplog):
 
 
 @pytest.mark.gpu
-def test_gpu_fold_bf16_list_form(caplog):
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_fold_bf16_list_form(bias, caplog):
     # the list form's split parts on the Triton kernels (per-expert tensors read in place), bf16
-    _check_gpu_fold(list_layer, _list_params(torch.bfloat16, "cuda", d=256, n=128), caplog)
+    _check_gpu_fold(list_layer, _list_params(torch.bfloat16, "cuda", d=256, n=128, bias=bias), caplog)
 
 
 @pytest.mark.gpu

@@ -751,36 +751,39 @@ _LIST_LAYOUTS = {  # layout -> (activation, interleaved)
 }
 
 
-@pytest.mark.parametrize("layout", list(_LIST_LAYOUTS))
+@pytest.mark.parametrize("layout,bias", [(layout, False) for layout in _LIST_LAYOUTS] + [("separate", True), ("plain", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_list_form_equals_stacked(tm, layout, dtype):
-    """Per-expert tensors read through the offset table give exactly the stacked kernels' results."""
+def test_list_form_equals_stacked(tm, layout, bias, dtype):
+    """Per-expert tensors read through the offset table give exactly the stacked kernels' results,
+    with the stacked biases of Linear experts too."""
     activation, interleaved = _LIST_LAYOUTS[layout]
     flags = dict(_FLAGS, activation=activation, interleaved=interleaved)
-    inputs, go = _make(13, 40, 24, 4, 2, dtype, activation=activation, seed=5)
+    inputs, go = _make(13, 40, 24, 4, 2, dtype, activation=activation, bias=bias, seed=5)
     gate, up, down = _as_lists(inputs, layout)
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
+    biases = (inputs["b1"], inputs["b2"])
     list_flags = {k: v for k, v in flags.items() if k != "transposed"}
-    banks = tm.list_banks(*routing, gate, up, down, **list_flags)
+    banks = tm.list_banks(*routing, gate, up, down, *biases, **list_flags)
     assert banks is not None
-    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, banks=banks, save_h=True,
+    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, *biases, banks=banks, save_h=True,
                                                         **list_flags)
-    dx, dw, dw1, dw2 = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, h, rows, offs, banks=banks,
-                                                      **list_flags)
-    (want_out, want_h, _, _), (want_dx, want_dw, want_dw1, want_dw2, _, _) = _run_ours(tm, inputs, go, flags)
-    for got, want in ((out, want_out), (h, want_h), (dx, want_dx), (dw, want_dw), (dw1, want_dw1), (dw2, want_dw2)):
-        assert torch.equal(got, want)
+    grads = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, *biases, h, rows, offs, banks=banks,
+                                           **list_flags)
+    (want_out, want_h, _, _), want_grads = _run_ours(tm, inputs, go, flags)
+    assert (grads[4] is None, grads[5] is None) == (not bias, not bias)
+    for got, want in ((out, want_out), (h, want_h), *zip(grads, want_grads)):
+        assert (got is None and want is None) or torch.equal(got, want)
     _check_against_oracle(tm, inputs, go, flags, _TOL[dtype])  # and the stacked run is right
 
 
-@pytest.mark.parametrize("layout", ["separate", "plain"])
-def test_list_form_backward_parts_equal_the_one_op(tm, layout):
+@pytest.mark.parametrize("layout,bias", [("separate", False), ("plain", False), ("separate", True)])
+def test_list_form_backward_parts_equal_the_one_op(tm, layout, bias):
     # the list form's four parts (`moe_compiler.grad_fold`'s split) give its one op's gradients bit
-    # for bit; its dX takes a product term as the stacked dX does
+    # for bit, bias gradients included; its dX takes a product term as the stacked dX does
     activation, interleaved = _LIST_LAYOUTS[layout]
     list_flags = dict(activation=activation, interleaved=interleaved, alpha=_FLAGS["alpha"], limit=_FLAGS["limit"])
-    inputs, go = _make(13, 40, 24, 4, 2, torch.float16, activation=activation, seed=6)
-    lists = _as_lists(inputs, layout)
+    inputs, go = _make(13, 40, 24, 4, 2, torch.float16, activation=activation, bias=bias, seed=6)
+    lists = (*_as_lists(inputs, layout), inputs["b1"], inputs["b2"])
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
     banks = tm.list_banks(*routing, *lists, **list_flags)
     _, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, *lists, banks=banks, save_h=True, **list_flags)
@@ -788,9 +791,11 @@ def test_list_form_backward_parts_equal_the_one_op(tm, layout):
     part = lambda name, **kw: tm.triton_moe_experts_list_bwd_part(  # noqa: E731
         name, *routing, *lists, rows, offs, banks=banks, **list_flags, **kw)
     dh, a_scaled, ds = part("act", grad_out=go, h=h)
-    got = (part("dx", dh=dh), ds, part("dw1", dh=dh), part("dw2", grad_out=go, a_scaled=a_scaled))
-    for g, want in zip(got, whole):
-        assert torch.equal(g, want)
+    (dw1, db1), (dw2, db2) = part("dw1", dh=dh), part("dw2", grad_out=go, a_scaled=a_scaled)
+    got = (part("dx", dh=dh), ds, dw1, dw2, db1, db2)
+    assert (db1 is None, db2 is None) == (not bias, not bias)
+    for g, want in zip(got, whole, strict=True):
+        assert (g is None and want is None) or torch.equal(g, want)
     gen = torch.Generator().manual_seed(7)
     lhs, rhs = torch.randn(13, 5, generator=gen).half(), torch.randn(5, 40, generator=gen).half()
     folded = part("dx", dh=dh, product=(lhs, rhs))
@@ -873,7 +878,8 @@ def test_wgrad_grouped_mm_only_where_it_can_write(tm, monkeypatch):
     flags = {k: v for k, v in _FLAGS.items() if k != "transposed"}
     banks = tm.list_banks(*routing, gate, up, down, **flags)
     out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, banks=banks, save_h=True, **flags)
-    _, _, dw1, dw2 = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, h, rows, offs, banks=banks, **flags)
+    _, _, dw1, dw2, _, _ = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, None, None, h, rows, offs,
+                                                          banks=banks, **flags)
     assert len(calls) == 2
     _, ref = _oracle(inputs, go, _FLAGS)
     assert _rel(dw1, ref["w1"]) <= _TOL[torch.float32] and _rel(dw2, ref["w2"]) <= _TOL[torch.float32]

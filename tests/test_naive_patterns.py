@@ -87,6 +87,11 @@ LOOP_VARIANTS = {
     "fused-slicing-eq": dict(experts="fused_slice", where="eq"),
     "non-gated-gelu": dict(experts="plain"),
     "non-gated-relu2-functional": dict(experts="plain_relu2", combine="functional"),
+    # nn.Linear's default: every projection biased; the down projection alone
+    "bias-gated": dict(bias=True),
+    "bias-fused-eq": dict(experts="fused", where="eq", bias=True),
+    "bias-non-gated": dict(experts="plain", bias=True),
+    "bias-down-only": dict(bias="down"),
 }
 
 DENSE_VARIANTS = {
@@ -97,6 +102,8 @@ DENSE_VARIANTS = {
     "non-gated-einsum": dict(experts="plain", combine="einsum"),
     "scatter_-builtin_sum": dict(gates="scatter_", combine="builtin_sum"),
     "softmax_neg_inf-stack_sum": dict(gates="softmax_neg_inf"),
+    "bias-scatter-stack_sum": dict(bias=True),
+    "bias-fused-one_hot-slices": dict(experts="fused", gates="one_hot", combine="slices", bias=True),
 }
 
 BMM_VARIANTS = {
@@ -178,10 +185,12 @@ def test_dense_bmm_no_token_rounding_on_scaled_inputs():
     assert_close_to_eager(got.detach(), model(x).detach(), what="output")
 
 
-@pytest.mark.parametrize("model", [LoopMoE, DenseMoE], ids=["expert_loop", "dense_experts"])
-def test_inductor(model):
-    """The full path: the unbacked sizes of torch.where go with the region, Inductor compiles the rest."""
-    _check_rewrite(model(), "expert_loop" if model is LoopMoE else "dense_experts", compiler="inductor")
+@pytest.mark.parametrize("model,bias", [(LoopMoE, False), (DenseMoE, False), (LoopMoE, True)],
+                         ids=["expert_loop", "dense_experts", "expert_loop-bias"])
+def test_inductor(model, bias):
+    """The full path: the unbacked sizes of torch.where go with the region, Inductor compiles the rest
+    (and the stacking of the Linears' biases)."""
+    _check_rewrite(model(bias=bias), "expert_loop" if model is LoopMoE else "dense_experts", compiler="inductor")
 
 
 def test_layouts_reported():
@@ -291,6 +300,10 @@ STACKED_VARIANTS = {
     # d == n: [E, in, out] and [E, out, in] have one shape; only the graph's (absent) transpose tells
     "in_out-plain-square": (dict(n=D, orient="in_out", gate_up="plain"), "sonic::moe_experts", "concatenated, transposed"),
     "T-fused-square": (dict(n=D // 2, gate_up="fused"), "sonic::moe_experts", "concatenated"),
+    # F.linear(h, W[e], B[e]): B itself to the stacked op; the separate form's slices stacked for the list op
+    "linear-plain-bias": (dict(orient="linear", gate_up="plain", bias=True), "sonic::moe_experts", "concatenated, bias"),
+    "linear-fused-bias": (dict(orient="linear", gate_up="fused", bias=True), "sonic::moe_experts", "concatenated, bias"),
+    "linear-separate-bias": (dict(orient="linear", bias=True), OP, "per-expert list, separate gate/up, bias"),
 }
 
 
@@ -335,7 +348,10 @@ NEGATIVE = {
     "expert-visited-twice": (lambda: LoopMoE(experts_used=[0, 1, 2, 3, 1]), "added twice"),
     "spare-expert": (lambda: LoopMoE(spare_experts=1), "num_classes=5 but the router ranks E=4"),
     "one-expert-other-activation": (lambda: LoopMoE(acts=[F.silu, F.silu, F.gelu, F.silu]), "expert 2's activation (geglu) differs"),
-    "linear-bias": (lambda: LoopMoE(bias=True), "biases are not supported yet"),
+    "bias-on-gate-only": (lambda: LoopMoE(bias="gate"), "has a bias on one of its gate and up projections only"),
+    "bias-on-some-experts": (lambda: LoopMoE(bias=[True, True, False, True]), "expert 2 has biases on (up, down) = (False, False)"),
+    "dense-bias-on-some-experts": (lambda: DenseMoE(bias=[False, True, True, True]), "expert 1 has biases on"),
+    "stacked-next-bias-slice": (lambda: StackedLoopMoE(orient="linear", gate_up="plain", bias="next"), "is not the slice B[0]"),
     "unscaled": (lambda: LoopMoE(scale="none"), "not scaled by the routing weights"),
     "accumulator-read-in-loop": (lambda: LoopMoE(read_inside=True), "read inside the loop"),
     "stacked-next-slice": (lambda: StackedLoopMoE(index="next"), "reads l_self_parameters_w1_[1], not slice 0"),
@@ -542,13 +558,15 @@ def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["one_hot-index_none-inplace", "eq-unsqueeze-functional-zeros", "fused-chunk"])
+@pytest.mark.parametrize("variant", ["one_hot-index_none-inplace", "eq-unsqueeze-functional-zeros", "fused-chunk",
+                                     "bias-gated", "bias-non-gated"])
 def test_expert_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: LoopMoE(**LOOP_VARIANTS[variant]), "expert_loop")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices", "softmax_neg_inf-stack_sum"])
+@pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices", "softmax_neg_inf-stack_sum",
+                                     "bias-scatter-stack_sum"])
 def test_dense_experts_gpu_bf16(variant):
     _check_gpu_bf16(lambda: DenseMoE(**DENSE_VARIANTS[variant]), "dense_experts")
 
@@ -566,7 +584,8 @@ def test_autocast_gpu(case, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["T-separate", "in_out-fused", "linear-plain"])
+@pytest.mark.parametrize("variant", ["T-separate", "in_out-fused", "linear-plain", "linear-fused-bias",
+                                     "linear-separate-bias"])
 def test_expert_loop_stacked_gpu_bf16(variant):
     _check_gpu_bf16(lambda: StackedLoopMoE(**STACKED_VARIANTS[variant][0]), "expert_loop")
 

@@ -139,35 +139,38 @@ def _lists(w1, w2, layout):
     return [w.clone() for w in w1], [], [w.clone() for w in w2]
 
 
-@pytest.mark.parametrize("layout,activation,interleaved", [
-    ("separate", "swiglu", False), ("fused", "swiglu_oai", True), ("fused", "geglu", False), ("plain", "gelu", False),
+@pytest.mark.parametrize("layout,activation,interleaved,bias", [
+    ("separate", "swiglu", False, False), ("fused", "swiglu_oai", True, False), ("fused", "geglu", False, False),
+    ("plain", "gelu", False, False), ("separate", "swiglu", False, True), ("fused", "swiglu_oai", True, True),
+    ("plain", "gelu", False, True),
 ])
-def test_list_op_matches_autograd_loop(layout, activation, interleaved):
+def test_list_op_matches_autograd_loop(layout, activation, interleaved, bias):
     from codegen import moe_experts_list
 
-    x, ids, w, w1, w2, _, _ = make_inputs(activation=activation)
+    x, ids, w, w1, w2, b1, b2 = make_inputs(activation=activation, bias=bias)
     gate, up, down = _lists(w1, w2, layout)
-    leaves = [t.requires_grad_() for t in (x, w, *gate, *up, *down)]
+    leaves = [t.requires_grad_() for t in (x, w, *gate, *up, *down, b1, b2) if t is not None]
     flags = dict(activation=activation, interleaved=interleaved, limit=1.5)
-    got = moe_experts_list(x, ids, w, gate, up, down, **flags)
+    got = moe_experts_list(x, ids, w, gate, up, down, b1=b1, b2=b2, **flags)
     stacked = [x, w, torch.stack([torch.cat((g, u)) for g, u in zip(gate, up)]) if up else torch.stack(gate),
                torch.stack(down)]
-    want = torch_moe_experts(stacked[0], ids, stacked[1], stacked[2], stacked[3], **flags)
+    want = torch_moe_experts(stacked[0], ids, stacked[1], stacked[2], stacked[3], b1, b2, **flags)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     grad = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("layout", ["separate", "fused"])
-def test_list_opcheck(layout):
+@pytest.mark.parametrize("layout,bias", [("separate", False), ("fused", False), ("separate", True)])
+def test_list_opcheck(layout, bias):
     from codegen import moe_experts_list_op
 
-    x, ids, w, w1, w2, _, _ = make_inputs(dtype=torch.float32)
+    x, ids, w, w1, w2, b1, b2 = make_inputs(dtype=torch.float32, bias=bias)
     gate, up, down = _lists(w1, w2, layout)
-    for t in (x, w, *gate, *up, *down):
-        t.requires_grad_()
-    torch.library.opcheck(moe_experts_list_op, (x, ids, w, gate, up, down, "swiglu", False, 1.702, 7.0, True))
+    for t in (x, w, *gate, *up, *down, b1, b2):
+        if t is not None:
+            t.requires_grad_()
+    torch.library.opcheck(moe_experts_list_op, (x, ids, w, gate, up, down, b1, b2, "swiglu", False, 1.702, 7.0, True))
 
 
 @pytest.mark.parametrize("mutate,match", [
@@ -176,13 +179,15 @@ def test_list_opcheck(layout):
     (lambda a: a.update(down=[t.float() for t in a["down"]]), "one dtype"),
     (lambda a: a.update(up=[t[:3] for t in a["up"]]), "differ in shape"),
     (lambda a: a.update(x=a["x"][:, :5]), "do not fit layout"),
+    (lambda a: a.update(b1=torch.zeros(4, 6, dtype=torch.float64)), r"b1 must be \[E, w1_out\] = \(4, 12\)"),
+    (lambda a: a.update(b2=torch.zeros(4, 8, dtype=torch.float32)), "b2 must have x's dtype"),
 ])
 def test_list_bad_input_is_a_clear_error(mutate, match):
     from codegen import moe_experts_list
 
     x, ids, w, w1, w2, _, _ = make_inputs()
     gate, up, down = _lists(w1, w2, "separate")
-    a = dict(x=x, gate=gate, up=up, down=down)
+    a = dict(x=x, gate=gate, up=up, down=down, b1=None, b2=None)
     mutate(a)
     with pytest.raises(ValueError, match=match):
-        moe_experts_list(a["x"], ids, w, a["gate"], a["up"], a["down"])
+        moe_experts_list(a["x"], ids, w, a["gate"], a["up"], a["down"], b1=a["b1"], b2=a["b2"])
