@@ -10,7 +10,8 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
         k, tok = torch.where(mask[e])                             # or tok, k = torch.where(ids == e),
                                                                   #    mask[e].nonzero(as_tuple=True)
         y = self.experts[e](x[tok]) * w[tok, k, None]             # or w[tok, k].unsqueeze(-1), w[tok, k][:, None]
-        out.index_add_(0, tok, y.to(x.dtype))                     # or out = out.index_add(0, tok, y)
+        out.index_add_(0, tok, y.to(x.dtype))                     # or out = out.index_add(0, tok, y),
+                                                                  #    out[tok] += y, out[tok] = out[tok] + y
 
 with each expert `w2(act(w1(x)) * w3(x))`, `w2(act(chunk(w13(x))))` or `w2(act(w1(x)))`,
 nn.Linear layers with or without biases (see `module_list`). It becomes
@@ -40,7 +41,10 @@ returned, the loop being in another function), it is reported with a hint to set
 Checked, not guessed: every expert 0..E-1 visited exactly once, with E the one_hot's num_classes
 (or the `ids == e` constants) and the router's expert count; ids from a top-k (distinct per token,
 in [0, E)); each expert's rows `x[tok_e]` of one x; its output scaled by `w[tok_e, k_e]`; one
-zero-initialised [T, d] accumulator that nothing reads before the last add.
+zero-initialised [T, d] accumulator that nothing reads before the last add. `out[tok] += y` (the
+Mistral reference code's spelling: Dynamo gives `setitem(out, tok, iadd(out[tok], y))`) is an
+index_add there: the ids are distinct per token, so an expert's rows `tok` are distinct and the
+read-add-write of each row happens once; the read `out[tok]` belongs to the add.
 """
 from __future__ import annotations
 
@@ -86,7 +90,7 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     results: list[MoEMatch | Rejection] = []
     done: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node in done or not is_call(node, "index_add", "index_add_") or not _rows_of_mask(node):
+        if node in done or _parts(node) is None or not _rows_of_mask(node):
             continue
         acc = _accumulator(node)
         chain = _combine_chain(acc)
@@ -100,9 +104,28 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     return results
 
 
+def _parts(add: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(index, source, the nodes through which the add reads the accumulator's rows) of a combine
+    step: `out.index_add_(0, index, source)`, `out.index_add(...)`, or `out[index] += source` /
+    `out[index] = out[index] + source` (setitem of an add to the getitem of the same rows); None
+    for any other node."""
+    if is_call(add, "index_add", "index_add_"):
+        return arg(add, 2, "index"), arg(add, 3, "source"), []
+    if not (add.op == "call_function" and add.target is operator.setitem and len(add.args) == 3 and not add.kwargs):
+        return None
+    acc, index, value = add.args
+    if not (isinstance(value, fx.Node) and value.op == "call_function" and value.target in (operator.iadd, operator.add)
+            and len(value.args) == 2 and not value.kwargs):
+        return None
+    rows, source = value.args
+    if not (_is_index(rows, acc, index) and isinstance(index, fx.Node)):
+        return None
+    return index, source, [rows, value]
+
+
 def _rows_of_mask(add: fx.Node) -> bool:
     """A candidate adds rows indexed by the output of torch.where/nonzero (a per-expert loop)."""
-    index = arg(add, 2, "index")
+    index = _parts(add)[0]
     return _is_index(index) and _is_where(index.args[0])
 
 
@@ -122,13 +145,13 @@ def _accumulator(add: fx.Node) -> fx.Node:
 
 
 def _combine_chain(acc: fx.Node) -> list[fx.Node]:
-    """Every index_add(_) into `acc`, in graph order: in-place adds on it, or functional adds chained
-    from it (`out = out.index_add(...)`, each reading the previous)."""
+    """Every index_add(_) (or `out[tok] += y`) into `acc`, in graph order: in-place adds on it, or
+    functional adds chained from it (`out = out.index_add(...)`, each reading the previous)."""
     chain, todo = [], [acc]
     while todo:
         node = todo.pop()
         for user in node.users:
-            if is_call(user, "index_add_", "index_add") and user.args[0] is node and user not in chain:
+            if _parts(user) is not None and user.args[0] is node and user not in chain:
                 chain.append(user)
                 if is_call(user, "index_add"):
                     todo.append(user)
@@ -180,17 +203,26 @@ def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> 
     expect(set(acc.kwargs) <= _ZEROS_KWARGS, f"accumulator is created with {sorted(set(acc.kwargs) - _ZEROS_KWARGS)}")
     expect(len(shape_of(acc)) == 2, "accumulator is not [T, d]")
     walk.mark(acc)
+    own_reads = set()  # out[tok] of `out[tok] += y`: the add's own read of the rows it writes
     for add in chain:
-        expect(arg(add, 1, "dim") in (0, -2), f"{add.name} adds along dim {arg(add, 1, 'dim')}, not the token dim")
-        expect(arg(add, 4, "alpha", 1) == 1, f"{add.name} scales its rows by alpha")
-        walk.mark(add)
-    inplace = {is_call(add, "index_add_") for add in chain}
+        reads = _parts(add)[2]
+        if reads:
+            rows, value = reads
+            expect(list(rows.users) == [value] and list(value.users) == [add],
+                   f"{add.name} adds into rows {rows.name} that are read elsewhere too")
+        else:
+            expect(arg(add, 1, "dim") in (0, -2), f"{add.name} adds along dim {arg(add, 1, 'dim')}, not the token dim")
+            expect(arg(add, 4, "alpha", 1) == 1, f"{add.name} scales its rows by alpha")
+        own_reads.update(reads)
+        walk.mark(add, *reads)
+    inplace = {not is_call(add, "index_add") for add in chain}
     expect(len(inplace) == 1, "the loop mixes in-place and functional index_add")
     order = {n: i for i, n in enumerate(acc.graph.nodes)}
     last = order[chain[-1]]
     if inplace == {True}:
         expect(all(add.args[0] is acc for add in chain), "in-place adds go into different tensors")
-        early = [u for alias in (acc, *chain) for u in alias.users if u not in chain and order[u] < last]
+        early = [u for alias in (acc, *chain) for u in alias.users
+                 if u not in chain and u not in own_reads and order[u] < last]
         expect(not early, f"the accumulator is read inside the loop (by {early[0].name if early else ''}), before the last add")
         return True
     for node in (acc, *chain[:-1]):
@@ -201,7 +233,7 @@ def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> 
 def _check_expert_add(add: fx.Node, walk: RegionWalk):
     """(e, expert, x, ids, weights, one_hot num_classes, assert nodes) of
     `out.index_add_(0, tok, experts[e](x[tok]) * w[tok, k, None])`."""
-    tok, source = arg(add, 2, "index"), arg(add, 3, "source")
+    tok, source, _ = _parts(add)
     where = tok.args[0] if _is_index(tok) else None
     expect(_is_where(where), f"{add.name} adds at rows that are not torch.where/nonzero indices")
     e, ids, tok_pos, num_classes = _expert_of_mask(where.args[0], walk)

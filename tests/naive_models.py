@@ -100,7 +100,9 @@ class LoopMoE(Router):
              "nonzero" (mask[e].nonzero(as_tuple=True))
     scale:   "index_none" (w[tok, k, None]), "unsqueeze" (w[tok, k].unsqueeze(-1)),
              "slice" (w[tok, k][:, None]), "cast" (w[tok, k, None].to(x.dtype)), "none" (unscaled)
-    combine: "inplace" (out.index_add_), "functional" (out = out.index_add(...))
+    combine: "inplace" (out.index_add_), "functional" (out = out.index_add(...)), "setitem_iadd"
+             (out[tok] += y: Mistral's reference code), "setitem_add" (out[tok] = out[tok] + y),
+             "setitem_iadd_read" (out[tok] += y, those rows also kept aside in a list: read elsewhere)
     acc:     "zeros_like" or "zeros" (torch.zeros((T, d), dtype=..., device=...))
     experts_used: the experts the loop visits (default all); read_inside: the loop reads `out`;
     spare_experts: experts beyond the router's E, in the ModuleList, the one_hot and the loop
@@ -144,6 +146,7 @@ class LoopMoE(Router):
         else:
             out = torch.zeros_like(x)
         mask = F.one_hot(ids, num_classes=self.classes).permute(2, 1, 0)  # [E, K, T]
+        kept = []
         for e in self.experts_used:
             tok, k = self._rows(ids, mask, e)
             y = self.experts[e](x[tok])
@@ -153,8 +156,18 @@ class LoopMoE(Router):
                 y = y + out[tok]
             if self.combine == "functional":
                 out = out.index_add(0, tok, y.to(x.dtype))
+            elif self.combine in ("setitem_iadd", "setitem_iadd_read"):
+                rows = out[tok]
+                if self.combine == "setitem_iadd_read":
+                    kept.append(rows.sum())
+                rows += y.to(x.dtype)
+                out[tok] = rows
+            elif self.combine == "setitem_add":
+                out[tok] = out[tok] + y.to(x.dtype)
             else:
                 out.index_add_(0, tok, y.to(x.dtype))
+        if kept:
+            return out + sum(kept)
         return out
 
 

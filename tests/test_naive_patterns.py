@@ -92,6 +92,9 @@ LOOP_VARIANTS = {
     "bias-fused-eq": dict(experts="fused", where="eq", bias=True),
     "bias-non-gated": dict(experts="plain", bias=True),
     "bias-down-only": dict(bias="down"),
+    # out[tok] += y (Mistral's reference moe.py), out[tok] = out[tok] + y
+    "eq-setitem_iadd": dict(where="eq", combine="setitem_iadd"),
+    "setitem_add-bias": dict(combine="setitem_add", bias=True),
 }
 
 DENSE_VARIANTS = {
@@ -185,12 +188,12 @@ def test_dense_bmm_no_token_rounding_on_scaled_inputs():
     assert_close_to_eager(got.detach(), model(x).detach(), what="output")
 
 
-@pytest.mark.parametrize("model,bias", [(LoopMoE, False), (DenseMoE, False), (LoopMoE, True)],
-                         ids=["expert_loop", "dense_experts", "expert_loop-bias"])
-def test_inductor(model, bias):
+@pytest.mark.parametrize("model,kwargs", [(LoopMoE, {}), (DenseMoE, {}), (LoopMoE, dict(bias=True, combine="setitem_iadd"))],
+                         ids=["expert_loop", "dense_experts", "expert_loop-bias-setitem"])
+def test_inductor(model, kwargs):
     """The full path: the unbacked sizes of torch.where go with the region, Inductor compiles the rest
     (and the stacking of the Linears' biases)."""
-    _check_rewrite(model(bias=bias), "expert_loop" if model is LoopMoE else "dense_experts", compiler="inductor")
+    _check_rewrite(model(**kwargs), "expert_loop" if model is LoopMoE else "dense_experts", compiler="inductor")
 
 
 def test_layouts_reported():
@@ -353,6 +356,7 @@ NEGATIVE = {
     "dense-bias-on-some-experts": (lambda: DenseMoE(bias=[False, True, True, True]), "expert 1 has biases on"),
     "stacked-next-bias-slice": (lambda: StackedLoopMoE(orient="linear", gate_up="plain", bias="next"), "is not the slice B[0]"),
     "unscaled": (lambda: LoopMoE(scale="none"), "not scaled by the routing weights"),
+    "setitem-rows-read-elsewhere": (lambda: LoopMoE(combine="setitem_iadd_read"), "that are read elsewhere too"),
     "accumulator-read-in-loop": (lambda: LoopMoE(read_inside=True), "read inside the loop"),
     "stacked-next-slice": (lambda: StackedLoopMoE(index="next"), "reads l_self_parameters_w1_[1], not slice 0"),
     "stacked-shuffled-slices": (lambda: StackedLoopMoE(index="shuffled", gate_up="fused"), "not slice 0 of its stacked weight"),
@@ -559,7 +563,7 @@ def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["one_hot-index_none-inplace", "eq-unsqueeze-functional-zeros", "fused-chunk",
-                                     "bias-gated", "bias-non-gated"])
+                                     "bias-gated", "bias-non-gated", "eq-setitem_iadd"])
 def test_expert_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: LoopMoE(**LOOP_VARIANTS[variant]), "expert_loop")
 
