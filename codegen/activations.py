@@ -25,6 +25,7 @@ GATED = {
     "swiglu_clamp": True,  # silu(min(g, limit)) * clamp(u, +-limit)       (DeepSeek-V4)
     # soft caps alpha (gate) and limit (up): alpha tanh(g / alpha) * sigmoid(g) * limit tanh(u / limit)   (Inkling2)
     "swiglu_softcap": True,
+    "relu": False,  # relu(h)                                          (Switch Transformer, T5)
 }
 ACTIVATIONS = tuple(GATED)
 
@@ -85,6 +86,8 @@ def _unary_and_grad(name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if name == "relu2":
         r = torch.relu(x)
         return r * r, 2.0 * r
+    if name == "relu":  # torch's relu passes no gradient at 0
+        return torch.relu(x), (x > 0).to(x.dtype)
     raise AssertionError(name)
 
 

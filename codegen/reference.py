@@ -340,6 +340,7 @@ def _differentiable_activation(h: torch.Tensor, activation: str, flags: dict) ->
         "gelu": F.gelu,
         "geglu_tanh": lambda t: F.gelu(t, approximate="tanh"),
         "relu2": lambda t: torch.relu(t) ** 2,
+        "relu": torch.relu,
     }
     if not GATED[activation]:
         return unary[activation](h)

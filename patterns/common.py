@@ -60,6 +60,8 @@ class MoEMatch:
     # The weights scale each expert's INPUT, not its output (Llama 4): out[t] = sum_k f_e(w[t, k] x[t]).
     # The rewrite runs the op on the T*K scaled rows with unit weights and sums each token's K rows.
     input_scaled: bool = False
+    # topk_ids / topk_weights are [T] (a top-1 `max` over the scores): the rewrite hands the op [T, 1]
+    flat_top1: bool = False
 
     def describe(self) -> dict:
         layout = ("interleaved" if self.interleaved else "concatenated") + (", transposed" if self.transposed else "")
@@ -465,6 +467,8 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         return node if node is None or dtype_of(node) == match.dtype else to(node, match.dtype)
 
     x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
+    if match.flat_top1:
+        ids, weights = insert(torch.unsqueeze, (ids, -1)), insert(torch.unsqueeze, (weights, -1))
     if match.gates:  # the [T, K] weights at the top-k ids of a gate matrix zero elsewhere
         weights = insert(torch.gather, (weights, 1, ids))
     if match.input_scaled:  # one row per (token, k): x[t] * w[t, k], through expert ids[t, k], weight 1

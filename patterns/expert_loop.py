@@ -13,6 +13,11 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
         out.index_add_(0, tok, y.to(x.dtype))                     # or out = out.index_add(0, tok, y),
                                                                   #    out[tok] += y, out[tok] = out[tok] + y
 
+or top-1 (Switch Transformer): `p, ids = probs.max(dim=-1)` ([T] ids and weights), `tok, =
+torch.where(ids == e)` (or `.nonzero(as_tuple=True)`), `y * p[tok, None]`, and `out[tok] = y` as
+well as the adds (with one expert per token, the assigned rows of different experts are disjoint and
+cover each routed token once: the sum). The op gets the [T] ids and weights as [T, 1].
+
 with each expert `w2(act(w1(x)) * w3(x))`, `w2(act(chunk(w13(x))))` or `w2(act(w1(x)))`,
 nn.Linear layers with or without biases (see `module_list`). It becomes
 
@@ -49,6 +54,7 @@ read-add-write of each row happens once; the read `out[tok]` belongs to the add.
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -62,6 +68,7 @@ from .common import (
     dtype_of,
     example_value,
     expect,
+    getitem_of,
     is_call,
     module_path,
     same_size,
@@ -104,28 +111,44 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     return results
 
 
-def _parts(add: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
-    """(index, source, the nodes through which the add reads the accumulator's rows) of a combine
-    step: `out.index_add_(0, index, source)`, `out.index_add(...)`, or `out[index] += source` /
-    `out[index] = out[index] + source` (setitem of an add to the getitem of the same rows); None
-    for any other node."""
+class _Step(NamedTuple):
+    """One combine step of the loop."""
+
+    index: fx.Node  # the rows it writes (torch.where's token output)
+    source: fx.Node  # what it adds there
+    reads: list[fx.Node]  # `out[tok]` and the add, for `out[tok] += y`: the step's own read of its rows
+    kind: str  # "index_add" (either form), "add" (out[tok] += y) or "assign" (out[tok] = y)
+
+
+def _parts(add: fx.Node) -> _Step | None:
+    """The combine step `add` is: `out.index_add_(0, tok, y)`, `out.index_add(...)`, `out[tok] += y`
+    / `out[tok] = out[tok] + y` (setitem of an add to the getitem of the same rows), or
+    `out[tok] = y` (an index_add only with one expert per token: `_check` sees to it); `out[tok, :]`
+    alike. None for any other node."""
     if is_call(add, "index_add", "index_add_"):
-        return arg(add, 2, "index"), arg(add, 3, "source"), []
+        return _Step(arg(add, 2, "index"), arg(add, 3, "source"), [], "index_add")
     if not (add.op == "call_function" and add.target is operator.setitem and len(add.args) == 3 and not add.kwargs):
         return None
     acc, index, value = add.args
-    if not (isinstance(value, fx.Node) and value.op == "call_function" and value.target in (operator.iadd, operator.add)
-            and len(value.args) == 2 and not value.kwargs):
+    tok = _row_index(index)
+    if tok is None or not isinstance(value, fx.Node):
         return None
-    rows, source = value.args
-    if not (_is_index(rows, acc, index) and isinstance(index, fx.Node)):
-        return None
-    return index, source, [rows, value]
+    if value.op == "call_function" and value.target in (operator.iadd, operator.add) and len(value.args) == 2 \
+            and not value.kwargs and _is_index(value.args[0], acc, index):
+        return _Step(tok, value.args[1], [value.args[0], value], "add")
+    return _Step(tok, value, [], "assign")
+
+
+def _row_index(index) -> fx.Node | None:
+    """tok of the index `[tok]` or `[tok, :]`."""
+    if isinstance(index, tuple) and len(index) == 2 and index[1] == slice(None):
+        index = index[0]
+    return index if isinstance(index, fx.Node) else None
 
 
 def _rows_of_mask(add: fx.Node) -> bool:
     """A candidate adds rows indexed by the output of torch.where/nonzero (a per-expert loop)."""
-    index = _parts(add)[0]
+    index = _parts(add).index
     return _is_index(index) and _is_where(index.args[0])
 
 
@@ -180,7 +203,10 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
     expect(len(weights_nodes) == 1, "experts are scaled by different routing weights")
     (x,), (topk_ids,), (topk_weights,) = xs, ids_nodes, weights_nodes
 
-    E, K = topk_routing(topk_ids, walk)
+    E, K, flat = _loop_routing(topk_ids, walk)
+    assigned = [add.name for add in chain if _parts(add).kind == "assign"]
+    expect(not assigned or K == 1, f"{assigned[0] if assigned else ''} assigns its expert's rows (out[tok] = y) while "
+           f"each token has K={K} experts: the last expert's rows would win, not their sum")
     for num_classes in classes - {None}:
         expect(num_classes == E, f"one_hot has num_classes={num_classes} but the router ranks E={E} experts")
     expect(all(0 <= e < E for e in experts), f"expert index {max(experts)} is outside the router's E={E} experts")
@@ -190,10 +216,29 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
     T, d = shape_of(x)
     expect(same_size(T, shape_of(topk_ids)[0]), "hidden states are not [T, d] for the routed T")
     expect(same_size(shape_of(acc)[0], T) and same_size(shape_of(acc)[1], d), f"accumulator {shape_of(acc)} is not [T, d]")
-    return finish_expert_match(
+    match = finish_expert_match(
         IDIOM, anchor, walk, anchor, chain, x, topk_ids, topk_weights, [experts[e] for e in range(E)],
         E=E, K=K, T=T, d=d, accumulator=acc if inplace else None, extra_region=extra, shape_only=[acc],
     )
+    match.flat_top1 = flat
+    return match
+
+
+def _loop_routing(ids: fx.Node, walk: RegionWalk) -> tuple[int, int, bool]:
+    """(E, K, flat) of the loop's expert ids: `topk_routing`'s [T, K] top-k indices, or (flat)
+    the [T] indices of `scores.max(dim=-1)` over [T, E] scores, one expert per token (Switch
+    Transformer's top-1), which the rewrite hands the op as [T, 1]."""
+    top1 = getitem_of(ids, 1)
+    if not is_call(top1, "max"):
+        return (*topk_routing(ids, walk), False)
+    scores, dim = arg(top1, 0, "input"), arg(top1, 1, "dim")
+    shape = shape_of(scores)
+    expect(isinstance(dim, int) and not isinstance(dim, bool) and len(shape) == 2 and dim in (-1, 1)
+           and not arg(top1, 2, "keepdim", False) and len(top1.args) + len(top1.kwargs) <= 3,
+           "expert ids are a max that does not rank [T, E] scores over the experts")
+    expect(isinstance(shape[1], int), "expert count is not static")
+    expect(shape_of(ids) == (shape[0],), "top-1 expert ids are not [T]")
+    return shape[1], 1, True
 
 
 def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> bool:
@@ -205,12 +250,13 @@ def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> 
     walk.mark(acc)
     own_reads = set()  # out[tok] of `out[tok] += y`: the add's own read of the rows it writes
     for add in chain:
-        reads = _parts(add)[2]
+        step = _parts(add)
+        reads = step.reads
         if reads:
             rows, value = reads
             expect(list(rows.users) == [value] and list(value.users) == [add],
                    f"{add.name} adds into rows {rows.name} that are read elsewhere too")
-        else:
+        elif step.kind == "index_add":
             expect(arg(add, 1, "dim") in (0, -2), f"{add.name} adds along dim {arg(add, 1, 'dim')}, not the token dim")
             expect(arg(add, 4, "alpha", 1) == 1, f"{add.name} scales its rows by alpha")
         own_reads.update(reads)
@@ -233,7 +279,7 @@ def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> 
 def _check_expert_add(add: fx.Node, walk: RegionWalk):
     """(e, expert, x, ids, weights, one_hot num_classes, assert nodes) of
     `out.index_add_(0, tok, experts[e](x[tok]) * w[tok, k, None])`."""
-    tok, source, _ = _parts(add)
+    tok, source = _parts(add)[:2]
     where = tok.args[0] if _is_index(tok) else None
     expect(_is_where(where), f"{add.name} adds at rows that are not torch.where/nonzero indices")
     e, ids, tok_pos, num_classes = _expert_of_mask(where.args[0], walk)
@@ -255,8 +301,9 @@ def _check_expert_add(add: fx.Node, walk: RegionWalk):
     y, weights = scaled
     expert = expert_mlp(y, walk, e, stacked=True)
     rows = through_float_casts(expert.rows, walk)
-    expect(_is_index(rows) and _is_index(rows.args[1], where, tok_pos), f"expert {e} does not read the rows x[tok] of its tokens")
-    walk.mark(rows, rows.args[1])
+    tok_rows = _row_index(rows.args[1]) if _is_index(rows) else None
+    expect(_is_index(tok_rows, where, tok_pos), f"expert {e} does not read the rows x[tok] of its tokens")
+    walk.mark(rows, tok_rows)
     return e, expert, rows.args[0], ids, weights, num_classes, _size_asserts(where, walk)
 
 
@@ -275,7 +322,8 @@ def _expert_of_mask(mask_e, walk: RegionWalk) -> tuple[int, fx.Node, int, int | 
         if isinstance(ids, int):
             ids, e = e, ids
         expect(isinstance(e, int) and not isinstance(e, bool), "experts are selected by ids == <not a constant>")
-        expect(len(shape_of(ids)) == 2 and not dtype_of(ids).is_floating_point, "experts are selected from something that is not [T, K] ids")
+        expect(len(shape_of(ids)) in (1, 2) and not dtype_of(ids).is_floating_point,
+               "experts are selected from something that is not [T, K] (or top-1 [T]) ids")
         walk.mark(mask_e)
         return e, ids, 0, None
     permuted = mask_e.args[0] if _is_index(mask_e) else None
@@ -296,10 +344,17 @@ def _expert_of_mask(mask_e, walk: RegionWalk) -> tuple[int, fx.Node, int, int | 
 def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx.Node | None:
     """The [T, K] weights w when `scale` is w[tok, k, None], w[tok, k].unsqueeze(-1) or
     w[tok, k][:, None] (casts anywhere), with (tok, k) this expert's torch.where outputs."""
+    flat = len(example_value(where)) == 1  # torch.where of top-1 [T] ids: (tok,), weights w [T]
+
     def picks_rows(node, extra=()):
-        if not _is_index(node) or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2 + len(extra):
+        if not _is_index(node):
             return False
-        t, k, *rest = node.args[1]
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if flat:  # w[tok] (then broadcast) or w[tok, None]
+            return len(index) == 1 + len(extra) and _is_index(index[0], where, 0) and tuple(index[1:]) == extra
+        if len(index) != 2 + len(extra):
+            return False
+        t, k, *rest = index
         return _is_index(t, where, tok_pos) and _is_index(k, where, 1 - tok_pos) and tuple(rest) == extra
 
     scale = through_float_casts(scale, walk)
@@ -314,9 +369,10 @@ def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx
             return None
         nodes.append(scale)
     w = scale.args[0]  # as the loop reads it, casts included
-    if len(shape_of(w)) != 2 or dtype_of(w) is None or not dtype_of(w).is_floating_point:
+    if len(shape_of(w)) != (1 if flat else 2) or dtype_of(w) is None or not dtype_of(w).is_floating_point:
         return None
-    walk.mark(*nodes, *scale.args[1][:2])
+    index = scale.args[1] if isinstance(scale.args[1], tuple) else (scale.args[1],)
+    walk.mark(*nodes, *index[:1 if flat else 2])
     return w
 
 

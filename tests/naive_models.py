@@ -76,6 +76,8 @@ def make_experts(kind, d, n, E, acts=None, bias=False):
         return nn.ModuleList(PlainExpert(d, n, act, b) for act, b in zip(acts or [F.gelu] * E, biases))
     if kind == "plain_relu2":
         return nn.ModuleList(PlainExpert(d, n, relu2, b) for b in biases)
+    if kind == "plain_relu":  # nn.ReLU between two biased Linears: Switch Transformer's, T5's expert
+        return nn.ModuleList(nn.Sequential(nn.Linear(d, n, bias=b), nn.ReLU(), nn.Linear(n, d, bias=b)) for b in biases)
     raise ValueError(kind)
 
 
@@ -102,7 +104,8 @@ class LoopMoE(Router):
              "slice" (w[tok, k][:, None]), "cast" (w[tok, k, None].to(x.dtype)), "none" (unscaled)
     combine: "inplace" (out.index_add_), "functional" (out = out.index_add(...)), "setitem_iadd"
              (out[tok] += y: Mistral's reference code), "setitem_add" (out[tok] = out[tok] + y),
-             "setitem_iadd_read" (out[tok] += y, those rows also kept aside in a list: read elsewhere)
+             "setitem_iadd_read" (out[tok] += y, those rows also kept aside in a list: read elsewhere),
+             "assign" (out[tok] = y: the sum only when K == 1)
     acc:     "zeros_like" or "zeros" (torch.zeros((T, d), dtype=..., device=...))
     experts_used: the experts the loop visits (default all); read_inside: the loop reads `out`;
     spare_experts: experts beyond the router's E, in the ModuleList, the one_hot and the loop
@@ -164,6 +167,8 @@ class LoopMoE(Router):
                 out[tok] = rows
             elif self.combine == "setitem_add":
                 out[tok] = out[tok] + y.to(x.dtype)
+            elif self.combine == "assign":
+                out[tok] = y.to(x.dtype)
             else:
                 out.index_add_(0, tok, y.to(x.dtype))
         if kept:
@@ -232,6 +237,44 @@ class SplitLoopMoE(LoopMoE):
         for e in range(self.E):
             k, tok = torch.where(mask[e])
             out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
+        return out
+
+
+class SwitchLoopMoE(Router):
+    """Top-1 routing by max (Switch Transformer): `p, ids = probs.max(dim=-1)`, then the loop of
+    `LoopMoE` over [T] ids.
+
+    where:   "eq" (tok, = torch.where(ids == e)), "nonzero" ((ids == e).nonzero(as_tuple=True)[0])
+    combine: "assign" (out[tok] = y), "assign_slice" (out[tok, :] = y), "iadd" (out[tok] += y),
+             "index_add" (out.index_add_(0, tok, y))
+    scale:   "index_none" (p[tok, None]), "unsqueeze" (p[tok].unsqueeze(-1))
+    rows:    "plain" (x[tok]) or "slice" (x[tok, :]); keepdim: max(..., keepdim=True) (not [T] ids)
+    """
+
+    def __init__(self, d=16, n=8, E=4, experts="plain", where="eq", combine="assign", scale="index_none",
+                 rows="plain", keepdim=False, bias=True):
+        super().__init__(d, E, 1)
+        self.experts = make_experts(experts, d, n, E, None, bias)
+        self.where, self.combine, self.scale, self.rows, self.keepdim = where, combine, scale, rows, keepdim
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        p, ids = probs.max(dim=-1, keepdim=True) if self.keepdim else probs.max(dim=-1)
+        if self.keepdim:
+            p, ids = p[:, 0], ids[:, 0]
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            tok = torch.where(ids == e)[0] if self.where == "eq" else (ids == e).nonzero(as_tuple=True)[0]
+            xe = x[tok] if self.rows == "plain" else x[tok, :]
+            y = self.experts[e](xe) * (p[tok, None] if self.scale == "index_none" else p[tok].unsqueeze(-1))
+            if self.combine == "assign":
+                out[tok] = y
+            elif self.combine == "assign_slice":
+                out[tok, :] = y
+            elif self.combine == "iadd":
+                out[tok] += y
+            else:
+                out.index_add_(0, tok, y)
         return out
 
 

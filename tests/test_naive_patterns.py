@@ -20,7 +20,7 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import BmmMoE, DenseMoE, LoopMoE, SplitLoopMoE, StackedLoopMoE
+from .naive_models import BmmMoE, DenseMoE, LoopMoE, SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -124,6 +124,21 @@ def test_expert_loop_matches_eager(variant):
     report = _check_rewrite(LoopMoE(**LOOP_VARIANTS[variant]), "expert_loop")
     layout = report.rewritten[0].details["layout"]
     assert layout.startswith("per-expert list"), layout
+
+
+SWITCH_VARIANTS = {
+    "assign-eq-relu": dict(experts="plain_relu"),
+    "assign-eq": dict(),
+    "assign_slice-nonzero-rows_slice": dict(combine="assign_slice", where="nonzero", rows="slice"),
+    "iadd-unsqueeze-gated": dict(combine="iadd", scale="unsqueeze", experts="gated"),
+    "index_add-fused-no_bias": dict(combine="index_add", experts="fused", bias=False),
+}
+
+
+@pytest.mark.parametrize("variant", SWITCH_VARIANTS)
+def test_expert_loop_top1_max_matches_eager(variant):
+    # Switch-style top-1: [T] ids and weights from max(dim=-1), handed to the op as [T, 1]
+    _check_rewrite(SwitchLoopMoE(**SWITCH_VARIANTS[variant]), "expert_loop")
 
 
 @pytest.mark.parametrize("variant", DENSE_VARIANTS)
@@ -357,6 +372,8 @@ NEGATIVE = {
     "stacked-next-bias-slice": (lambda: StackedLoopMoE(orient="linear", gate_up="plain", bias="next"), "is not the slice B[0]"),
     "unscaled": (lambda: LoopMoE(scale="none"), "not scaled by the routing weights"),
     "setitem-rows-read-elsewhere": (lambda: LoopMoE(combine="setitem_iadd_read"), "that are read elsewhere too"),
+    "assign-with-top2": (lambda: LoopMoE(where="eq", combine="assign"), "while each token has K=2 experts"),
+    "top1-max-keepdim-column": (lambda: SwitchLoopMoE(keepdim=True), "not the indices of a torch.topk"),
     "accumulator-read-in-loop": (lambda: LoopMoE(read_inside=True), "read inside the loop"),
     "stacked-next-slice": (lambda: StackedLoopMoE(index="next"), "reads l_self_parameters_w1_[1], not slice 0"),
     "stacked-shuffled-slices": (lambda: StackedLoopMoE(index="shuffled", gate_up="fused"), "not slice 0 of its stacked weight"),
@@ -566,6 +583,12 @@ def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor"):
                                      "bias-gated", "bias-non-gated", "eq-setitem_iadd"])
 def test_expert_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: LoopMoE(**LOOP_VARIANTS[variant]), "expert_loop")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["assign-eq-relu", "iadd-unsqueeze-gated"])
+def test_expert_loop_top1_max_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: SwitchLoopMoE(**SWITCH_VARIANTS[variant]), "expert_loop")
 
 
 @pytest.mark.gpu

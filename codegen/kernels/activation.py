@@ -12,6 +12,7 @@ order of `codegen.activations.ACTIVATIONS`):
     6 silu        silu(h)
     7 swiglu_clamp  silu(g') * u',  g' = min(g, limit), u' = clamp(u, +-limit)   (DeepSeek-V4)
     8 swiglu_softcap  alpha tanh(g / alpha) * sigmoid(g) * limit tanh(u / limit)   (Inkling2)
+    9 relu        relu(h)             (non-gated; no gradient at 0, as torch's)
     15 identity   h               (internal: lets the up-projection kernel serve as a plain gathered GEMM)
 
 Everything here is float32 math on float32 tiles; the callers upcast H and downcast the results.
@@ -91,6 +92,8 @@ def _act_fwd(g, u, alpha, limit, ACTIVATION: tl.constexpr):
         a = gc * tl.sigmoid(gc) * tl.minimum(tl.maximum(u, -limit), limit)
     elif ACTIVATION == 8:
         a = alpha * _tanh(g / alpha) * tl.sigmoid(g) * (limit * _tanh(u / limit))
+    elif ACTIVATION == 9:
+        a = tl.maximum(g, 0.0)
     else:
         a = g
     return a
@@ -144,6 +147,9 @@ def _act_bwd(g, u, da, alpha, limit, ACTIVATION: tl.constexpr):
             a, dact = _unary_fwd_and_grad(g, 4)
         elif ACTIVATION == 5:
             a, dact = _unary_fwd_and_grad(g, 1)
+        elif ACTIVATION == 9:
+            a = tl.maximum(g, 0.0)
+            dact = tl.where(g > 0.0, 1.0, 0.0)
         else:
             a, dact = _unary_fwd_and_grad(g, 0)
         dg = da * dact
