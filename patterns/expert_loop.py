@@ -14,9 +14,11 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
                                                                   #    out[tok] += y, out[tok] = out[tok] + y
 
 or top-1 (Switch Transformer): `p, ids = probs.max(dim=-1)` ([T] ids and weights), `tok, =
-torch.where(ids == e)` (or `.nonzero(as_tuple=True)`), `y * p[tok, None]`, and `out[tok] = y` as
-well as the adds (with one expert per token, the assigned rows of different experts are disjoint and
-cover each routed token once: the sum). The op gets the [T] ids and weights as [T, 1].
+torch.where(ids == e)` (or `.nonzero(as_tuple=True)`, or the boolean mask `m = ids == e` itself:
+`x[m]`, `p[m]`, `out[m]`), `y * p[tok, None]`, and `out[tok] = y` as well as the adds (with one
+expert per token, the assigned rows of different experts are disjoint and cover each routed token
+once: the sum). The op gets the [T] ids and weights as [T, 1]. An expert's rows may also be read as
+`x[None, tok].reshape(-1, d)` (transformers 4.x's Mixtral block, copied into many code bases).
 
 with each expert `w2(act(w1(x)) * w3(x))`, `w2(act(chunk(w13(x))))` or `w2(act(w1(x)))`,
 nn.Linear layers with or without biases (see `module_list`). It becomes
@@ -147,9 +149,23 @@ def _row_index(index) -> fx.Node | None:
 
 
 def _rows_of_mask(add: fx.Node) -> bool:
-    """A candidate adds rows indexed by the output of torch.where/nonzero (a per-expert loop)."""
+    """A candidate adds rows indexed by the output of torch.where/nonzero (a per-expert loop), or
+    by a boolean mask `ids == e` (top-1 ids)."""
     index = _parts(add).index
-    return _is_index(index) and _is_where(index.args[0])
+    return (_is_index(index) and _is_where(index.args[0])) or _is_bool_mask(index)
+
+
+def _is_bool_mask(node) -> bool:
+    """`ids == e`, a boolean [T] tensor (rows selected as x[m], out[m] = ...)."""
+    value = example_value(node)
+    return (is_call(node, "eq", "__eq__") and isinstance(value, torch.Tensor) and value.dtype == torch.bool
+            and value.dim() == 1)
+
+
+def _selects(node, where: fx.Node, tok_pos: int) -> bool:
+    """`node` indexes this expert's rows: torch.where's token output `where[tok_pos]`, or the
+    boolean mask itself (`where` is then the mask)."""
+    return node is where if _is_bool_mask(where) else _is_index(node, where, tok_pos)
 
 
 def _is_where(node) -> bool:
@@ -280,11 +296,16 @@ def _check_expert_add(add: fx.Node, walk: RegionWalk):
     """(e, expert, x, ids, weights, one_hot num_classes, assert nodes) of
     `out.index_add_(0, tok, experts[e](x[tok]) * w[tok, k, None])`."""
     tok, source = _parts(add)[:2]
-    where = tok.args[0] if _is_index(tok) else None
-    expect(_is_where(where), f"{add.name} adds at rows that are not torch.where/nonzero indices")
-    e, ids, tok_pos, num_classes = _expert_of_mask(where.args[0], walk)
-    expect(tok.args[1] == tok_pos, f"{add.name} adds at the K positions of the mask, not its token positions")
-    walk.mark(tok, where)
+    if _is_bool_mask(tok):  # out[m] = ... with m = ids == e of top-1 [T] ids: the rows are those m selects
+        where = tok
+        e, ids, tok_pos, num_classes = _expert_of_mask(tok, walk)
+        expect(len(shape_of(ids)) == 1, f"{add.name} indexes rows by a boolean mask of [T, K] ids")
+    else:
+        where = tok.args[0] if _is_index(tok) else None
+        expect(_is_where(where), f"{add.name} adds at rows that are not torch.where/nonzero indices")
+        e, ids, tok_pos, num_classes = _expert_of_mask(where.args[0], walk)
+        expect(tok.args[1] == tok_pos, f"{add.name} adds at the K positions of the mask, not its token positions")
+        walk.mark(tok, where)
 
     # y * w[tok, k, None] (either order), cast or not
     mul = through_float_casts(source, walk)
@@ -300,11 +321,33 @@ def _check_expert_add(add: fx.Node, walk: RegionWalk):
     walk.mark(mul)
     y, weights = scaled
     expert = expert_mlp(y, walk, e, stacked=True)
-    rows = through_float_casts(expert.rows, walk)
-    tok_rows = _row_index(rows.args[1]) if _is_index(rows) else None
-    expect(_is_index(tok_rows, where, tok_pos), f"expert {e} does not read the rows x[tok] of its tokens")
-    walk.mark(rows, tok_rows)
-    return e, expert, rows.args[0], ids, weights, num_classes, _size_asserts(where, walk)
+    x = _rows_read(through_float_casts(expert.rows, walk), where, tok_pos, walk)
+    expect(x is not None, f"expert {e} does not read the rows x[tok] of its tokens")
+    return e, expert, x, ids, weights, num_classes, _size_asserts(where, walk)
+
+
+def _rows_read(rows: fx.Node, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx.Node | None:
+    """x when `rows` is x[tok] or x[tok, :] of a 2-D x, or `x[None, tok].reshape(-1, d)` (transformers
+    4.x's Mixtral block, copied into many code bases), with tok this expert's torch.where output."""
+    nodes = []
+    if is_call(rows, "reshape", "view") and len(rows.args) >= 2 and not rows.kwargs:
+        size = rows.args[1:] if len(rows.args) > 2 else rows.args[1]
+        inner = rows.args[0]
+        d = shape_of(rows)[-1] if len(shape_of(rows)) == 2 else None
+        if not (isinstance(size, (tuple, list)) and len(size) == 2 and size[0] == -1 and same_size(size[1], d)
+                and _is_index(inner) and isinstance(inner.args[1], tuple) and len(inner.args[1]) == 2
+                and inner.args[1][0] is None):
+            return None
+        nodes, tok = [rows, inner], inner.args[1][1]  # x[None, tok] is [1, rows, d]
+        rows = inner
+    else:
+        tok = _row_index(rows.args[1]) if _is_index(rows) else None
+        nodes = [rows]
+    x = rows.args[0]
+    if not _selects(tok, where, tok_pos) or len(shape_of(x)) != 2:
+        return None
+    walk.mark(*nodes, tok)
+    return x
 
 
 def _is_index(node, of=None, pos=None) -> bool:
@@ -344,14 +387,15 @@ def _expert_of_mask(mask_e, walk: RegionWalk) -> tuple[int, fx.Node, int, int | 
 def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx.Node | None:
     """The [T, K] weights w when `scale` is w[tok, k, None], w[tok, k].unsqueeze(-1) or
     w[tok, k][:, None] (casts anywhere), with (tok, k) this expert's torch.where outputs."""
-    flat = len(example_value(where)) == 1  # torch.where of top-1 [T] ids: (tok,), weights w [T]
+    # torch.where of top-1 [T] ids: (tok,), or a boolean mask of them; weights w [T]
+    flat = _is_bool_mask(where) or len(example_value(where)) == 1
 
     def picks_rows(node, extra=()):
         if not _is_index(node):
             return False
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         if flat:  # w[tok] (then broadcast) or w[tok, None]
-            return len(index) == 1 + len(extra) and _is_index(index[0], where, 0) and tuple(index[1:]) == extra
+            return len(index) == 1 + len(extra) and _selects(index[0], where, 0) and tuple(index[1:]) == extra
         if len(index) != 2 + len(extra):
             return False
         t, k, *rest = index
@@ -372,14 +416,18 @@ def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx
     if len(shape_of(w)) != (1 if flat else 2) or dtype_of(w) is None or not dtype_of(w).is_floating_point:
         return None
     index = scale.args[1] if isinstance(scale.args[1], tuple) else (scale.args[1],)
-    walk.mark(*nodes, *index[:1 if flat else 2])
+    walk.mark(*nodes, *(i for i in index[:1 if flat else 2] if i is not where))
     return w
 
 
 def _size_asserts(where: fx.Node, walk: RegionWalk) -> list[fx.Node]:
     """What Dynamo hangs on torch.where's unbacked sizes (getitem -> sym_size -> ge/le ->
-    _assert_scalar): non-tensor nodes read by nothing else, erased with the region."""
-    found, todo = [], [u for u in where.users]
+    _assert_scalar): non-tensor nodes read by nothing else, erased with the region. For a boolean
+    mask, the sizes are those of the rows it selects (`x[m]` -> sym_size -> ...)."""
+    todo = [u for u in where.users]
+    if _is_bool_mask(where):
+        todo = [u for g in where.users if _is_index(g) for u in g.users if not isinstance(example_value(u), torch.Tensor)]
+    found = []
     while todo:
         node = todo.pop()
         if node in found:

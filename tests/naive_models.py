@@ -107,14 +107,16 @@ class LoopMoE(Router):
              "setitem_iadd_read" (out[tok] += y, those rows also kept aside in a list: read elsewhere),
              "assign" (out[tok] = y: the sum only when K == 1)
     acc:     "zeros_like" or "zeros" (torch.zeros((T, d), dtype=..., device=...))
+    rows:    "index" (x[tok]) or "none_reshape" (x[None, tok].reshape(-1, d): transformers 4.x's Mixtral)
     experts_used: the experts the loop visits (default all); read_inside: the loop reads `out`;
     spare_experts: experts beyond the router's E, in the ModuleList, the one_hot and the loop
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", where="one_hot", scale="index_none",
                  combine="inplace", acc="zeros_like", acts=None, bias=False, experts_used=None,
-                 read_inside=False, spare_experts=0):
+                 read_inside=False, spare_experts=0, rows="index"):
         super().__init__(d, E, K)
+        self.rows = rows
         self.experts = make_experts(experts, d, n, E + spare_experts, acts, bias)
         self.where, self.scale, self.combine, self.acc = where, scale, combine, acc
         self.classes = E + spare_experts
@@ -152,7 +154,7 @@ class LoopMoE(Router):
         kept = []
         for e in self.experts_used:
             tok, k = self._rows(ids, mask, e)
-            y = self.experts[e](x[tok])
+            y = self.experts[e](x[tok] if self.rows == "index" else x[None, tok].reshape(-1, d))
             if self.scale != "none":
                 y = y * self._scale(w, tok, k, x.dtype)
             if self.read_inside:
@@ -244,7 +246,8 @@ class SwitchLoopMoE(Router):
     """Top-1 routing by max (Switch Transformer): `p, ids = probs.max(dim=-1)`, then the loop of
     `LoopMoE` over [T] ids.
 
-    where:   "eq" (tok, = torch.where(ids == e)), "nonzero" ((ids == e).nonzero(as_tuple=True)[0])
+    where:   "eq" (tok, = torch.where(ids == e)), "nonzero" ((ids == e).nonzero(as_tuple=True)[0]),
+             "mask" (the boolean mask m = ids == e itself: x[m], p[m], out[m])
     combine: "assign" (out[tok] = y), "assign_slice" (out[tok, :] = y), "iadd" (out[tok] += y),
              "index_add" (out.index_add_(0, tok, y))
     scale:   "index_none" (p[tok, None]), "unsqueeze" (p[tok].unsqueeze(-1))
@@ -264,7 +267,10 @@ class SwitchLoopMoE(Router):
             p, ids = p[:, 0], ids[:, 0]
         out = torch.zeros_like(x)
         for e in range(self.E):
-            tok = torch.where(ids == e)[0] if self.where == "eq" else (ids == e).nonzero(as_tuple=True)[0]
+            if self.where == "mask":
+                tok = ids == e
+            else:
+                tok = torch.where(ids == e)[0] if self.where == "eq" else (ids == e).nonzero(as_tuple=True)[0]
             xe = x[tok] if self.rows == "plain" else x[tok, :]
             y = self.experts[e](xe) * (p[tok, None] if self.scale == "index_none" else p[tok].unsqueeze(-1))
             if self.combine == "assign":

@@ -10,6 +10,7 @@ and still equal eager. The loop needs `capture_dynamic_output_shape_ops`, patche
 from __future__ import annotations
 
 import logging
+import operator
 
 import pytest
 import torch
@@ -95,6 +96,7 @@ LOOP_VARIANTS = {
     # out[tok] += y (Mistral's reference moe.py), out[tok] = out[tok] + y
     "eq-setitem_iadd": dict(where="eq", combine="setitem_iadd"),
     "setitem_add-bias": dict(combine="setitem_add", bias=True),
+    "none_reshape-rows": dict(rows="none_reshape", acc="zeros"),  # transformers 4.x's Mixtral block
 }
 
 DENSE_VARIANTS = {
@@ -128,6 +130,8 @@ def test_expert_loop_matches_eager(variant):
 
 SWITCH_VARIANTS = {
     "assign-eq-relu": dict(experts="plain_relu"),
+    "mask-assign": dict(where="mask"),  # out[m] = expert(x[m]) * p[m].unsqueeze(-1), m = ids == e
+    "mask-iadd-gated": dict(where="mask", combine="iadd", scale="unsqueeze", experts="gated"),
     "assign-eq": dict(),
     "assign_slice-nonzero-rows_slice": dict(combine="assign_slice", where="nonzero", rows="slice"),
     "iadd-unsqueeze-gated": dict(combine="iadd", scale="unsqueeze", experts="gated"),
@@ -223,8 +227,11 @@ def test_layouts_reported():
         assert report.rewritten[0].details["activation"] == {"gated": "swiglu", "fused": "swiglu", "plain": "gelu"}[experts]
 
 
-def test_region_erased_with_its_asserts():
-    """No torch.where, index_add, runtime assert or expert Linear survives the rewrite; the router does."""
+@pytest.mark.parametrize("model", [LoopMoE, lambda: LoopMoE(combine="setitem_iadd"), lambda: SwitchLoopMoE(where="mask")],
+                         ids=["index_add", "setitem", "top1-boolean-mask"])
+def test_region_erased_with_its_asserts(model):
+    """No torch.where, index_add, setitem, boolean-mask gather, runtime assert or expert Linear
+    survives the rewrite; the router does."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -232,7 +239,7 @@ def test_region_erased_with_its_asserts():
         graphs.append(gm.graph)
         return compiled
 
-    model = LoopMoE()
+    model = model()
     x, _ = _inputs()
     with torch._dynamo.config.patch(**{FLAG: True}), torch.no_grad():
         got = torch.compile(model, backend=backend)(x)
@@ -240,8 +247,10 @@ def test_region_erased_with_its_asserts():
     (graph,) = graphs
     targets = [str(n.target) for n in graph.nodes if n.op in ("call_function", "call_method")]
     assert sum("moe_experts_list" in t for t in targets) == 1, targets
-    for gone in ("where", "index_add", "_assert_scalar", "sym_size", "one_hot"):
+    for gone in ("where", "index_add", "setitem", "_assert_scalar", "sym_size", "one_hot", "nonzero"):
         assert not any(gone in t for t in targets), (gone, targets)
+    assert not any(n.target is operator.getitem and n.args[0].name == "l_x_" for n in graph.nodes
+                   if n.op == "call_function"), targets  # no x[tok] / x[m] rows gathered
     assert sum("linear" in t for t in targets) == 1, targets  # the router's gate
 
 
