@@ -589,13 +589,13 @@ def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["one_hot-index_none-inplace", "eq-unsqueeze-functional-zeros", "fused-chunk",
-                                     "bias-gated", "bias-non-gated", "eq-setitem_iadd"])
+                                     "bias-gated", "bias-non-gated", "eq-setitem_iadd", "none_reshape-rows"])
 def test_expert_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: LoopMoE(**LOOP_VARIANTS[variant]), "expert_loop")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["assign-eq-relu", "iadd-unsqueeze-gated"])
+@pytest.mark.parametrize("variant", ["assign-eq-relu", "iadd-unsqueeze-gated", "mask-assign"])
 def test_expert_loop_top1_max_gpu_bf16(variant):
     _check_gpu_bf16(lambda: SwitchLoopMoE(**SWITCH_VARIANTS[variant]), "expert_loop")
 
