@@ -346,6 +346,8 @@ def _rows_read(rows: fx.Node, where: fx.Node, tok_pos: int, walk: RegionWalk) ->
     x = rows.args[0]
     if not _selects(tok, where, tok_pos) or len(shape_of(x)) != 2:
         return None
+    if len(nodes) == 2 and not same_size(shape_of(nodes[0])[-1], shape_of(x)[1]):
+        return None  # reshaped to another width: not x's rows
     walk.mark(*nodes, tok)
     return x
 
