@@ -150,9 +150,27 @@ def _row_index(index) -> fx.Node | None:
 
 def _rows_of_mask(add: fx.Node) -> bool:
     """A candidate adds rows indexed by the output of torch.where/nonzero (a per-expert loop), or
-    by a boolean mask `ids == e` (top-1 ids)."""
-    index = _parts(add).index
-    return (_is_index(index) and _is_where(index.args[0])) or _is_bool_mask(index)
+    by a boolean mask `ids == e` (top-1 ids). A setitem is one only when its mask has an expert's
+    shape (`ids == <int>`, `mask[<int>]` of a permute): `emb[ids == pad] = v` and the like, in any
+    model, are not candidates to report."""
+    step = _parts(add)
+    index = step.index
+    if step.kind == "index_add":
+        return _is_index(index) and _is_where(index.args[0])
+    if _is_index(index) and _is_where(index.args[0]):
+        return _expert_mask_shaped(index.args[0].args[0])
+    return _is_bool_mask(index) and _expert_mask_shaped(index)
+
+
+def _expert_mask_shaped(mask) -> bool:
+    """`ids == e` with a constant int e, or `m[e]` of a permuted one_hot, where ids are a router's:
+    the indices output of a topk or a max."""
+    if is_call(mask, "eq", "__eq__") and len(mask.args) == 2:
+        ids = [a for a in mask.args if isinstance(a, fx.Node)]
+        return (len(ids) == 1 and any(isinstance(a, int) and not isinstance(a, bool) for a in mask.args)
+                and is_call(getitem_of(ids[0], 1), "topk", "max"))
+    one_hot = mask.args[0].args[0] if _is_index(mask) and is_call(mask.args[0], "permute") else None
+    return is_call(one_hot, "one_hot") and is_call(getitem_of(one_hot.args[0], 1), "topk", "max")
 
 
 def _is_bool_mask(node) -> bool:

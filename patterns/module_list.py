@@ -72,7 +72,6 @@ class Slice:
     base: fx.Node  # W, a graph input
     index: int  # e
     transposed: bool  # read as [in, out] (`rows @ W[e]`), not [out, in] (`F.linear(rows, W[e])`, `rows @ W[e].T`)
-    bias: fx.Node | None = None  # B[e] of `F.linear(rows, W[e], B[e])`, as the graph holds it
 
 
 @dataclasses.dataclass
@@ -123,8 +122,8 @@ def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, f
     and biases.
 
     With a walk (stacked experts allowed), also `F.linear(input, W[e], B[e]?)`, `input @ W[e].T` and
-    `input @ W[e]`: then the weight is the slice node `W[e]` and `slice` says which of W and e (and
-    of B, for a bias)."""
+    `input @ W[e]`: then the weight is the slice node `W[e]` and `slice` says which of W and e (the
+    bias B[e] must slice the same e)."""
     projection = _LINEAR + (_MATMUL if walk is not None else ())
     expect(is_call(node, *projection), f"{what} is not an nn.Linear/F.linear call" + (" or a matmul" if walk else ""))
     bias = None
@@ -146,7 +145,7 @@ def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, f
             expect(found_bias is not None and found_bias[1] == found[1],
                    f"{what} bias is not the slice B[{found[1]}] of a stacked [E, out] parameter, as its weight is of {found[0].name}")
             walk.mark(bias)
-        return inp, weight, Slice(found[0], found[1], transposed, bias), bias
+        return inp, weight, Slice(found[0], found[1], transposed), bias
     expect(not transposed, f"{what} multiplies by a parameter that is not a slice W[e] of stacked experts")
     expect(is_weight(weight) and len(shape_of(weight)) == 2, f"{what} weight is not a parameter of the expert")
     expect(bias is None or (is_weight(bias) and len(shape_of(bias)) == 1), f"{what} bias is not a 1-D parameter of the expert")
