@@ -623,6 +623,13 @@ def summed_per_token(rows: fx.Node, walk: RegionWalk, T, K) -> fx.Node:
     return anchor
 
 
+def check_stacked_biases(b1, b2, *, E, w1_out, d, x_dtype) -> None:
+    """Stacked expert biases, where present: b1 [E, w1_out], b2 [E, d], in the hidden states' dtype."""
+    for bias, width, name in ((b1, w1_out, "up"), (b2, d, "down")):
+        expect(bias is None or shape_of(bias) == (E, width), f"{name} bias {shape_of(bias)} is not [E={E}, {width}]")
+        expect(bias is None or dtype_of(bias) == x_dtype, f"{name} bias dtype {dtype_of(bias)} differs from {x_dtype}")
+
+
 def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, *, E, K, T, d) -> MoEMatch:
     """Legality shared by every idiom (dtypes, shapes, a closed region), then the typed match."""
     from codegen.activations import GATED
@@ -637,9 +644,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     n, w2_out = (s2[1], s2[2]) if transposed else (s2[2], s2[1])
     expect(w1_in == d and w2_out == d, f"expert weights {s1} / {s2} do not map d={d}")
     expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
-    for bias, width, name in ((b1, w1_out, "up"), (b2, d, "down")):
-        expect(bias is None or shape_of(bias) == (E, width), f"{name} bias {shape_of(bias)} is not [E={E}, {width}]")
-        expect(bias is None or dtype_of(bias) == x_dtype, f"{name} bias dtype {dtype_of(bias)} differs from {x_dtype}")
+    check_stacked_biases(b1, b2, E=E, w1_out=w1_out, d=d, x_dtype=x_dtype)
 
     # the region must be exactly what was validated (plus integer/shape glue)
     inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2) if b is not None}

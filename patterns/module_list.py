@@ -44,6 +44,7 @@ from .common import (
     arg,
     backward_slice,
     check_closed,
+    check_stacked_biases,
     dtype_of,
     expect,
     getitem_of,
@@ -280,34 +281,26 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     gated = GATED[act["activation"]]
     want_gate = (n if (experts[0].w_up is not None or not gated) else 2 * n, d)
     for e, ex in enumerate(experts):
-        for node, want, name in ((ex.w_gate, want_gate, "gate"), (ex.w_up, (n, d), "up"), (ex.w_down, (d, n), "down")):
+        b_gate, b_up, b_down = ex.biases
+        for node, want, name in ((ex.w_gate, want_gate, "gate weight"), (ex.w_up, (n, d), "up weight"),
+                                 (ex.w_down, (d, n), "down weight"), (b_gate, want_gate[:1], "gate bias"),
+                                 (b_up, (n,), "up bias"), (b_down, (d,), "down bias")):
             if node is None:
                 continue
-            expect(shape_of(node) == want, f"expert {e}'s {name} weight is {shape_of(node)}, not {want}")
-            expect(dtype_of(node) == x_dtype, f"expert {e}'s {name} weight ({dtype_of(node)}) and the hidden states ({x_dtype}) differ in dtype")
+            expect(shape_of(node) == want, f"expert {e}'s {name} is {shape_of(node)}, not {want}")
+            expect(dtype_of(node) == x_dtype, f"expert {e}'s {name} ({dtype_of(node)}) and the hidden states ({x_dtype}) differ in dtype")
 
     w_gate = [ex.w_gate for ex in experts]
     w_up = [ex.w_up for ex in experts] if experts[0].w_up is not None else []
     w_down = [ex.w_down for ex in experts]
-    bias_lists = _bias_lists(experts, want_gate[0], n, d, x_dtype)
+    # the biases by projection, each list empty where the experts have none (same_experts: all alike)
+    bias_lists = tuple([ex.biases[role] for ex in experts] if experts[0].biases[role] is not None else []
+                       for role in range(3))
     inputs = {x, topk_ids, topk_weights, *w_gate, *w_up, *w_down, *(b for group in bias_lists for b in group)}
     region = _closed_region(walk, anchors, inputs, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
                          shape={"T": T, "d": d, "n": n, "E": E, "K": K}, expert_lists=(w_gate, w_up, w_down),
                          expert_bias_lists=bias_lists if any(bias_lists) else None, gates=gates)
-
-
-def _bias_lists(experts: list[ExpertMLP], gate_width: int, n: int, d: int, x_dtype) -> tuple[list, list, list]:
-    """(gate biases, up biases, down biases) of the experts, each list empty where they have none;
-    every bias a vector of its projection's width in the hidden states' dtype."""
-    roles = ((0, gate_width, "gate"), (1, n, "up"), (2, d, "down"))
-    lists = tuple([ex.biases[role] for ex in experts] if experts[0].biases[role] is not None else []
-                  for role, _, _ in roles)
-    for (role, width, name), group in zip(roles, lists):
-        for e, bias in enumerate(group):
-            expect(shape_of(bias) == (width,), f"expert {e}'s {name} bias is {shape_of(bias)}, not ({width},)")
-            expect(dtype_of(bias) == x_dtype, f"expert {e}'s {name} bias ({dtype_of(bias)}) and the hidden states ({x_dtype}) differ in dtype")
-    return lists
 
 
 def _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator, *, shape,
@@ -380,9 +373,7 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     n, w2_out = (s2[1], s2[2]) if transposed else (s2[2], s2[1])
     expect(w1_in == d and w2_out == d, f"stacked expert weights {s1} / {s2} do not map d={d}")
     expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
-    for bias, width, name in ((b1, w1_out, "up"), (b2, d, "down")):
-        expect(bias is None or shape_of(bias) == (E, width), f"stacked {name} bias {bias and bias.name} {shape_of(bias)} is not [E={E}, {width}]")
-        expect(bias is None or dtype_of(bias) == x_dtype, f"stacked {name} bias ({dtype_of(bias)}) and the hidden states ({x_dtype}) differ in dtype")
+    check_stacked_biases(b1, b2, E=E, w1_out=w1_out, d=d, x_dtype=x_dtype)
     inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2) if b is not None}
     region = _closed_region(walk, anchors, inputs, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
