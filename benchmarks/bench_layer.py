@@ -19,6 +19,10 @@ gives each provider's medians and their ratios to `--baseline` (default sonic).
 `--cuda-graph` adds the fwd+bwd step replayed from a CUDA graph: its GPU time without the host's
 launch cost (the lent H100's host takes 3-5 ms to enqueue one 7b-256 step of ours, against ~4.2 ms
 of GPU work, so eager timings can include host waits).
+`--kernel-time` adds the GPU's busy time in an eager step: the union of the device's kernel, copy and
+fill intervals over profiled steps (torch.profiler), idle gaps left out. It is the GPU-time figure
+of a provider that cannot be captured in a CUDA graph (Liger syncs on the host in its forward:
+`.item()` sizes its tile grid), and it is taken the same way for every provider that runs.
 Peers run when importable (SonicMoE, Liger: see ../shared/peers/README.md; never vendored here).
 
 The router: SonicMoE runs its own (a fused softmax-top-k kernel, plus an aux loss); every other
@@ -367,21 +371,57 @@ def _bench_one(name, master, shape, x, dy, ref, args):
     t_all = median_ms(step, args, grad_to_none=leaves)
     t_bwd = max(t_all - t_fwd, 1e-6)
     flop = T * K * d * n
-    graph = {}
+    extra = {}
     if args.cuda_graph:  # the step's GPU time alone: replayed from a CUDA graph, no host launch cost
         try:
             replay = graphed(step, zero)
             t_graph = median_ms(replay, args)
-            graph = dict(graph_fwdbwd_ms=t_graph, graph_fwdbwd_tflops=18 * flop / t_graph * 1e-9)
+            extra.update(graph_fwdbwd_ms=t_graph, graph_fwdbwd_tflops=18 * flop / t_graph * 1e-9)
         except Exception as exc:  # a provider that cannot be captured keeps its other figures
             print(f"  {name}: no CUDA graph ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+    if args.kernel_time:
+        t_busy = busy_ms(step, zero)
+        extra.update(busy_fwdbwd_ms=t_busy, busy_fwdbwd_tflops=18 * flop / t_busy * 1e-9)
     return dict(
-        **graph,
+        **extra,
         fwd_ms=t_fwd, bwd_ms=t_bwd, fwdbwd_ms=t_all,
         fwd_tflops=6 * flop / t_fwd * 1e-9, bwd_tflops=12 * flop / t_bwd * 1e-9, fwdbwd_tflops=18 * flop / t_all * 1e-9,
         act_gib=act_bytes / 2**30, peak_gib=peak_bytes / 2**30, max_rel_err=max(errors.values()), errors=errors,
         first_call_s=first_call,
     )
+
+
+def busy_ms(step, zero, steps=5):
+    """ms of GPU busy time per eager step: the union of the device's activity intervals (kernels,
+    copies, fills) over `steps` profiled steps, divided by `steps`. Overlapping work on two streams
+    counts once; the gaps where the GPU waits for the host are left out."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    zero()
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            zero()
+            step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    if not spans:
+        raise RuntimeError("the profiler saw no GPU activity")
+    return interval_union_us(spans) / steps * 1e-3
+
+
+def interval_union_us(spans):
+    """Total length of the union of sorted (start, end) intervals."""
+    total, cur_start, cur_end = 0.0, *spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return total + cur_end - cur_start
 
 
 def launch_order(events, steps, min_us=10.0, device=None):
@@ -457,6 +497,9 @@ def main():
                     help="also print the per-kernel times of ours, ours-* and sonic, and our tuned configs")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time the fwd+bwd step replayed from a CUDA graph (its GPU time alone)")
+    ap.add_argument("--kernel-time", action="store_true",
+                    help="also report the GPU's busy time in an eager fwd+bwd step (torch.profiler): the "
+                         "GPU-time figure of providers that cannot be captured in a CUDA graph")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the providers this many times over, in turn, at each shape; the summary gives "
                          "each provider's median over its rounds and its ratio to --baseline")
@@ -508,6 +551,7 @@ def main():
                   f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOPS  act {r['act_gib']:.2f} GiB  peak {r['peak_gib']:.2f} GiB"
                   f"  err {r['max_rel_err']:.1e}  first {r['first_call_s']:.1f}s"
                   + (f"  graph fwd+bwd {r['graph_fwdbwd_tflops']:6.1f}" if "graph_fwdbwd_tflops" in r else "")
+                  + (f"  busy fwd+bwd {r['busy_fwdbwd_tflops']:6.1f}" if "busy_fwdbwd_tflops" in r else "")
                   + (f"  wgrad {r['wgrad_choice']}" if r.get("wgrad_choice") else ""), flush=True)
             torch.cuda.empty_cache()
         if args.breakdown:
@@ -526,7 +570,7 @@ def main():
     plot(summary, args.out, "graph_fwdbwd_tflops" if graphs else "fwdbwd_tflops")
 
 
-_SUMMARIZED = ("fwdbwd_tflops", "graph_fwdbwd_tflops", "peak_gib", "act_gib")
+_SUMMARIZED = ("fwdbwd_tflops", "graph_fwdbwd_tflops", "busy_fwdbwd_tflops", "peak_gib", "act_gib")
 
 
 def summarize(results, baseline):
@@ -547,7 +591,7 @@ def summarize(results, baseline):
         summary.append(row)
     for row in summary:
         base = next((b for b in summary if b["shape"] == row["shape"] and b["provider"] == baseline), None)
-        for key in ("fwdbwd_tflops", "graph_fwdbwd_tflops"):
+        for key in ("fwdbwd_tflops", "graph_fwdbwd_tflops", "busy_fwdbwd_tflops"):
             if base is not None and key in row and base.get(key):
                 row[key.replace("tflops", "ratio")] = row[key] / base[key]
     return summary
@@ -557,12 +601,15 @@ def print_summary(summary, baseline):
     if not any(row["rounds"] > 1 for row in summary) and not any("fwdbwd_ratio" in row for row in summary):
         return
     graphs = any("graph_fwdbwd_tflops" in row for row in summary)
+    busy = any("busy_fwdbwd_tflops" in row for row in summary)
     print(f"\nmedians over rounds; ratios to {baseline}'s medians")
-    print(f"| shape | provider | rounds | fwd+bwd TFLOPS | ratio |{' CUDA graph | ratio |' if graphs else ''} peak GiB |")
-    print("|" + "---|" * (6 + 2 * graphs))
+    print(f"| shape | provider | rounds | fwd+bwd TFLOPS | ratio |{' CUDA graph | ratio |' if graphs else ''}"
+          f"{' GPU busy | ratio |' if busy else ''} peak GiB |")
+    print("|" + "---|" * (6 + 2 * graphs + 2 * busy))
     fmt = lambda row, key, spec: format(row[key], spec) if key in row else "-"  # noqa: E731
     for row in summary:
         graph = f" {fmt(row, 'graph_fwdbwd_tflops', '.1f')} | {fmt(row, 'graph_fwdbwd_ratio', '.3f')} |" if graphs else ""
+        graph += f" {fmt(row, 'busy_fwdbwd_tflops', '.1f')} | {fmt(row, 'busy_fwdbwd_ratio', '.3f')} |" if busy else ""
         print(f"| {row['shape']} | {row['provider']} | {row['rounds']} | {fmt(row, 'fwdbwd_tflops', '.1f')} | "
               f"{fmt(row, 'fwdbwd_ratio', '.3f')} |{graph} {fmt(row, 'peak_gib', '.2f')} |")
 

@@ -41,3 +41,25 @@ def test_bench_layer_summary_medians_and_ratios(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "tflops.png").stat().st_size > 0
+
+
+def test_bench_layer_busy_time_union_and_ratio(capsys):
+    """--kernel-time: overlapping device intervals count once, gaps not at all; the busy figure gets
+    its own median and ratio to the baseline (Liger, which has no CUDA-graph figure)."""
+    import bench_layer
+
+    spans = [(0.0, 10.0), (2.0, 4.0), (8.0, 12.0), (20.0, 25.0), (25.0, 26.0), (30.0, 31.0)]
+    assert bench_layer.interval_union_us(spans) == 12.0 + 6.0 + 1.0
+    assert bench_layer.interval_union_us([(5.0, 7.5)]) == 2.5
+
+    results = [dict(shape="a", provider="liger", round=0, fwdbwd_tflops=200, busy_fwdbwd_tflops=250, peak_gib=1.4,
+                    act_gib=0.3),
+               dict(shape="a", provider="ours", round=0, fwdbwd_tflops=280, busy_fwdbwd_tflops=400,
+                    graph_fwdbwd_tflops=390, peak_gib=1.0, act_gib=0.27)]
+    by = {r["provider"]: r for r in bench_layer.summarize(results, "liger")}
+    assert math.isclose(by["ours"]["busy_fwdbwd_ratio"], 400 / 250)
+    assert math.isclose(by["ours"]["fwdbwd_ratio"], 280 / 200)
+    assert "graph_fwdbwd_ratio" not in by["ours"]  # the baseline has no graph figure to divide by
+    bench_layer.print_summary(list(by.values()), "liger")
+    table = capsys.readouterr().out
+    assert "GPU busy" in table and "1.600" in table
