@@ -29,8 +29,9 @@ them with one call. What it matches (L: [T, E] logits, any spelling: F.softmax /
     w = w * routed_scaling_factor                          # optional
 
 and becomes `w, ids = sonic::route(L, bias, K, ...)` (a cast of w after the router, e.g.
-`.to(L.dtype)`, stays where it is). Anything else is left as it is, with the reason: a node of
-another kind, dim, k, largest=False, keepdim, a tensor scale, or an intermediate (the probabilities,
+`.to(L.dtype)`, stays where it is). Weights multiplied by a tensor after all that (Gemma 4:
+`w * per_expert_scale[ids]`) keep the product in the graph, on the fused w and ids. Anything else is left as it is, with the reason: a node of
+another kind, dim, k, largest=False, keepdim, a tensor scale inside the router, or an intermediate (the probabilities,
 the top-k values...) that something outside the router also reads (an aux loss, token rounding).
 """
 from __future__ import annotations
@@ -91,7 +92,11 @@ def match_router(call: fx.Node) -> RouterMatch:
     while _cast_dtype(weights) is not None:  # casts after the router stay in the graph
         weights = weights.args[0]
     walk = _Walk()
-    weights_node, args, form = walk.weights(weights, ids)
+    try:
+        weights_node, args, form = walk.weights(weights, ids)
+    except NoMatch as why:  # the weights times a tensor the op does not compute: fuse the router before it
+        walk, (weights_node, args, form), factor = _before_tensor_factor(weights, ids, why)
+        form += f" * {factor.name} (kept)"
     T, K = shape_of(ids)
     E = shape_of(args["logits"])[1] if len(shape_of(args["logits"])) == 2 else None
     expect(isinstance(E, int) and isinstance(K, int), "router shapes are not static [T, E] / [T, K]")
@@ -110,6 +115,25 @@ def match_router(call: fx.Node) -> RouterMatch:
     except ValueError as err:
         raise NoMatch(str(err)) from None
     return RouterMatch(logits, weights_node, ids, walk.region, args, form)
+
+
+def _before_tensor_factor(weights: fx.Node, ids: fx.Node, why: NoMatch):
+    """(walk, walk.weights(...), factor) when `weights` is `w * factor`, `w` a router's weights
+    and `factor` a tensor (Gemma 4's `* per_expert_scale[ids]`): the router up to `w` is fused and
+    the product stays in the graph, reading the fused weights and ids. Only the out-of-place product
+    (an in-place one would write into the op's output). Raises `why` when it is not that."""
+    if not (is_call(weights, "mul") and len(weights.args) == 2 and not weights.kwargs
+            and all(isinstance(a, fx.Node) for a in weights.args)):
+        raise why
+    for inner, factor in (weights.args, weights.args[::-1]):
+        while _cast_dtype(inner) is not None:
+            inner = inner.args[0]
+        walk = _Walk()
+        try:
+            return walk, walk.weights(inner, ids), factor
+        except NoMatch:
+            continue
+    raise why
 
 
 def rewrite_router(gm: fx.GraphModule, match: RouterMatch) -> fx.Node:

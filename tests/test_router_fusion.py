@@ -453,6 +453,32 @@ def test_hf_router_fused_gpu_bf16(name):
     _check_fused_bf16(name, device="cuda", compiler="inductor")
 
 
+def _tiny_gemma4():
+    """A two-layer Gemma 4 text model with its MoE block on, per-expert scales away from 1."""
+    tf = pytest.importorskip("transformers")
+    if not hasattr(tf, "Gemma4TextConfig"):
+        pytest.skip(f"transformers {tf.__version__} has no Gemma 4")
+    config = tf.Gemma4TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=16, vocab_size=128, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32, max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = tf.Gemma4ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("per_expert_scale"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def test_gemma4_router_fused_before_its_per_expert_scale():
+    """Gemma 4's router renormalises its top-k weights, then multiplies them by a learned
+    per_expert_scale[ids]: the router up to the renormalisation is fused, the product stays in the
+    graph on the fused weights and ids, and every gradient (per_expert_scale's included) equals eager."""
+    _check_fused(_tiny_gemma4(), "softmax->topk->renorm * ")
+
+
 def test_granitemoe_router_through_type_as():
     """A family the other tests do not build (Granite-MoE: `softmax(topk(logits.float()).values)
     .type_as(hidden)`): the `.type_as` cast after the router stays, the router fuses."""
@@ -603,6 +629,7 @@ class RoutedDense(nn.Module):
         self.gate = nn.Linear(d, E, bias=False)
         self.experts = make_experts("gated", d, n, E)
         self.scale = nn.Parameter(torch.tensor(1.5))
+        self.per_expert = nn.Parameter(torch.linspace(0.5, 1.5, E))  # Gemma 4's per_expert_scale
         self.register_buffer("bias", torch.linspace(-0.1, 0.1, E))  # a correction bias for the choice
         self.router, self.E, self.K = router, E, K
 
@@ -636,6 +663,12 @@ POSITIVE = {
         _renorm(v.type_as(logits)), i, 0))(*logits.softmax(-1).topk(m.K, dim=-1)))(m.gate(x)),
         "softmax->topk->renorm, fused"),
     "lfm2-keyword-gather": (lambda m, x: _lfm2_router(m, x), "topk->gather->renorm->scale, fused"),
+    # weights times a tensor after the router (Gemma 4: renormalised, then * per_expert_scale[ids]):
+    # the router before the product is fused, the product stays on the fused weights and ids
+    "per-expert-scale-kept": (lambda m, x: (lambda p, w, i: (_renorm(w) * m.per_expert[i], i, 0))(
+        *_softmax_topk(m, x)), "softmax->topk->renorm * getitem"),
+    "scalar-tensor-scale-kept": (lambda m, x: (lambda p, w, i: (m.scale * w, i, 0))(*_softmax_topk(m, x)),
+                                 "softmax->topk * "),
 }
 
 
@@ -679,8 +712,13 @@ NEGATIVE = {
                     "renormalisation sums over dim 0"),
     "renorm-whole-tensor": (lambda m, x: (lambda p, w, i: (w / w.sum(), i, 0))(*_softmax_topk(m, x)),
                             "renormalisation sums over dim None"),
-    "tensor-scale": (lambda m, x: (lambda p, w, i: (w * m.scale, i, 0))(*_softmax_topk(m, x)),
-                     "scaled by a tensor"),
+    # a tensor factor that reads the probabilities, or one applied in place: the router stays
+    "factor-reads-probs": (lambda m, x: (lambda p, w, i: (w * p.amax(-1, keepdim=True), i, 0))(*_softmax_topk(m, x)),
+                           "is also read outside the router"),
+    "in-place-tensor-scale": (lambda m, x: (lambda p, w, i: (w.mul_(m.per_expert[i]), i, 0))(*_softmax_topk(m, x)),
+                              "scaled by a tensor"),
+    "tensor-scale-inside": (lambda m, x: (lambda p, w, i: (_renorm(w * m.per_expert[i]), i, 0))(*_softmax_topk(m, x)),
+                            "routing weights come from mul (mul), not a recognised router"),
     "unknown-op-in-chain": (_partial_temperature_on_probs, "not a softmax or sigmoid"),
     # a cast that changes the dtype inside the router: the op computes in one dtype
     "narrowing-cast-then-renorm": (lambda m, x: (lambda p, w, i: (_renorm(w.half()).float(), i, 0))(
