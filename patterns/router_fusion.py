@@ -30,9 +30,10 @@ them with one call. What it matches (L: [T, E] logits, any spelling: F.softmax /
 
 and becomes `w, ids = sonic::route(L, bias, K, ...)` (a cast of w after the router, e.g.
 `.to(L.dtype)`, stays where it is). Weights multiplied by a tensor after all that (Gemma 4:
-`w * per_expert_scale[ids]`) keep the product in the graph, on the fused w and ids. Anything else is left as it is, with the reason: a node of
-another kind, dim, k, largest=False, keepdim, a tensor scale inside the router, or an intermediate (the probabilities,
-the top-k values...) that something outside the router also reads (an aux loss, token rounding).
+`w * per_expert_scale[ids]`) keep the product in the graph, on the fused w and ids. Anything else
+is left as it is, with the reason: a node of another kind, dim, k, largest=False, keepdim, a tensor
+scale inside the router, or an intermediate (the probabilities, the top-k values...) that something
+outside the router also reads (an aux loss, token rounding).
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def match_router(call: fx.Node) -> RouterMatch:
         weights_node, args, form = walk.weights(weights, ids)
     except NoMatch as why:  # the weights times a tensor the op does not compute: fuse the router before it
         walk, (weights_node, args, form), factor = _before_tensor_factor(weights, ids, why)
-        form += f" * {factor.name} (kept)"
+        form += f" * {_factor_name(factor, ids)} (kept)"
     T, K = shape_of(ids)
     E = shape_of(args["logits"])[1] if len(shape_of(args["logits"])) == 2 else None
     expect(isinstance(E, int) and isinstance(K, int), "router shapes are not static [T, E] / [T, K]")
@@ -134,6 +135,18 @@ def _before_tensor_factor(weights: fx.Node, ids: fx.Node, why: NoMatch):
         except NoMatch:
             continue
     raise why
+
+
+def _factor_name(factor: fx.Node, ids: fx.Node) -> str:
+    """The report's name of a kept factor: `per_expert_scale[ids]` for a parameter indexed by the
+    ids (Dynamo's `l_self_modules_router_parameters_per_expert_scale_` shortened), else the node's."""
+    src = _src(factor) if factor.args[1:2] == (ids,) else None
+    if src is None:
+        return factor.name
+    name = str(src.target if src.op == "get_attr" else src.name)
+    for mark in ("_parameters_", "_buffers_", "."):
+        name = name.rsplit(mark, 1)[-1]
+    return f"{name.strip('_')}[ids]"
 
 
 def rewrite_router(gm: fx.GraphModule, match: RouterMatch) -> fx.Node:

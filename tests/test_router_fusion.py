@@ -476,7 +476,7 @@ def test_gemma4_router_fused_before_its_per_expert_scale():
     """Gemma 4's router renormalises its top-k weights, then multiplies them by a learned
     per_expert_scale[ids]: the router up to the renormalisation is fused, the product stays in the
     graph on the fused weights and ids, and every gradient (per_expert_scale's included) equals eager."""
-    _check_fused(_tiny_gemma4(), "softmax->topk->renorm * ")
+    _check_fused(_tiny_gemma4(), "softmax->topk->renorm * per_expert_scale[ids] (kept), fused")
 
 
 def test_granitemoe_router_through_type_as():
@@ -666,7 +666,7 @@ POSITIVE = {
     # weights times a tensor after the router (Gemma 4: renormalised, then * per_expert_scale[ids]):
     # the router before the product is fused, the product stays on the fused weights and ids
     "per-expert-scale-kept": (lambda m, x: (lambda p, w, i: (_renorm(w) * m.per_expert[i], i, 0))(
-        *_softmax_topk(m, x)), "softmax->topk->renorm * getitem"),
+        *_softmax_topk(m, x)), "softmax->topk->renorm * per_expert[ids] (kept), fused"),
     "scalar-tensor-scale-kept": (lambda m, x: (lambda p, w, i: (m.scale * w, i, 0))(*_softmax_topk(m, x)),
                                  "softmax->topk * "),
 }
