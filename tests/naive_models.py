@@ -109,14 +109,15 @@ class LoopMoE(Router):
     acc:     "zeros_like" or "zeros" (torch.zeros((T, d), dtype=..., device=...))
     rows:    "index" (x[tok]) or "none_reshape" (x[None, tok].reshape(-1, d): transformers 4.x's Mixtral)
     experts_used: the experts the loop visits (default all); read_inside: the loop reads `out`;
-    spare_experts: experts beyond the router's E, in the ModuleList, the one_hot and the loop
+    spare_experts: experts beyond the router's E, in the ModuleList, the one_hot and the loop;
+    top1_keepdim: top-1 as `p, ids = probs.max(dim=-1, keepdim=True)` ([T, 1], as a top-k of 1)
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", where="one_hot", scale="index_none",
                  combine="inplace", acc="zeros_like", acts=None, bias=False, experts_used=None,
-                 read_inside=False, spare_experts=0, rows="index"):
-        super().__init__(d, E, K)
-        self.rows = rows
+                 read_inside=False, spare_experts=0, rows="index", top1_keepdim=False):
+        super().__init__(d, E, 1 if top1_keepdim else K)
+        self.rows, self.top1_keepdim = rows, top1_keepdim
         self.experts = make_experts(experts, d, n, E + spare_experts, acts, bias)
         self.where, self.scale, self.combine, self.acc = where, scale, combine, acc
         self.classes = E + spare_experts
@@ -145,7 +146,10 @@ class LoopMoE(Router):
 
     def forward(self, x):
         T, d = x.shape
-        _, w, ids = self.route(x)
+        if self.top1_keepdim:
+            w, ids = F.softmax(self.gate(x), dim=-1).max(dim=-1, keepdim=True)
+        else:
+            _, w, ids = self.route(x)
         if self.acc == "zeros":
             out = torch.zeros((T, d), dtype=x.dtype, device=x.device)
         else:

@@ -97,6 +97,9 @@ LOOP_VARIANTS = {
     "eq-setitem_iadd": dict(where="eq", combine="setitem_iadd"),
     "setitem_add-bias": dict(combine="setitem_add", bias=True),
     "none_reshape-rows": dict(rows="none_reshape", acc="zeros"),  # transformers 4.x's Mixtral block
+    # top-1 by probs.max(dim=-1, keepdim=True): [T, 1] ids and weights, a top-k of 1
+    "max_keepdim-eq-assign": dict(top1_keepdim=True, where="eq", combine="assign"),
+    "max_keepdim-one_hot-bias": dict(top1_keepdim=True, bias=True),
 }
 
 DENSE_VARIANTS = {
