@@ -288,6 +288,30 @@ class SwitchLoopMoE(Router):
         return out
 
 
+class DeepSeekRefMoE(nn.Module):
+    """DeepSeek-V3's reference MoE (its inference `model.py`), less the skip of experts with no
+    tokens (`bincount(...).tolist()`, which Dynamo cannot trace): softmax scores, top-k ids, the
+    weights gathered from the scores, `y[idx] += expert(x[idx]) * weights[idx, top, None]` over
+    `torch.where(indices == i)`, and a shared expert added after the loop."""
+
+    def __init__(self, d=16, n=8, E=4, K=2):
+        super().__init__()
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = make_experts("gated", d, n, E)
+        self.shared = GatedExpert(d, 2 * n)
+        self.E, self.K = E, K
+
+    def forward(self, x):
+        scores = self.gate(x).softmax(dim=-1, dtype=torch.float32)
+        indices = torch.topk(scores, self.K, dim=-1)[1]
+        weights = scores.gather(1, indices).type_as(x)
+        y = torch.zeros_like(x)
+        for i in range(self.E):
+            idx, top = torch.where(indices == i)
+            y[idx] += self.experts[i](x[idx]) * weights[idx, top, None]
+        return y + self.shared(x)
+
+
 class StackedLoopMoE(Router):
     """The loop of `LoopMoE` over experts stored as stacked [E, ., .] parameters, each expert e
     reading the slices W[e] (`xe = x[tok]`, `out.index_add_(0, tok, y * w[tok, k, None])`).

@@ -21,7 +21,7 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import BmmMoE, DenseMoE, LoopMoE, SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE
+from .naive_models import BmmMoE, DeepSeekRefMoE, DenseMoE, LoopMoE, SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -140,6 +140,13 @@ SWITCH_VARIANTS = {
     "iadd-unsqueeze-gated": dict(combine="iadd", scale="unsqueeze", experts="gated"),
     "index_add-fused-no_bias": dict(combine="index_add", experts="fused", bias=False),
 }
+
+
+def test_deepseek_reference_loop_matches_eager():
+    # DeepSeek-V3's reference model.py (less its bincount skip), copied widely: rewritten, its
+    # gathered-weights router fused, the shared expert left beside it
+    report = _check_rewrite(DeepSeekRefMoE(), "expert_loop")
+    assert report.rewritten[0].details["router"].startswith("softmax->topk->gather, fused"), str(report)
 
 
 @pytest.mark.parametrize("variant", SWITCH_VARIANTS)
