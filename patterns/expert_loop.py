@@ -349,7 +349,6 @@ def _check_expert_add(add: fx.Node, walk: RegionWalk):
 def _rows_read(rows: fx.Node, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx.Node | None:
     """x when `rows` is x[tok] or x[tok, :] of a 2-D x, or `x[None, tok].reshape(-1, d)` (transformers
     4.x's Mixtral block, copied into many code bases), with tok this expert's torch.where output."""
-    nodes = []
     if is_call(rows, "reshape", "view") and len(rows.args) >= 2 and not rows.kwargs:
         size = rows.args[1:] if len(rows.args) > 2 else rows.args[1]
         inner = rows.args[0]
