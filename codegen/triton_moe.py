@@ -73,7 +73,6 @@ from .kernels.routing import (
     _route_prefix_kernel,
     _route_small_kernel,
     _slot_check_kernel,
-    _tile_rows_kernel,
     e_pow2,
 )
 from . import wgrad_choice
@@ -218,8 +217,8 @@ WIDE_UP = os.environ.get("SONIC_MOE_WIDE_UP", "1") != "0"
 PERSISTENT_UP = os.environ.get("SONIC_MOE_PERSISTENT_UP", "1") != "0"
 # The Gluon scatter GEMMs (Y, dX~) store TILE order (`gluon_scatter_gemm(out_tiles=True)`: every M
 # tile's rows as whole boxes by TMA, no scattered row stores), and the gather-sums read each slot's
-# row through a map (`tile_row_map`); env SONIC_MOE_SCATTER_TILES=0 (or `set_scatter_tiles`) keeps
-# slot order.
+# row through the map that the same launch writes (`gluon_scatter_gemm(row_map=...)`); env
+# SONIC_MOE_SCATTER_TILES=0 (or `set_scatter_tiles`) keeps slot order.
 SCATTER_TILES = os.environ.get("SONIC_MOE_SCATTER_TILES", "1") != "0"
 
 
@@ -678,24 +677,14 @@ def triton_moe_up(x, w1: Bank, b1, sorted_rows, offsets, *, n, top_k, activation
     return h, a
 
 
-def tile_row_map(sorted_rows: Tensor, offsets: Tensor, block_m: int) -> Tensor:
-    """[TK] int32: the row of a TILE-order output that holds each slot's product (-1 for the slot
-    form's padding slots), from the routing on the device (`_tile_rows_kernel`, one launch)."""
-    TK, E = sorted_rows.numel(), offsets.numel() - 1
-    rows = torch.empty_like(sorted_rows)
-    if TK:
-        _tile_rows_kernel[(E + 1,)](sorted_rows, offsets, rows, TK, E, BLOCK_M=block_m, E_POW2=e_pow2(E),
-                                    BLOCK=16 if INTERPRETED else 1024, num_warps=4)
-    return rows
-
-
 def _gluon_scatter(gluon, tile, out_tiles: bool, inp, w_view, w_desc, bias, sorted_rows, offsets, *, n_dim,
                    num_programs) -> tuple[Tensor, Tensor | None]:
-    """(out, row_map) of the Gluon scatter GEMM: TILE order and the map from slots to its rows, or
-    slot order and None."""
+    """(out, row_map) of the Gluon scatter GEMM: TILE order and the map from slots to its rows
+    (written by the same launch), or slot order and None."""
+    row_map = torch.empty_like(sorted_rows) if out_tiles else None
     out = gluon.gluon_scatter_gemm(inp, w_view, w_desc, bias, sorted_rows, offsets, n_dim=n_dim,
-                                   num_programs=num_programs, out_tiles=out_tiles, **tile.kwargs())
-    return out, tile_row_map(sorted_rows, offsets, tile.block_m) if out_tiles else None
+                                   num_programs=num_programs, out_tiles=out_tiles, row_map=row_map, **tile.kwargs())
+    return out, row_map
 
 
 def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets, *, n_dim, split=0, row_map=False):
@@ -704,7 +693,7 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
     w_strides = (e, k, n) strides reading the expert weight as B[e] [k_dim, n_dim]; `split` > 0:
     rows k >= split of B[e] come from the bank's up table (W1 as separate gate/up tensors).
     `row_map`: returns (out, row_map) instead, where the Gluon kernel, if chosen, stores out in
-    TILE order (with `SCATTER_TILES`), slot s's product at row row_map[s] (`tile_row_map`); a
+    TILE order (with `SCATTER_TILES`), slot s's product at row row_map[s] (the kernel writes the map); a
     row_map of None: slot order.
     """
     TK, k_dim = inp.shape

@@ -615,15 +615,18 @@ def _tile_rows_brute(sorted_rows, offsets, block_m):
 @pytest.mark.parametrize("E,TK,padded,block_m", [(5, 37, False, 16), (6, 0, False, 16), (64, 300, True, 16),
                                                  (3, 1100, False, 128), (200, 1024, True, 128)])
 def test_tile_row_map_matches_brute_force(tm, E, TK, padded, block_m):
-    """`tile_row_map`: every slot's row of a TILE-order output (each expert's rows in whole tiles,
-    empty experts taking none), -1 for the slot form's padding slots; uneven and empty experts."""
+    """`gluon_scatter.slot_rows_in_tiles` (the oracle of the map the Gluon scatter GEMM writes):
+    every slot's row of a TILE-order output (each expert's rows in whole tiles, empty experts
+    taking none), -1 for the slot form's padding slots; uneven and empty experts."""
+    from codegen.kernels.gluon_scatter import slot_rows_in_tiles
+
     gen = torch.Generator().manual_seed(E + TK)
     ids = torch.multinomial(torch.rand(E, generator=gen) ** 4, TK, replacement=True, generator=gen) if TK else (
         torch.empty(0, dtype=torch.int64))
     if padded:
         ids[torch.rand(TK, generator=gen) < 0.3] = -1
     rows, offs = tm.route(ids.view(-1, 1), E, padded=padded)
-    got = tm.tile_row_map(rows, offs, block_m)
+    got = slot_rows_in_tiles(rows, offs, block_m)
     assert got.dtype == torch.int32 and torch.equal(got, _tile_rows_brute(rows, offs, block_m))
 
 
@@ -632,6 +635,7 @@ def test_tile_row_map_matches_brute_force(tm, E, TK, padded, block_m):
 def test_gather_sum_through_a_row_map(tm, dtype, form):
     """The gather-sums read slot s's row at y[row_map[s]] (a TILE-order y) bit-equal to reading a
     slot-order y; every row no slot maps to holds NaN, so a wrong row shows."""
+    from codegen.kernels.gluon_scatter import slot_rows_in_tiles
     T, K, d, E = 37, 3, 40, 5
     gen = torch.Generator().manual_seed(11)
     y = torch.randn(T * K, d, generator=gen).to(dtype)
@@ -643,7 +647,7 @@ def test_gather_sum_through_a_row_map(tm, dtype, form):
     if form == "product":
         s, product = None, (torch.randn(T, 7, generator=gen).to(dtype), torch.randn(7, d, generator=gen).to(dtype))
     rows, offs = tm.route(ids.view(-1, 1), E, padded=form == "slots")
-    row_map = tm.tile_row_map(rows, offs, 16)
+    row_map = slot_rows_in_tiles(rows, offs, 16)
     y_tiles = torch.full(((T * K // 16 + E + 1) * 16, d), float("nan"), dtype=dtype)
     live = row_map >= 0
     y_tiles[row_map[live].long()] = y[live]
@@ -1174,16 +1178,18 @@ def test_gpu_gluon_coop_scatter_in_the_op(gluon_pinned, first_config_only, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", ["slot", "tiles"])
+@pytest.mark.parametrize("order", ["slot", "tiles", "tiles_padded"])
 @pytest.mark.parametrize("tile", ["default", "coop:128x256x64x3", "coop:256x128x64x4", "coop:256x128x64x3"])
 @pytest.mark.parametrize("w_layout", [1, 2])
 @pytest.mark.parametrize("grid", [None, 2], ids=["sms", "2ctas"])
 def test_gpu_gluon_scatter_tiles_match_reference(tile, w_layout, grid, order):
     """Each scatter tile on uneven experts (one empty, one shorter than a tile), k_dim and n_dim
     not multiples of the tile, a bias, into NaN (an unwritten row shows), against float32; on 2
-    CTAs the ring wraps many times. TILE order (whole boxes by TMA): every slot's row, found
-    through `slot_rows_in_tiles`, bit-equal to the slot-order output; a tile whose ring and output
-    boxes overflow shared memory is refused with a clear error."""
+    CTAs the ring wraps many times. TILE order (whole boxes by TMA): the row map the launch writes
+    (over a buffer of garbage) equals `slot_rows_in_tiles`, and every slot's row read through it is
+    bit-equal to the slot-order output; "tiles_padded": a fifth of the slots are the slot form's
+    padding (id -1), never computed, mapped to -1. A tile whose ring and output boxes overflow
+    shared memory is refused with a clear error."""
     from codegen.kernels import gluon_scatter as gs
     from codegen.triton_moe import _gluon_module, route
 
@@ -1193,7 +1199,11 @@ def test_gpu_gluon_scatter_tiles_match_reference(tile, w_layout, grid, order):
     T, E, K, k_dim, n_dim = 300, 8, 2, 200, 328
     gen = torch.Generator().manual_seed(3)
     ids = torch.multinomial(torch.tensor([8.0, 1, 3, 0.5, 2, 0, 6, 1]).expand(T, E), K, generator=gen)
-    rows, offs = route(ids.cuda(), E)
+    padded = order == "tiles_padded"
+    if padded:
+        ids[torch.rand(T, K, generator=gen) < 0.2] = -1
+    live = (ids.reshape(-1) >= 0).cuda()
+    rows, offs = route(ids.cuda(), E, padded=padded)
     inp = torch.randn(T * K, k_dim, generator=gen).to("cuda", torch.bfloat16)
     w = (torch.randn(E, n_dim, k_dim, generator=gen) / k_dim**0.5).to("cuda", torch.bfloat16)
     if w_layout == 2:
@@ -1202,26 +1212,29 @@ def test_gpu_gluon_scatter_tiles_match_reference(tile, w_layout, grid, order):
     out = torch.full((T * K, n_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
     gs.gluon_scatter_gemm(inp, w, w_layout, bias, rows, offs, n_dim=n_dim, out=out, num_programs=grid,
                           **cfg.kwargs())
-    if order == "tiles":
+    if order != "slot":
         if cfg.shared_bytes(True) > gs.SHARED_LIMIT:
             with pytest.raises(ValueError, match="shared memory"):
                 gs.gluon_scatter_gemm(inp, w, w_layout, bias, rows, offs, n_dim=n_dim, out_tiles=True, **cfg.kwargs())
             return
         tiled = torch.full((gs.tile_rows(T * K, E, cfg.block_m), n_dim), float("nan"), device="cuda",
                            dtype=torch.bfloat16)
+        row_map = torch.full((T * K,), 7, device="cuda", dtype=torch.int32)
         gs.gluon_scatter_gemm(inp, w, w_layout, bias, rows, offs, n_dim=n_dim, out=tiled, num_programs=grid,
-                              out_tiles=True, **cfg.kwargs())
+                              out_tiles=True, row_map=row_map, **cfg.kwargs())
+        assert torch.equal(row_map, gs.slot_rows_in_tiles(rows, offs, cfg.block_m))
+        assert torch.equal(row_map < 0, ~live)
         slot_out = out
-        out = tiled[gs.slot_rows_in_tiles(rows, offs, cfg.block_m).long()]
-        assert torch.equal(out, slot_out)
+        out = torch.where(live[:, None], tiled[row_map.clamp(min=0).long()], out)
+        assert torch.equal(out[live], slot_out[live])
     ref = torch.empty(T * K, n_dim, device="cuda")
     off = offs.tolist()
     for e in range(E):
         b = w[e].float().t() if w_layout == 1 else w[e].float()
         ref[rows[off[e]:off[e + 1]].long()] = inp[off[e]:off[e + 1]].float() @ b + bias[e].float()
     assert off[6] == off[5] and 0 < off[4] - off[3] < cfg.block_m  # expert 5 empty, expert 3 short
-    assert not out.isnan().any()
-    assert _rel(out, ref) <= 4e-3, _rel(out, ref)
+    assert not out[live].isnan().any() and out[~live].isnan().all()  # padding slots: never written
+    assert _rel(out[live], ref[live]) <= 4e-3, _rel(out[live], ref[live])
 
 
 @pytest.mark.gpu

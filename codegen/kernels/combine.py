@@ -8,7 +8,7 @@
 Each token's slots are [t*K, t*K + K) for [T, K] routing, [token_offsets[t], token_offsets[t+1])
 in the slot form (SLOTS), where padding slots (id -1) were never written and are skipped. Y and
 dX~ hold slot s's row at row s (slot order, `_scatter_gemm_kernel`), or at row row_map[s]
-(ROW_MAP: TILE order, `gluon_scatter_gemm(out_tiles=True)`, the map from `_tile_rows_kernel`). The
+(ROW_MAP: TILE order, `gluon_scatter_gemm(out_tiles=True)`, the map written by that launch). The
 sum runs in float32 in a fixed slot order: no atomics, bitwise repeatable.
 """
 import triton

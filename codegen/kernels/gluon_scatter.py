@@ -5,7 +5,8 @@ that `wgrad_choice` times at each key's first call (`triton_moe.triton_moe_scatt
 
 float32 accumulate, stored in out's dtype into out [TK, n_dim] in SLOT order (row r of the product
 goes to row sorted_rows[r]), or with `out_tiles` in TILE order (each M tile's rows as one box by
-TMA; what the op uses, its gather-sums reading each slot's row through `triton_moe.tile_row_map`).
+TMA; what the op uses, its gather-sums reading each slot's row through the map the same launch
+writes: `gluon_scatter_gemm(row_map=...)`).
 In [TK, k_dim] is contiguous, in expert order. B[e] [k_dim, n_dim] is
 a stacked weight read by TMA through its strides, in one of two layouts (`W_LAYOUT`, the W_DESC
 codes of `triton_moe._weight_desc`):
@@ -236,7 +237,7 @@ if HAS_GLUON:
     @gluon.jit
     def _scatter_consumer(
         a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr, out_desc, c_bufs,
-        k_dim, n_dim, E, stride_bias_e,
+        rows_ptr, TK, k_dim, n_dim, E, stride_bias_e,
         HAS_BIAS: gl.constexpr, W_LAYOUT: gl.constexpr, E_POW2: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, COOP: gl.constexpr, ROLE: gl.constexpr, PROBE: gl.constexpr, OUT_TILES: gl.constexpr,
@@ -245,7 +246,9 @@ if HAS_GLUON:
         of items ROLE, ROLE + 2, ... Cooperative (COOP): rows ROLE * BLOCK_M / 2 .. of every item.
         PROBE (a diagnostic, `gluon_scatter_gemm(probe=...)`; 0 in use): 1 skips the epilogue behind
         a branch never taken at run time (the MMAs stay), 2 skips the wgmmas (the loads, the ring's
-        handshakes and the stores of zeros stay)."""
+        handshakes and the stores of zeros stay).
+        OUT_TILES: the items in an M tile's first column also write each of their rows' slot's entry of
+        the row map (its row in TILE order), and consumer 0 the padding slots' -1 (`_unmapped_slots`)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M  # this warpgroup's rows of an item
         ROW0: gl.constexpr = ROLE * ROWS if COOP else 0
@@ -266,6 +269,11 @@ if HAS_GLUON:
             row_ok = rows < row_end
             if not OUT_TILES:
                 slots = gl.load(sorted_rows_ptr + rows, mask=row_ok, other=0)
+            else:
+                # the row map's entries of this consumer's rows, written by the M tile's first column
+                map_at = gl.arange(0, ROWS, layout=_expert_layout(NUM_WARPS))
+                map_ok = (row0 + ROW0 + map_at < row_end) & (col0 == 0)
+                map_slots = gl.load(sorted_rows_ptr + row0 + ROW0 + map_at, mask=map_ok, other=0)
             acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
             it0 = j * ksteps
             if not COOP:
@@ -307,6 +315,7 @@ if HAS_GLUON:
                 fence_async_shared()  # the generic-proxy writes, before the async proxy reads them
                 gl.thread_barrier()
                 tma.async_copy_shared_to_global(out_desc, [tile * BLOCK_M + ROW0, col0], c_buf)
+                gl.store(rows_ptr + map_slots, tile * BLOCK_M + ROW0 + map_at, mask=map_ok)
             elif PROBE == 1:
                 if k_dim < 0:  # never at run time: the accumulator must still be computed
                     _scatter_epilogue(acc, bias_ptr, out_ptr, slots, row_ok, expert, col0, n_dim, stride_bias_e,
@@ -315,7 +324,21 @@ if HAS_GLUON:
                 _scatter_epilogue(acc, bias_ptr, out_ptr, slots, row_ok, expert, col0, n_dim, stride_bias_e,
                                   HAS_BIAS, BLOCK_N, acc_layout, out_layout)
         if OUT_TILES:
+            if ROLE == 0:
+                _unmapped_slots(sorted_rows_ptr, offsets_ptr, rows_ptr, TK, E, ROWS)
             tma.store_wait(0)  # the last store has read shared memory before the kernel ends
+
+    @gluon.jit
+    def _unmapped_slots(sorted_rows_ptr, offsets_ptr, rows_ptr, TK, E, BLOCK: gl.constexpr):
+        """The row map's -1 for the slots that no tile holds: the slot form's padding slots, sorted
+        from offsets[E] to TK (none when TK == offsets[E]), BLOCK at a time over the CTAs."""
+        layout: gl.constexpr = _expert_layout(gl.num_warps())
+        at = gl.arange(0, BLOCK, layout=layout)
+        first = gl.load(offsets_ptr + E) + gl.program_id(0) * BLOCK
+        for r0 in range(first, TK, gl.num_programs(0) * BLOCK):
+            live = r0 + at < TK
+            slot = gl.load(sorted_rows_ptr + r0 + at, mask=live, other=0)
+            gl.store(rows_ptr + slot, gl.full([BLOCK], -1, gl.int32, layout), mask=live)
 
     @gluon.jit
     def _plus_bias(acc, bias_ptr, expert, col0, n_dim, stride_bias_e, BLOCK_N: gl.constexpr,
@@ -345,7 +368,8 @@ if HAS_GLUON:
         offsets_ptr,  # [E+1] int32: expert e's rows are offsets[e] .. offsets[e+1]
         out_ptr,  # [TK, n_dim] bf16, contiguous, SLOT order (not OUT_TILES)
         out_desc,  # OUT_TILES: TMA descriptor over out [rows, n_dim], block [consumer rows, BLOCK_N]; else unused
-        k_dim, n_dim, E, stride_bias_e,
+        rows_ptr,  # OUT_TILES: [TK] int32, written: the row of out that holds each slot's product (-1: none)
+        TK, k_dim, n_dim, E, stride_bias_e,
         HAS_BIAS: gl.constexpr, W_LAYOUT: gl.constexpr, E_POW2: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr,
@@ -353,7 +377,8 @@ if HAS_GLUON:
     ):
         """Grid: (number of SMs,), persistent; num_warps = 4 (the default partition: consumer 0).
         OUT_TILES: out in TILE order instead of slot order: M tile t's rows at rows t * BLOCK_M.., by
-        TMA from one [consumer rows, BLOCK_N] shared buffer per consumer (`gluon_scatter_gemm`)."""
+        TMA from one [consumer rows, BLOCK_N] shared buffer per consumer (`gluon_scatter_gemm`), and
+        rows_ptr[s] = the row that holds slot s's product (`slot_rows_in_tiles`, in the same launch)."""
         dtype: gl.constexpr = in_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + in_desc.block_type.shape, in_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -372,11 +397,11 @@ if HAS_GLUON:
         fence_async_shared()  # the initialized barriers, before the TMA unit signals them
         gl.warp_specialize([
             (_scatter_consumer, (a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr,
-                                 out_desc, c_bufs, k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 0, PROBE, OUT_TILES)),
+                                 out_desc, c_bufs, rows_ptr, TK, k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT,
+                                 E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 0, PROBE, OUT_TILES)),
             (_scatter_consumer, (a_bufs, w_bufs, ready, empty, turn, bias_ptr, sorted_rows_ptr, offsets_ptr, out_ptr,
-                                 out_desc, c_bufs, k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT, E_POW2,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 1, PROBE, OUT_TILES)),
+                                 out_desc, c_bufs, rows_ptr, TK, k_dim, n_dim, E, stride_bias_e, HAS_BIAS, W_LAYOUT,
+                                 E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, COOP, 1, PROBE, OUT_TILES)),
             (_scatter_loader, (in_desc, w_desc, a_bufs, w_bufs, ready, empty, offsets_ptr, k_dim, n_dim, E,
                                W_LAYOUT, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
@@ -478,7 +503,7 @@ def slot_rows_in_tiles(sorted_rows, offsets, block_m: int):
 
 
 def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, num_programs=None, out=None, probe=0,
-                       out_tiles=False, **tile):
+                       out_tiles=False, row_map=None, **tile):
     """out [TK, n_dim] in SLOT order: out[sorted_rows[r]] = inp[r] @ B[e] (+ bias[e]).
 
     w: the stacked weight, [E, n_dim, k_dim] read as B[e] = w[e]^T (w_layout 1), or [E, k_dim, n_dim]
@@ -488,7 +513,8 @@ def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, n
     `probe`: a diagnostic that gives wrong results (`_scatter_consumer`'s PROBE), for timings only.
     `out_tiles`: out [tile_rows(TK, E, BLOCK_M), n_dim] in TILE order instead, every M tile's BLOCK_M
     rows stored as whole boxes by TMA (rows past an expert's end hold products of no slot); slot s's
-    row is `slot_rows_in_tiles(sorted_rows, offsets, BLOCK_M)[s]`.
+    row is `slot_rows_in_tiles(sorted_rows, offsets, BLOCK_M)[s]`, and the same launch writes that
+    map into `row_map` ([TK] int32; a scratch one where None), -1 for the padding slots.
     """
     import torch
 
@@ -506,6 +532,9 @@ def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, n
     if out is None:
         out = inp.new_empty(out_rows, n_dim)
     assert out.shape == (out_rows, n_dim) and out.is_contiguous() and out.dtype == inp.dtype
+    if out_tiles and row_map is None:
+        row_map = torch.empty(TK, dtype=torch.int32, device=inp.device)
+    assert not out_tiles or (row_map.shape == (TK,) and row_map.dtype == torch.int32 and row_map.is_contiguous())
     in_block = [cfg.block_m, cfg.block_k]
     in_desc = TensorDescriptor.from_tensor(inp, in_block, gl.NVMMASharedLayout.get_default_for(in_block, gl.bfloat16))
     out_desc = in_desc  # not read
@@ -521,7 +550,7 @@ def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, n
     grid = (max(1, min(num_programs, upper)),)
     _gluon_scatter_kernel[grid](
         in_desc, w_desc, inp if bias is None else bias, sorted_rows, offsets, out, out_desc,
-        k_dim, n_dim, E, 0 if bias is None else bias.stride(0),
+        row_map if out_tiles else sorted_rows, TK, k_dim, n_dim, E, 0 if bias is None else bias.stride(0),
         HAS_BIAS=bias is not None, W_LAYOUT=w_layout, E_POW2=e_pow2(E),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, LOADER_WARPS=cfg.loader_warps, COOP=cfg.coop,
@@ -541,12 +570,12 @@ def compile_sm90(*, w_layout: int, E: int = 128, has_bias: bool = False, tile: S
         "bias_ptr": "*bf16", "sorted_rows_ptr": "*i32", "offsets_ptr": "*i32", "out_ptr": "*bf16",
         "out_desc": bf16_desc_type([tile.block_m // 2 if tile.coop else tile.block_m, tile.block_n] if out_tiles
                                    else [tile.block_m, tile.block_k]),
-        "k_dim": "i32", "n_dim": "i32", "E": "i32", "stride_bias_e": "i32",
+        "rows_ptr": "*i32", "TK": "i32", "k_dim": "i32", "n_dim": "i32", "E": "i32", "stride_bias_e": "i32",
     }
     constexprs = dict(HAS_BIAS=has_bias, W_LAYOUT=w_layout, E_POW2=e_pow2(E), BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=tile.stages,
                       CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, LOADER_WARPS=tile.loader_warps,
                       COOP=tile.coop, PROBE=probe, OUT_TILES=out_tiles)
-    divisible = ["bias_ptr", "sorted_rows_ptr", "offsets_ptr", "out_ptr", "k_dim", "n_dim", "stride_bias_e"]
+    divisible = ["bias_ptr", "sorted_rows_ptr", "offsets_ptr", "out_ptr", "rows_ptr", "k_dim", "n_dim", "stride_bias_e"]
     return compile_for_sm90(_gluon_scatter_kernel, signature, constexprs, divisible, num_warps=4,
                             maxnreg=tile.kernel_maxnreg(), capability=capability)

@@ -43,33 +43,6 @@ def _tile_lookup(lo, hi, tiles, cum, tile, BLOCK_M: tl.constexpr, E_POW2: tl.con
     return expert, row_lo + (tile - first_tile) * BLOCK_M, row_hi
 
 
-@triton.jit(do_not_specialize=["TK"])
-def _tile_rows_kernel(sorted_rows_ptr, offsets_ptr, rows_ptr, TK, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """rows[sorted_rows[r]] = the row of a TILE-order output (each expert's rows in whole BLOCK_M tiles,
-    the experts' tiles one after another: `gluon_scatter.gluon_scatter_gemm(out_tiles=True)`) that
-    holds expert-ordered row r: tiles_before(e) * BLOCK_M + r - offsets[e]. Padding slots (the slot
-    form's, sorted from offsets[E] on) get -1. Grid: (E + 1,): program e < E walks expert e's rows,
-    program E the padding."""
-    e = tl.program_id(0)
-    lo, hi, tiles, cum = _tile_schedule(offsets_ptr, E, BLOCK_M, E_POW2)
-    this = tl.arange(0, E_POW2) == e
-    if e < E:
-        start = tl.sum(tl.where(this, lo, 0), 0)
-        end = tl.sum(tl.where(this, hi, 0), 0)
-        base = tl.sum(tl.where(this, cum - tiles, 0), 0) * BLOCK_M - start
-    else:
-        start = tl.load(offsets_ptr + E)
-        end = TK
-        base = -1
-    for r0 in range(start, end, BLOCK):
-        r = r0 + tl.arange(0, BLOCK)
-        live = r < end
-        slot = tl.load(sorted_rows_ptr + r, mask=live, other=0)
-        row = tl.where(e < E, base + r, -1)
-        tl.store(rows_ptr + slot, row.to(rows_ptr.dtype.element_ty), mask=live)
-
-
 @triton.jit
 def _expert_tile(offsets_ptr, E, tile, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """(expert, first row of this tile, end row of the expert) for M-tile number `tile`; expert == E
