@@ -553,8 +553,7 @@ def _route_pieces(flat: Tensor, E: int, padded: bool, buckets: int) -> tuple[Ten
     offsets = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
     meta = dict(PADDED=padded, B_POW2=buckets, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8)
     _route_count_kernel[(pieces,)](flat, counts[0], counts[1], TK, E, pieces, **meta)
-    _route_prefix_kernel[(buckets + 1,)](counts[0], counts[1], offsets, pieces, E, B_POW2=buckets,
-                                         BLOCK_P=1024, BLOCK_Q=max(1, 8192 // buckets), num_warps=4)
+    _route_prefix_kernel[(buckets,)](counts[0], counts[1], offsets, pieces, E, BLOCK_P=1024, num_warps=4)
     _route_place_kernel[(pieces,)](flat, counts[1], offsets, sorted_rows, TK, E, pieces, SORT=ROUTE_BY_SORT,
                                    BLOCK=max(16, min(1024, 8192 // buckets)), **meta)
     return sorted_rows, offsets

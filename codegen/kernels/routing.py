@@ -167,31 +167,29 @@ def _route_count_kernel(ids_ptr, counts_ptr, start_ptr, TK, E, n_pieces, PADDED:
 
 
 @triton.jit
-def _route_prefix_kernel(counts_ptr, start_ptr, offsets_ptr, n_pieces, E, B_POW2: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Programs 0 .. B_POW2 - 1, bucket e = the program: start[e, b] becomes (the bucket-e slots in
-    the pieces before b) - start[e, b], so that a slot's row is offsets[e] + start[e, b] + its sorted
-    position in piece b. Program B_POW2: offsets [E+1], the exclusive prefix of the buckets' totals."""
-    pid = tl.program_id(0)
-    if pid < B_POW2:
-        carry = 0
-        for p0 in range(0, n_pieces, BLOCK_P):
-            piece = p0 + tl.arange(0, BLOCK_P)
-            live = piece < n_pieces
-            at = pid * n_pieces + piece
-            c = tl.load(counts_ptr + at, mask=live, other=0)
-            first = tl.load(start_ptr + at, mask=live, other=0)
-            tl.store(start_ptr + at, carry + tl.cumsum(c, 0) - c - first, mask=live)
-            carry += tl.sum(c, 0)
-    else:
-        bucket = tl.arange(0, B_POW2)
-        totals = tl.zeros([B_POW2], dtype=tl.int32)
-        for p0 in range(0, n_pieces, BLOCK_Q):
-            piece = p0 + tl.arange(0, BLOCK_Q)
-            c = tl.load(counts_ptr + bucket[:, None] * n_pieces + piece[None, :], mask=(piece < n_pieces)[None, :],
-                        other=0)
-            totals += tl.sum(c, 1)
-        _store_offsets(offsets_ptr, bucket, totals, tl.cumsum(totals, 0) - totals, E)
+def _route_prefix_kernel(counts_ptr, start_ptr, offsets_ptr, n_pieces, E, BLOCK_P: tl.constexpr):
+    """Program e, bucket e (B_POW2 programs): start[e, b] becomes (the bucket-e slots in the pieces
+    before b) - start[e, b], so that a slot's row is offsets[e] + start[e, b] + its sorted position in
+    piece b. On the way, offsets [E+1]: start[e, b] as the count kernel left it holds piece b's slots
+    of the buckets before e, so its sum over the pieces is offsets[e] (the exclusive prefix of the
+    buckets' totals), and program E - 1 adds its own total for offsets[E]. No program reads another's
+    results: one pass, not a second one over every bucket's counts."""
+    e = tl.program_id(0)
+    carry = 0
+    before = 0
+    for p0 in range(0, n_pieces, BLOCK_P):
+        piece = p0 + tl.arange(0, BLOCK_P)
+        live = piece < n_pieces
+        at = e * n_pieces + piece
+        c = tl.load(counts_ptr + at, mask=live, other=0)
+        first = tl.load(start_ptr + at, mask=live, other=0)
+        tl.store(start_ptr + at, carry + tl.cumsum(c, 0) - c - first, mask=live)
+        carry += tl.sum(c, 0)
+        before += tl.sum(first, 0)
+    if e < E:
+        tl.store(offsets_ptr + e, before)
+    if e == E - 1:
+        tl.store(offsets_ptr + E, before + carry)
 
 
 @triton.jit(do_not_specialize=["TK"])
