@@ -529,8 +529,34 @@ def _offset_table(first: list[Tensor], second: list[Tensor] | None, second_shift
 
 
 # The one-program routing kernel scans [BLOCK, buckets] tiles: up to this many slot x bucket pairs
-# (TK <= 1024 at 256 experts: decode and small prefills), where one launch beats the sort path's ten.
+# (TK <= 1024 at 256 experts: decode and small prefills), where one launch beats the sort path's ten
+# (more than 511 experts, and the interpreter), and up to BLOCK slots where the piece kernels would
+# take it (`_small_route_block`).
 _SMALL_ROUTE_WORK = 2**18
+_SMALL_ROUTE_MAX_BLOCK = 64
+
+
+def _small_route_block(TK: int, buckets: int, device: torch.device) -> int | None:
+    """BLOCK of the one-program routing kernel where `route` runs it, else None.
+
+    On the GPU beside the piece kernels, one program only for slots that fit one [BLOCK, buckets]
+    tile, BLOCK <= 64: its time grows with the tile's length in slots more than with its size, and
+    a walk over several tiles loses to the three piece launches. H100, `bench_route.py --small`, GPU
+    us a call from CUDA graphs; one program with BLOCK 8192 // buckets up to 1024 (before) / up to
+    64 (now) / the piece kernels:
+        E=8:   TK=4 24.5 / 3.7 / 5.5,  TK=64 25.0 / 4.1 / 6.0,  TK=256 25.0 / 10.5 / 6.0,  TK=16384 364 / 545 / 6.4
+        E=16:  TK=4 23.3 / 5.4 / 6.1,  TK=64 23.8 / 5.1 / 5.8,  TK=16384 697 / 859 / 6.7
+        E=64:  TK=4 10.5 / 6.9 / 6.2,  TK=64 10.5 / 6.9 / 6.2,  TK=256 19.5 / 21.3 / 6.2
+        E=128: TK=4 5.7 / 5.7 / 6.2,   TK=64 5.8 / 5.8 / 6.3,   TK=256 17.0 / 17.0 / 6.4
+        E=256: TK=32 5.8 / 5.9 / 6.9,  TK=64 9.2 / 9.2 / 6.9
+    The host pays for each launch (one program 27-55 us a call, the pieces 88-253 here), so one
+    launch stays the choice where it fits (E=64's +0.7 us on the GPU included), where the
+    alternative is the torch sort's dozen (more than `_PIECES_MAX_BUCKETS` buckets), and in the
+    interpreter, where it is also the faster one."""
+    if device.type != "cuda" or buckets > _PIECES_MAX_BUCKETS:
+        return max(16, min(1024, 8192 // buckets)) if TK * buckets <= _SMALL_ROUTE_WORK else None
+    block = max(16, min(_SMALL_ROUTE_MAX_BLOCK, 8192 // buckets))
+    return block if TK <= block else None
 
 
 # Up to this many buckets (E <= 512, or E < 512 with padding), larger batches route in three launches
@@ -560,11 +586,14 @@ def _route_pieces(flat: Tensor, E: int, padded: bool, buckets: int) -> tuple[Ten
 
 
 def _route_chunk(TK: int, buckets: int) -> int:
-    """CHUNK, the slots of a piece (a power of two: one sorted tile per program): about 65536 /
-    buckets pieces, 256-4096 slots each. More pieces sort shorter tiles but make the prefix longer
-    (H100, one process, us a call, chunk: E=128 TK=196608: 2048 27.6, 1024 22.8, 512 19.5, 256 26.4;
-    E=256 TK=524288: 4096 94.7, 2048 61.2, 1024 72.1; E=64 TK=163840: 1024 20.2, 512 13.2, 256 13.3)."""
-    return min(4096, max(256, triton.next_power_of_2(triton.cdiv(TK * buckets, 65536))))
+    """CHUNK, the slots of a piece (a power of two: one sorted tile per program): about TK x buckets
+    / 65536 slots, 256 to 512. Past 512, sorting the longer tiles costs more than the fewer pieces
+    save, now that the prefix kernel's work no longer grows with the pieces (H100, `bench_route.py
+    --chunks 128,256,512,1024,2048 --cases paper`, GPU us a call from CUDA graphs, by chunk:
+    E=128 TK=196608: 13.6, 13.3, 20.3, 26.4 for 256-2048; E=128 TK=327680: 18.4, 17.4, 26.4, 42.9;
+    E=256 TK=524288: 35.9, 29.3, 36.4, 45.6; E=64 TK=163840: 10.5, 11.5, 19.1, 25.6; E=32 TK=81920:
+    8.1, 9.6, 14.5, 25.6; 128-slot pieces lost everywhere)."""
+    return min(512, max(256, triton.next_power_of_2(triton.cdiv(TK * buckets, 65536))))
 
 
 def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tensor]:
@@ -579,7 +608,7 @@ def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tenso
     # the experts, and the padding slots' bucket E in the slot form: 128 experts take 128 buckets,
     # not 256 (the piece kernels' work grows with slots x buckets)
     buckets = max(2, triton.next_power_of_2(E + padded))
-    small = TK * buckets <= _SMALL_ROUTE_WORK
+    small = _small_route_block(TK, buckets, flat.device)
     if (small or buckets <= _PIECES_MAX_BUCKETS) and flat.device.type == "cpu" and TK:
         # the interpreter skips the kernels' device asserts; a CPU check costs no sync
         valid = (flat >= 0) & (flat < E) | ((flat == -1) if padded else False)
@@ -588,9 +617,8 @@ def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tenso
     if small:
         sorted_rows = torch.empty(TK, dtype=torch.int32, device=flat.device)
         offsets = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
-        block = max(16, min(1024, 8192 // buckets))
         _route_small_kernel[(1,)](flat, sorted_rows, offsets, TK, E, PADDED=padded, B_POW2=buckets,
-                                  BLOCK=block, num_warps=4)
+                                  BLOCK=small, num_warps=4)
         return sorted_rows, offsets
     if buckets <= _PIECES_MAX_BUCKETS:
         return _route_pieces(flat, E, padded, buckets)

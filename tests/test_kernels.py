@@ -710,6 +710,19 @@ def test_route_pieces_rank_by_sort(tm, E, TK, padded, monkeypatch):
     assert torch.equal(rows, ref_rows) and torch.equal(offs, ref_offs)
 
 
+def test_small_route_block_rule(tm):
+    """Where `route` runs the one-program kernel: on the GPU beside the piece kernels only for slots
+    that fit one tile of <= 64 (a longer walk loses to the three piece launches); against the torch
+    sort (> 512 buckets) and in the interpreter, up to _SMALL_ROUTE_WORK slot x bucket pairs."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert tm._small_route_block(16384, 8, cuda) is None and tm._small_route_block(65, 128, cuda) is None
+    assert tm._small_route_block(4, 8, cuda) == tm._small_route_block(64, 128, cuda) == 64
+    assert tm._small_route_block(32, 256, cuda) == 32 and tm._small_route_block(33, 256, cuda) is None
+    assert tm._small_route_block(0, 64, cuda) == 64
+    assert tm._small_route_block(256, 1024, cuda) == 16 and tm._small_route_block(257, 1024, cuda) is None
+    assert tm._small_route_block(16384, 8, cpu) == 1024 and tm._small_route_block(32769, 8, cpu) is None
+
+
 def test_supports_predicate(tm):
     inputs, _ = _make(4, 32, 16, 4, 2, torch.float32)
     assert tm.supports(**inputs, **_FLAGS)
