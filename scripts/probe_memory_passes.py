@@ -8,12 +8,17 @@ and timed (median us, triton.testing.do_bench) beside the bytes it must move, as
 (`moe_compiler.grad_fold`), over that kernel's block shapes.
 
     PYTHONPATH=. python scripts/probe_memory_passes.py --shapes 7b-256,qwen3
+    PYTHONPATH=. python scripts/probe_memory_passes.py --shapes 7b-256 --passes "dx + router" --row-map
+
+`--row-map`: the gather-sums read y in TILE order through a row map (what the op's Gluon scatter
+GEMMs store, `gluon_scatter.slot_rows_in_tiles`), on a realistic routing (top-k of random scores).
 
 The launchers' current choices are marked with *.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -55,26 +60,40 @@ def gather_sum(T, d, K, rep):
     return rows
 
 
-def dx_with_router_term(T, d, E, K, rep):
+def _tile_order(T, E, K, y):
+    """(y in TILE order, its row map): y's rows placed as the Gluon scatter GEMM stores them for the
+    routing of top-k of random scores (every row no slot maps to is zero)."""
+    from codegen.kernels.gluon_scatter import slot_rows_in_tiles, tile_rows
+
+    sorted_rows, offsets = triton_moe.route(torch.randn(T, E, device="cuda").topk(K, -1).indices, E)
+    row_map = slot_rows_in_tiles(sorted_rows, offsets, triton_moe.M_TILE)
+    tiled = y.new_zeros(tile_rows(T * K, E, triton_moe.M_TILE), y.shape[1])
+    tiled[row_map.long()] = y
+    return tiled, row_map
+
+
+def dx_with_router_term(T, d, E, K, rep, row_map=False, block_j=(64, 128), block_d=(64, 128, 256)):
     TK = T * K
     y = torch.randn(TK, d, device="cuda").bfloat16()
     lhs = torch.randn(T, E, device="cuda").bfloat16()
     rhs = torch.randn(E, d, device="cuda").bfloat16()
+    y_read, rows_kw = y, {}
+    if row_map:
+        y_read, rows_kw["row_map"] = _tile_order(T, E, K, y)
     nbytes = TK * d * 2 + T * d * 2 + T * E * 2
-    rows = [(_time(lambda: triton_moe.triton_moe_gather_sum(y, None, T, K, torch.bfloat16) + lhs @ rhs, rep),
-             "unfolded: gather-sum, mm, add", nbytes)]
-    plain = triton_moe.triton_moe_gather_sum
-    rows.append((_time(lambda: plain(y, None, T, K, torch.bfloat16), rep), "the gather-sum alone", nbytes - T * E * 2))
+    plain = functools.partial(triton_moe.triton_moe_gather_sum, y_read, None, T, K, **rows_kw)
+    rows = [(_time(lambda: plain(torch.bfloat16) + lhs @ rhs, rep), "unfolded: gather-sum, mm, add", nbytes)]
+    rows.append((_time(lambda: plain(torch.bfloat16), rep), "the gather-sum alone", nbytes - T * E * 2))
     current = triton_moe.gather_sum_product_launch(d, E)
-    for bt, bd, bj, warps, waves, first in itertools.product((16, 32, 64), (64, 128, 256), (64, 128), (4, 8),
+    for bt, bd, bj, warps, waves, first in itertools.product((16, 32, 64), block_d, block_j, (4, 8),
                                                              (0, 4, 8), (True, False)):
         if bd > triton.next_power_of_2(d) or bt * bd > 8192 or bj > max(16, triton.next_power_of_2(E)):
             continue
         launch = triton_moe.ProductLaunch(bt, bd, bj, warps, waves, first)
-        us = _time(lambda: plain(y, None, T, K, torch.bfloat16, product=(lhs, rhs), launch=launch), rep)
+        us = _time(lambda: plain(torch.bfloat16, product=(lhs, rhs), launch=launch), rep)
         rows.append((us, f"folded: {tuple(launch)}{' *' if launch == current else ''}", nbytes))
     want = triton_moe.triton_moe_gather_sum(y, None, T, K, torch.float32) + lhs.float() @ rhs.float()
-    got = triton_moe.triton_moe_gather_sum(y, None, T, K, torch.bfloat16, product=(lhs, rhs)).float()
+    got = plain(torch.bfloat16, product=(lhs, rhs)).float()
     print(f"  {T}x{d} E {E}: folded against float32, max rel err {((got - want).abs().max() / want.abs().max()).item():.2e}")
     return [(us, label, nb / us * 1e-3) for us, label, nb in rows]
 
@@ -110,13 +129,18 @@ def main():
     ap.add_argument("--rep", type=int, default=50)
     ap.add_argument("--passes", default="gather-sum,act-grad,dx + router")
     ap.add_argument("--top", type=int, default=6, help="rows printed per table (the current choice always)")
+    ap.add_argument("--row-map", action="store_true", help="dx + router: y in TILE order, read through a row map")
+    ap.add_argument("--block-j", default="64,128", help="dx + router: the BLOCK_J values swept")
+    ap.add_argument("--block-d", default="64,128,256", help="dx + router: the BLOCK_D values swept")
     args = ap.parse_args()
+    block_j, block_d = (tuple(int(b) for b in v.split(",")) for v in (args.block_j, args.block_d))
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}")
     for name in args.shapes.split(","):
         T, d, n, E, K = SHAPES[name]
         passes = {"gather-sum": lambda: gather_sum(T, d, K, args.rep),
                   "act-grad": lambda: act_grad(T, n, E, K, args.rep),
-                  "dx + router": lambda: dx_with_router_term(T, d, E, K, args.rep)}
+                  "dx + router": lambda: dx_with_router_term(T, d, E, K, args.rep, args.row_map, block_j,
+                                                                    block_d)}
         for what in args.passes.split(","):
             rows = passes[what]()
             rows.sort()
