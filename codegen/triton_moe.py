@@ -814,7 +814,8 @@ def gather_sum_product_launch(d: int, J: int) -> ProductLaunch:
     blocks, the rows loaded before the dot: the best or within 2% of it at 7b-256, Qwen3 and
     1.4b-256 of 144 launches measured on the H100 (`scripts/probe_memory_passes.py`): 281 / 246 / 239
     us against the gather-sum alone's 236 / 211 / 199 and the unfolded gather-sum, mm and add's
-    350 / 312 / 295."""
+    350 / 312 / 295. Through the row map of a TILE-order dX~ (`--row-map`, 60 launches): still the
+    best, 319.9 / - / 273.1 us against 240.1 / - / 203.1 and 352.1 / - / 299.1."""
     block_j = max(16, min(128, triton.next_power_of_2(J)))
     if INTERPRETED:
         return ProductLaunch(16, min(16, triton.next_power_of_2(d)), min(block_j, 16), 4, 0, True)
