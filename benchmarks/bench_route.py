@@ -11,7 +11,9 @@ twelve shapes and the two models' (benchmarks/bench_layer.py's SHAPES). `--small
 kernel (two tile lengths) against the piece kernels at small TK (`triton_moe._small_route_block`).
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -113,9 +115,6 @@ def main():
         return
     cases = CASES
     if args.cases == "paper":
-        import os
-        import sys
-
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_layer import SHAPES
 
@@ -125,7 +124,7 @@ def main():
         return
     saved = tm._PIECES_MAX_BUCKETS
     try:
-        for E, TK in CASES:
+        for E, TK in cases:
             ids = torch.randint(0, E, (TK, 1), device="cuda")
             ref = torch_route(ids, E)
             res = {}
