@@ -1,7 +1,8 @@
 """`sonic::route`: a router's scores, top-k and weights in one op, with the analytic logits gradient.
 
     sonic::route(logits [T, E], bias? [E], k, score, topk_first, renorm, eps, scale, n_group,
-                 topk_group, fill, compute_dtype) -> (topk_weights [T, k] compute_dtype, topk_ids [T, k] int64)
+                 topk_group, fill, compute_dtype, renorm_min=0.0)
+        -> (topk_weights [T, k] compute_dtype, topk_ids [T, k] int64)
 
 What it computes, in the model's own order and dtypes (D = compute_dtype, the dtype the model's
 scores are in; `softmax(logits, dtype=torch.float)` on bf16 logits has D = float32):
@@ -18,6 +19,8 @@ scores are in; `softmax(logits, dtype=torch.float)` on bf16 logits has D = float
         v, ids = topk(logits, k);  w = softmax(v.to(D), -1)
     then
         renorm:  w = w / (w.sum(-1, keepdim=True) + eps)       (eps = 0: no add, as the model)
+                 or, renorm_min > 0, w / clamp(w.sum(-1, keepdim=True) + eps, min=renorm_min)  (ERNIE-4.5;
+                 renorm_min = 0 is no clamp: the weights are >= 0, so their sum is)
         w = w * scale                                           (scale = 1: no multiply)
 
 Ties in a top-k pick the lowest expert index (eager leaves tie order to the implementation); values
@@ -47,7 +50,7 @@ NARROW_KEYS = True  # int32 top-k keys where the ranked values are 16-bit (`_key
 
 
 def validate_route_args(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill,
-                        compute_dtype) -> None:
+                        compute_dtype, renorm_min=0.0) -> None:
     """Clear errors for every argument the op cannot take (shapes and flags only: no data read)."""
     def fail(msg):
         raise ValueError(f"sonic.route: {msg}")
@@ -73,14 +76,16 @@ def validate_route_args(logits, bias, k, score, topk_first, renorm, eps, scale, 
     if n_group > 1 and (not 1 <= topk_group <= n_group or E // n_group < 2):
         fail(f"group-limited top-k needs 1 <= topk_group <= n_group and >= 2 experts per group, got "
              f"topk_group={topk_group}, n_group={n_group}, E={E}")
-    if not renorm and eps != 0.0:
-        fail("eps is the renormalisation's; it must be 0 without renorm")
+    if not renorm and (eps != 0.0 or renorm_min != 0.0):
+        fail("eps and renorm_min are the renormalisation's; they must be 0 without renorm")
+    if not (math.isfinite(renorm_min) and renorm_min >= 0.0):
+        fail(f"renorm_min must be finite and >= 0, got {renorm_min}")
     if not (math.isfinite(scale) and math.isfinite(eps)) or math.isnan(fill):
         fail(f"scale and eps must be finite and fill not NaN, got {scale}, {eps}, {fill}")
 
 
 def torch_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill,
-                     compute_dtype) -> tuple[Tensor, Tensor]:
+                     compute_dtype, renorm_min=0.0) -> tuple[Tensor, Tensor]:
     """The reference: the eager model's own ops, in its order and dtypes."""
     if topk_first:
         values, ids = torch.topk(logits, k, dim=-1)
@@ -100,13 +105,15 @@ def torch_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_g
         w = s.gather(1, ids)
     if renorm:
         den = w.sum(dim=-1, keepdim=True)
-        w = w / (den + eps if eps != 0.0 else den)
+        den = den + eps if eps != 0.0 else den
+        w = w / (torch.clamp(den, min=renorm_min) if renorm_min != 0.0 else den)
     if scale != 1.0:
         w = w * scale
     return w, ids
 
 
-def torch_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype) -> Tensor:
+def torch_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype,
+                     renorm_min=0.0) -> Tensor:
     """d loss / d logits from d loss / d topk_weights (the formulas of `_route_bwd_kernel`), in fp32
     (fp64 for fp64 inputs) from the forward's values as the model's dtype holds them."""
     acc = torch.promote_types(compute_dtype, torch.float32)
@@ -119,7 +126,10 @@ def torch_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, sca
     g = grad_w.to(acc) * scale
     if renorm:
         den = b.sum(-1, keepdim=True) + eps
-        g = (g - (g * (b / den)).sum(-1, keepdim=True)) / den
+        # the sum's own gradient passes where the clamp does (den >= renorm_min, as torch.clamp's)
+        through = (den >= renorm_min).to(acc) if renorm_min != 0.0 else 1.0
+        den = torch.clamp(den, min=renorm_min) if renorm_min != 0.0 else den
+        g = (g - through * (g * (b / den)).sum(-1, keepdim=True)) / den
     if topk_first:
         g = b * (g - (g * b).sum(-1, keepdim=True))
     grad = torch.zeros(logits.shape, dtype=acc, device=logits.device).scatter(1, ids, g)
@@ -171,7 +181,7 @@ def _blocks(T, E, k, block_t, num_warps, forward=True):
 
 
 def triton_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill,
-                      compute_dtype, *, block_t: int | None = None, narrow_keys: bool | None = None,
+                      compute_dtype, renorm_min=0.0, *, block_t: int | None = None, narrow_keys: bool | None = None,
                       num_warps: int | None = None) -> tuple[Tensor, Tensor]:
     """The forward kernel's launch. `narrow_keys=False` (default: `NARROW_KEYS`) keeps int64 keys
     where int32 ones would do (for A/B tests and timings: the two give the same ids and weights)."""
@@ -187,8 +197,9 @@ def triton_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_
     _route_fwd_kernel[(grid,)](
         logits, logits if bias is None else bias.contiguous(), w, ids, T, E,
         logits.stride(0), w.stride(0), ids.stride(0), float(eps), float(scale), float(fill),
+        _in_dtype(renorm_min, compute_dtype),
         K=k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SOFTMAX=score == "softmax",
-        TOPK_FIRST=topk_first, RENORM=renorm, HAS_BIAS=bias is not None, N_GROUP=n_group,
+        TOPK_FIRST=topk_first, RENORM=renorm, CLAMP=renorm_min != 0.0, HAS_BIAS=bias is not None, N_GROUP=n_group,
         TOPK_GROUP=topk_group, GROUP_SIZE=E // n_group, BLOCK_G=_pow2(n_group),
         COMPUTE=_tl_dtype(compute_dtype), ROUND=compute_dtype != torch.float32,
         KEYS=_key_kind(logits, compute_dtype, topk_first, n_group, fill, NARROW_KEYS if narrow_keys is None else narrow_keys),
@@ -197,8 +208,8 @@ def triton_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_
     return w, ids
 
 
-def triton_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype, *,
-                      block_t: int | None = None, num_warps: int | None = None) -> Tensor:
+def triton_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype, renorm_min=0.0,
+                      *, block_t: int | None = None, num_warps: int | None = None) -> Tensor:
     from .kernels.router import _route_bwd_kernel
 
     logits, ids, grad_w = logits.contiguous(), ids.contiguous(), grad_w.contiguous()
@@ -210,11 +221,17 @@ def triton_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, sc
     _route_bwd_kernel[(grid,)](
         grad_w, logits, ids, grad, T, E,
         grad_w.stride(0), logits.stride(0), ids.stride(0), grad.stride(0), float(eps), float(scale),
+        float(renorm_min),
         K=k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SOFTMAX=score == "softmax",
-        TOPK_FIRST=topk_first, RENORM=renorm, COMPUTE=_tl_dtype(compute_dtype),
+        TOPK_FIRST=topk_first, RENORM=renorm, CLAMP=renorm_min != 0.0, COMPUTE=_tl_dtype(compute_dtype),
         ROUND=compute_dtype != torch.float32, num_warps=num_warps,
     )
     return grad
+
+
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as torch.clamp(t, min=value) compares a `dtype` tensor with it."""
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype))
 
 
 def _use_triton(logits: Tensor, compute_dtype: torch.dtype) -> bool:
@@ -236,8 +253,10 @@ def route_op(
     topk_group: int,
     fill: float,
     compute_dtype: torch.dtype,
+    renorm_min: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    args = (logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill, compute_dtype)
+    args = (logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill, compute_dtype,
+            renorm_min)
     validate_route_args(*args)
     if _use_triton(logits, compute_dtype):
         return triton_router_fwd(*args)
@@ -246,9 +265,10 @@ def route_op(
 
 
 @route_op.register_fake
-def _(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill, compute_dtype):
+def _(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill, compute_dtype,
+      renorm_min=0.0):
     validate_route_args(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill,
-                        compute_dtype)
+                        compute_dtype, renorm_min)
     T = logits.shape[0]
     return logits.new_empty(T, k, dtype=compute_dtype), logits.new_empty(T, k, dtype=torch.int64)
 
@@ -265,22 +285,23 @@ def route_backward_op(
     eps: float,
     scale: float,
     compute_dtype: torch.dtype,
+    renorm_min: float = 0.0,
 ) -> Tensor:
-    args = (grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype)
+    args = (grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype, renorm_min)
     if _use_triton(logits, compute_dtype):
         return triton_router_bwd(*args)
     return torch_router_bwd(*args).contiguous()
 
 
 @route_backward_op.register_fake
-def _(grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype):
+def _(grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype, renorm_min=0.0):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, _bias, k, score, topk_first, renorm, eps, scale, _g, _tg, _fill, compute_dtype = inputs
+    logits, _bias, k, score, topk_first, renorm, eps, scale, _g, _tg, _fill, compute_dtype, renorm_min = inputs
     ctx.save_for_backward(logits, output[1])
-    ctx.flags = (k, score, topk_first, renorm, eps, scale, compute_dtype)
+    ctx.flags = (k, score, topk_first, renorm, eps, scale, compute_dtype, renorm_min)
 
 
 def _backward(ctx, grad_w, _grad_ids):
@@ -288,7 +309,7 @@ def _backward(ctx, grad_w, _grad_ids):
     grad = None
     if grad_w is not None and ctx.needs_input_grad[0]:
         grad = route_backward_op(grad_w, logits, ids, *ctx.flags)
-    return (grad,) + (None,) * 11
+    return (grad,) + (None,) * 12
 
 
 route_op.register_autograd(_backward, setup_context=_setup_context)
@@ -308,6 +329,7 @@ def route(
     topk_group: int = 1,
     fill: float = float("-inf"),
     compute_dtype: torch.dtype | None = None,
+    renorm_min: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """(topk_weights [T, k], topk_ids [T, k] int64) of a router, fused (see the module docstring).
 
@@ -315,9 +337,11 @@ def route(
         w, ids = route(logits, 4, topk_first=True)                               # gpt-oss
         w, ids = route(logits, 8, score="sigmoid", bias=b, n_group=8, topk_group=4,
                        renorm=True, eps=1e-20, scale=2.5)                        # DeepSeek-V3
+        w, ids = route(logits, 8, bias=b, renorm=True, renorm_min=1e-12,
+                       compute_dtype=torch.float32)                              # ERNIE-4.5
     """
     compute_dtype = compute_dtype or logits.dtype
     args = (logits, bias, int(k), score, bool(topk_first), bool(renorm), float(eps), float(scale), int(n_group),
-            int(topk_group), float(fill), compute_dtype)
+            int(topk_group), float(fill), compute_dtype, float(renorm_min))
     validate_route_args(*args)
     return route_op(*args)

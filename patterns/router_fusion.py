@@ -8,7 +8,8 @@ them with one call. What it matches (L: [T, E] logits, any spelling: F.softmax /
     # softmax -> top-k (-> renormalise) (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral)
     p = F.softmax(L, dim=-1, dtype=torch.float)            # or softmax(L.float(), -1), or sigmoid(L)
     w, ids = torch.topk(p, K, dim=-1)                      # [T, K]
-    w /= w.sum(dim=-1, keepdim=True)                       # optional; `+ eps` in the denominator too
+    w /= w.sum(dim=-1, keepdim=True)                       # optional; `+ eps` in the denominator too, or
+                                                           # a clamp(min=m) around it (ERNIE-4.5)
     w = w * scale                                          # optional Python constant
 
     # top-k -> softmax (gpt-oss)
@@ -38,6 +39,7 @@ outside the router also reads (an aux loss, token rounding).
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import operator
 
@@ -112,7 +114,7 @@ def match_router(call: fx.Node) -> RouterMatch:
 
         validate_route_args(example_value(logits), example_value(args["bias"]), args["k"], args["score"],
                             args["topk_first"], args["renorm"], args["eps"], args["scale"], args["n_group"],
-                            args["topk_group"], args["fill"], args["compute_dtype"])
+                            args["topk_group"], args["fill"], args["compute_dtype"], args["renorm_min"])
     except ValueError as err:
         raise NoMatch(str(err)) from None
     return RouterMatch(logits, weights_node, ids, walk.region, args, form)
@@ -157,7 +159,7 @@ def rewrite_router(gm: fx.GraphModule, match: RouterMatch) -> fx.Node:
     graph = gm.graph
     a = match.args
     args = (match.logits, a["bias"], a["k"], a["score"], a["topk_first"], a["renorm"], a["eps"], a["scale"],
-            a["n_group"], a["topk_group"], a["fill"], a["compute_dtype"])
+            a["n_group"], a["topk_group"], a["fill"], a["compute_dtype"], a["renorm_min"])
     op = torch.ops.sonic.route.default
     fake_mode = fake_mode_of(gm)
     fake = None
@@ -237,8 +239,8 @@ class _Walk:
         self.region.update(n for n in nodes if isinstance(n, fx.Node))
 
     def weights(self, w: fx.Node, ids: fx.Node) -> tuple[fx.Node, dict, str]:
-        out, args, steps = w, dict(scale=1.0, renorm=False, eps=0.0, bias=None, n_group=1, topk_group=1,
-                                   fill=float("-inf")), []
+        out, args, steps = w, dict(scale=1.0, renorm=False, eps=0.0, renorm_min=0.0, bias=None, n_group=1,
+                                   topk_group=1, fill=float("-inf")), []
         if is_call(w, "mul", "imul", "mul_"):
             a, b = w.args[0], w.args[1] if len(w.args) > 1 else None
             const, node = (a, b) if _number(a) else (b, a)
@@ -298,7 +300,11 @@ class _Walk:
         expect(len(div.args) == 2 and not div.kwargs, f"division {div.name} has a rounding mode or extra arguments")
         num, den = div.args
         expect(isinstance(num, fx.Node) and isinstance(den, fx.Node), "routing weights are divided by a constant")
-        eps = 0.0
+        eps, renorm_min = 0.0, 0.0
+        if is_call(den, "clamp", "clamp_min"):  # ERNIE-4.5: w / clamp(w.sum(-1, keepdim=True), min=norm_min)
+            renorm_min = self.clamp_min(den)
+            self.take(den)
+            den = den.args[0]
         if is_call(den, "add", "iadd"):
             a, b = den.args[0], den.args[1] if len(den.args) > 1 else None
             const, node = (a, b) if _number(a) else (b, a)
@@ -313,9 +319,25 @@ class _Walk:
         expect(_int_dim(dim, 2, 1), f"renormalisation sums over dim {dim}, not the k dim")
         expect(keepdim is True, "renormalisation sum without keepdim=True (it would broadcast across tokens)")
         expect(len(den.args) + len(den.kwargs) <= 3 and "dtype" not in den.kwargs, "renormalisation sum with a dtype")
-        args.update(renorm=True, eps=eps)
+        args.update(renorm=True, eps=eps, renorm_min=renorm_min)
         self.take(div, den)
         return num
+
+    @staticmethod
+    def clamp_min(node: fx.Node) -> float:
+        """m of `clamp(x, min=m)` / `clamp_min(x, m)` around the renormalisation's sum: a number >= 0
+        and no max (a max, or a tensor bound, would change weights the op does not)."""
+        if is_call(node, "clamp_min"):
+            low, high = arg(node, 1, "min"), None
+            expect(len(node.args) + len(node.kwargs) == 2, f"{node.name}: clamp_min with extra arguments")
+        else:
+            low, high = arg(node, 1, "min"), arg(node, 2, "max")
+            expect(len(node.args) + len(node.kwargs) <= 3, f"{node.name}: clamp with extra arguments")
+        expect(isinstance(node.args[0], fx.Node), f"{node.name}: clamp of a constant")
+        expect(high is None, "the renormalisation's denominator is clamped from above")
+        expect(_number(low) and math.isfinite(float(low)) and float(low) >= 0.0,
+               f"the renormalisation's denominator is clamped by {_describe(low)}, not a number >= 0")
+        return float(low)
 
     def softmax(self, node: fx.Node):
         """(input, dim, dtype) of a softmax over an explicit dim (F.softmax, torch.softmax, .softmax)."""

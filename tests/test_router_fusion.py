@@ -47,21 +47,24 @@ FORMS = [
     ("sigmoid-bias-renorm-scale", 2, dict(score="sigmoid", renorm=True, eps=1e-6, scale=2.5), True),  # LFM2-MoE
     ("k1", 1, dict(renorm=True), False),
     ("k=E", 6, dict(renorm=True, scale=0.5), False),
+    # ERNIE-4.5's w / clamp(sum, min): bounds the tests' sums reach, so rows on both sides of the clamp
+    ("softmax-bias-renorm-clamp", 2, dict(renorm=True, renorm_min=0.6), True),
+    ("sigmoid-renorm-clamp-scale", 2, dict(score="sigmoid", renorm=True, renorm_min=1.35, scale=2.0), False),
 ]
 
 
 def _args(E, k, kw, bias, dtype, compute_dtype=None):
     full = dict(score="softmax", topk_first=False, renorm=False, eps=0.0, scale=1.0, n_group=1, topk_group=1,
-                fill=float("-inf"))
+                fill=float("-inf"), renorm_min=0.0)
     full.update(kw)
     b = torch.linspace(-0.1, 0.1, E, dtype=dtype) if bias else None
     return (b, k, full["score"], full["topk_first"], full["renorm"], full["eps"], full["scale"], full["n_group"],
-            full["topk_group"], full["fill"], compute_dtype or dtype)
+            full["topk_group"], full["fill"], compute_dtype or dtype, full["renorm_min"])
 
 
 def _bwd_args(args):
-    b, k, score, topk_first, renorm, eps, scale, *_, compute_dtype = args
-    return (k, score, topk_first, renorm, eps, scale, compute_dtype)
+    b, k, score, topk_first, renorm, eps, scale, *_, compute_dtype, renorm_min = args
+    return (k, score, topk_first, renorm, eps, scale, compute_dtype, renorm_min)
 
 
 def _canonical(w, ids):
@@ -80,6 +83,10 @@ def test_analytic_backward_matches_autograd(name, k, kw, bias):
     logits = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
     args = _args(6, k, kw, bias, torch.float64)
     w, ids = torch_router_fwd(logits, *args)
+    if kw.get("renorm_min"):  # the clamp binds on some rows and not on others
+        s = torch.softmax(logits, -1) if kw.get("score", "softmax") == "softmax" else torch.sigmoid(logits)
+        sums = s.gather(1, ids).sum(-1)
+        assert (sums < kw["renorm_min"]).any() and (sums > kw["renorm_min"]).any(), sums
     g = torch.randn_like(w)
     (want,) = torch.autograd.grad(w, logits, g)
     got = torch_router_bwd(g, logits.detach(), ids, *_bwd_args(args))
@@ -453,23 +460,32 @@ def test_hf_router_fused_gpu_bf16(name):
     _check_fused_bf16(name, device="cuda", compiler="inductor")
 
 
+def _tiny_family(family, config_cls, model_cls, init, **config):
+    """A small float32 causal LM of a family the testing helpers do not build (skipped where this
+    transformers has none), seeded, with `init(name, param)` applied to each parameter."""
+    tf = pytest.importorskip("transformers")
+    if not hasattr(tf, config_cls):
+        pytest.skip(f"transformers {tf.__version__} has no {family}")
+    torch.manual_seed(0)
+    model = getattr(tf, model_cls)(getattr(tf, config_cls)(**config)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            init(name, p)
+    return model
+
+
 def _tiny_gemma4():
     """A two-layer Gemma 4 text model with its MoE block on, per-expert scales away from 1."""
-    tf = pytest.importorskip("transformers")
-    if not hasattr(tf, "Gemma4TextConfig"):
-        pytest.skip(f"transformers {tf.__version__} has no Gemma 4")
-    config = tf.Gemma4TextConfig(
+    def init(name, p):
+        if name.endswith("per_expert_scale"):
+            p.uniform_(0.5, 1.5)
+
+    return _tiny_family(
+        "Gemma 4", "Gemma4TextConfig", "Gemma4ForCausalLM", init,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, global_head_dim=16, vocab_size=128, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
         enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32, max_position_embeddings=128,
         layer_types=["sliding_attention", "full_attention"])
-    torch.manual_seed(0)
-    model = tf.Gemma4ForCausalLM(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("per_expert_scale"):
-                p.uniform_(0.5, 1.5)
-    return model
 
 
 def test_gemma4_router_fused_before_its_per_expert_scale():
@@ -477,6 +493,43 @@ def test_gemma4_router_fused_before_its_per_expert_scale():
     per_expert_scale[ids]: the router up to the renormalisation is fused, the product stays in the
     graph on the fused weights and ids, and every gradient (per_expert_scale's included) equals eager."""
     _check_fused(_tiny_gemma4(), "softmax->topk->renorm * per_expert_scale[ids] (kept), fused")
+
+
+def _tiny_ernie(norm_min):
+    """A two-layer ERNIE-4.5-MoE (softmax scores, a correction bias for the choice, weights divided by
+    clamp(sum, min=moe_norm_min)), its bias away from 0."""
+    def init(name, p):
+        if name.endswith("e_score_correction_bias"):
+            p.uniform_(-0.05, 0.05)
+        if name.endswith("gate.weight"):
+            p.normal_(0.0, 0.2)  # top-2 sums spread over ~0.4-0.9
+
+    return _tiny_family(
+        "ERNIE-4.5-MoE", "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", init,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, moe_intermediate_size=32, moe_k=2, moe_num_experts=8,
+        moe_num_shared_experts=1, moe_layer_start_index=0, moe_norm_min=norm_min)
+
+
+@pytest.mark.parametrize("norm_min", [1e-12, 0.7], ids=["as-shipped", "clamp-active"])
+def test_ernie_router_fused_with_its_clamped_renorm(norm_min):
+    """ERNIE-4.5 divides its routing weights by clamp(sum, min=moe_norm_min): fused, with the clamp.
+    As shipped (1e-12) the clamp never binds; at 0.7 it binds for some tokens and not for others
+    (checked), and the loss and every gradient still equal eager."""
+    model = _tiny_ernie(norm_min)
+    if norm_min == 0.7:
+        sums = []
+        def hook(mod, args, out):  # out: (router logits, clamped weights, ids); the sums before the clamp
+            sums.append(torch.softmax(out[0], -1).gather(-1, out[2]).sum(-1))
+
+        handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
+        with torch.no_grad():
+            model(_ids(model))
+        for h in handles:
+            h.remove()
+        sums = torch.cat(sums)
+        assert (sums < norm_min).any() and (sums > norm_min).any(), sums
+    _check_fused(model, "softmax+bias->topk->gather->renorm, fused")
 
 
 def test_granitemoe_router_through_type_as():
@@ -669,7 +722,19 @@ POSITIVE = {
         *_softmax_topk(m, x)), "softmax->topk->renorm * per_expert[ids] (kept), fused"),
     "scalar-tensor-scale-kept": (lambda m, x: (lambda p, w, i: (m.scale * w, i, 0))(*_softmax_topk(m, x)),
                                  "softmax->topk * "),
+    # ERNIE-4.5: biased choice, unbiased weights, divided by clamp(sum, min); and a clamp_min that
+    # binds (the top-2 of 4 sum to 0.5-1) on some tokens
+    "ernie-clamp-renorm": (lambda m, x: _ernie_router(m, x, 1e-12), "softmax+bias->topk->gather->renorm, fused"),
+    "clamp-min-binding": (lambda m, x: (lambda p, w, i: (w / w.sum(-1, keepdim=True).clamp_min(0.7), i, 0))(
+        *_softmax_topk(m, x)), "softmax->topk->renorm, fused"),
 }
+
+
+def _ernie_router(m, x, norm_min):
+    probs = F.softmax(m.gate(x), dim=1, dtype=torch.float)
+    _, ids = torch.topk(probs + m.bias, m.K, dim=-1)
+    w = torch.gather(probs, dim=-1, index=ids)
+    return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=norm_min), ids, 0
 
 
 def _lfm2_router(m, x):
@@ -723,6 +788,11 @@ NEGATIVE = {
     # a cast that changes the dtype inside the router: the op computes in one dtype
     "narrowing-cast-then-renorm": (lambda m, x: (lambda p, w, i: (_renorm(w.half()).float(), i, 0))(
         *_softmax_topk(m, x)), "not a recognised router"),
+    # a clamp the op does not compute: from above, or by a tensor
+    "renorm-clamp-max": (lambda m, x: (lambda p, w, i: (w / w.sum(-1, keepdim=True).clamp(0.1, 0.9), i, 0))(
+        *_softmax_topk(m, x)), "clamped from above"),
+    "renorm-clamp-tensor": (lambda m, x: (lambda p, w, i: (w / torch.clamp(w.sum(-1, keepdim=True), min=m.scale * 0.4),
+                                                           i, 0))(*_softmax_topk(m, x)), "not a number >= 0"),
 }
 
 

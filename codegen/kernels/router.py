@@ -163,8 +163,10 @@ def _route_fwd_kernel(
     T, E,
     stride_l_t, stride_w_t, stride_i_t,
     eps, scale, fill,
+    renorm_min,  # CLAMP: the renormalisation's denominator is at least this (in the compute dtype)
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    SOFTMAX: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFTMAX: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORM: tl.constexpr, CLAMP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     COMPUTE: tl.constexpr, ROUND: tl.constexpr, KEYS: tl.constexpr,
 ):
@@ -212,8 +214,10 @@ def _route_fwd_kernel(
     else:
         w = top_v
     w = tl.where(kmask[None, :], w, 0.0)
-    if RENORM:  # w / (sum(w) + eps), each step as the model rounds it
+    if RENORM:  # w / (sum(w) + eps), each step as the model rounds it; CLAMP: w / clamp(sum + eps, min)
         den = _rnd(_rnd(tl.sum(w, 1), COMPUTE, ROUND) + eps, COMPUTE, ROUND)
+        if CLAMP:  # NaN stays NaN, as torch.clamp keeps it
+            den = tl.maximum(den, renorm_min, propagate_nan=tl.PropagateNan.ALL)
         w = _rnd(w / den[:, None], COMPUTE, ROUND)
     w = _rnd(w * scale, COMPUTE, ROUND)
     out = rmask[:, None] & kmask[None, :]
@@ -229,14 +233,15 @@ def _route_bwd_kernel(
     dlogits_ptr,  # [T, E] logits dtype: d loss / d logits
     T, E,
     stride_g_t, stride_l_t, stride_i_t, stride_d_t,
-    eps, scale,
+    eps, scale, renorm_min,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    SOFTMAX: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORM: tl.constexpr,
+    SOFTMAX: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORM: tl.constexpr, CLAMP: tl.constexpr,
     COMPUTE: tl.constexpr, ROUND: tl.constexpr,
 ):
     """dlogits from d topk_weights, with b the selected scores (the weights before renorm/scale):
         g_b = c g                                    (scale c)
         renorm, S = sum(b) + eps, w = b / S:  g_b = (g_b - <g_b, w>) / S
+        CLAMP, S = max(sum(b) + eps, m):     g_b = (g_b - [sum(b) + eps >= m] <g_b, w>) / S
         softmax -> topk: G = scatter(g_b) [E],  dl = p * (G - <G, p>)
         sigmoid -> topk: G = scatter(g_b),      dl = G * s * (1 - s)
         topk -> softmax: dv = b * (g_b - <g_b, b>), dl = scatter(dv)
@@ -269,8 +274,14 @@ def _route_bwd_kernel(
     g = g * scale
     if RENORM:
         den = tl.where(rmask, tl.sum(b, 1) + eps, 1.0)  # rows past T hold no selection
-        w = b / den[:, None]
-        g = (g - tl.sum(g * w, 1)[:, None]) / den[:, None]
+        if CLAMP:  # the sum's own gradient passes where the clamp does (den >= min, as torch.clamp's)
+            through = den >= renorm_min
+            den = tl.maximum(den, renorm_min, propagate_nan=tl.PropagateNan.ALL)
+            w = b / den[:, None]
+            g = (g - tl.where(through, tl.sum(g * w, 1), 0.0)[:, None]) / den[:, None]
+        else:
+            w = b / den[:, None]
+            g = (g - tl.sum(g * w, 1)[:, None]) / den[:, None]
     if TOPK_FIRST:
         g = b * (g - tl.sum(g * b, 1)[:, None])
     grad = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
