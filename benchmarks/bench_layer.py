@@ -207,6 +207,16 @@ def build_provider(name, master, shape):
     raise ValueError(name)
 
 
+def layer_inputs(shape, seed=0):
+    """(master weights {wr, w1, w2}, x, dy) of the layer at `shape`, bf16 on the GPU, drawn in that
+    order from one seeded generator."""
+    T, d, n, E, K = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *s, std: (torch.randn(*s, device="cuda", generator=gen) * std).to(torch.bfloat16)  # noqa: E731
+    master = {"wr": rnd(E, d, std=d**-0.5), "w1": rnd(E, 2 * n, d, std=d**-0.5), "w2": rnd(E, d, n, std=n**-0.5)}
+    return master, rnd(T, d, std=1.0), rnd(T, d, std=1.0)
+
+
 def graphed(step, zero):
     """`step` captured in a CUDA graph (after warm-up steps on a side stream), as its replay: the
     step's GPU time without the host's launch cost. The grads are the graph's own tensors."""
@@ -522,11 +532,7 @@ def main():
     results = []
     for sname in shapes:
         T, d, n, E, K = shape = SHAPES[sname]
-        gen = torch.Generator(device="cuda").manual_seed(args.seed)
-        rnd = lambda *s, std: (torch.randn(*s, device="cuda", generator=gen) * std).to(torch.bfloat16)
-        master = {"wr": rnd(E, d, std=d**-0.5), "w1": rnd(E, 2 * n, d, std=d**-0.5), "w2": rnd(E, d, n, std=n**-0.5)}
-        x = rnd(T, d, std=1.0)
-        dy = rnd(T, d, std=1.0)
+        master, x, dy = layer_inputs(shape, args.seed)
         ref = fp32_reference(master, x, dy, K)
         torch.cuda.empty_cache()
         for rnd_i, prov in ((i, p) for i in range(args.rounds) for p in providers):

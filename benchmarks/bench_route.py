@@ -64,7 +64,7 @@ def chunk_sweep(cases, chunks):
         for E, TK in cases:
             ids = torch.randint(0, E, (TK, 1), device="cuda")
             ref = torch_route(ids, E)
-            buckets = max(2, 1 << (E - 1).bit_length())
+            buckets = tm.route_buckets(E)
             row = []
             for chunk in chunks:
                 tm._route_chunk = lambda *_, c=chunk: c
@@ -86,7 +86,7 @@ def small_sweep():
     try:
         for E in (8, 16, 64, 128, 256):
             for TK in (4, 32, 64, 256, 2048, 16384):
-                buckets = max(2, 1 << (E - 1).bit_length())
+                buckets = tm.route_buckets(E)
                 if TK * buckets > tm._SMALL_ROUTE_WORK:
                     continue
                 ids = torch.randint(0, E, (TK, 1), device="cuda")

@@ -596,6 +596,13 @@ def _route_chunk(TK: int, buckets: int) -> int:
     return min(512, max(256, triton.next_power_of_2(triton.cdiv(TK * buckets, 65536))))
 
 
+def route_buckets(E: int, padded: bool = False) -> int:
+    """The routing kernels' bucket count: the experts, and the padding slots' bucket E in the slot
+    form, rounded up to a power of two (>= 2). 128 experts take 128 buckets, not 256: the piece
+    kernels' work grows with slots x buckets."""
+    return max(2, triton.next_power_of_2(E + padded))
+
+
 def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tensor]:
     """(sorted_rows int32 [TK], expert_offsets int32 [E+1]) on the device, with no host sync.
 
@@ -605,9 +612,7 @@ def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tenso
     """
     flat = topk_ids.reshape(-1).contiguous()  # the kernels index it densely
     TK = flat.numel()
-    # the experts, and the padding slots' bucket E in the slot form: 128 experts take 128 buckets,
-    # not 256 (the piece kernels' work grows with slots x buckets)
-    buckets = max(2, triton.next_power_of_2(E + padded))
+    buckets = route_buckets(E, padded)
     small = _small_route_block(TK, buckets, flat.device)
     if (small or buckets <= _PIECES_MAX_BUCKETS) and flat.device.type == "cpu" and TK:
         # the interpreter skips the kernels' device asserts; a CPU check costs no sync

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from bench_layer import SHAPES, graphed, provider_step  # noqa: E402
+from bench_layer import SHAPES, graphed, layer_inputs, provider_step  # noqa: E402
 
 _FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
@@ -86,15 +86,10 @@ def main():
     ap.add_argument("--gap-ms", type=float, default=3.0, help="idle time before each replay of a gap phase")
     args = ap.parse_args()
     T, d, n, E, K = shape = SHAPES[args.shape]
-    torch.manual_seed(0)
-    master = {"wr": torch.randn(E, d, device="cuda", dtype=torch.bfloat16) * d**-0.5,
-              "w1": torch.randn(E, 2 * n, d, device="cuda", dtype=torch.bfloat16) * d**-0.5,
-              "w2": torch.randn(E, d, n, device="cuda", dtype=torch.bfloat16) * n**-0.5}
-    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
-    clock_hz = torch.cuda.get_device_properties(0).clock_rate * 1e3 if hasattr(
-        torch.cuda.get_device_properties(0), "clock_rate") else 1.98e9
-    gap_cycles = int(args.gap_ms * 1e-3 * clock_hz)
+    master, x, dy = layer_inputs(shape)
+    # cycles a ms: the device's clock in kHz, or the H100's boost clock where torch does not say
+    clock_khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 1.98e6)
+    gap_cycles = int(args.gap_ms * clock_khz)
     log = os.path.join(tempfile.mkdtemp(), "smi.csv")
     sampler = start_sampler(log)
     flop = 18 * T * K * d * n

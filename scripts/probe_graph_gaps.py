@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from bench_layer import SHAPES, graphed, provider_step  # noqa: E402
+from bench_layer import SHAPES, graphed, layer_inputs, provider_step  # noqa: E402
 
 
 def probe(provider, shape, master, x, dy, replays, min_gap, verbose):
@@ -59,11 +59,8 @@ def main():
     ap.add_argument("--verbose", action="store_true", help="every kernel: start, us, name")
     ap.add_argument("--min-gap", type=float, default=3.0)
     args = ap.parse_args()
-    T, d, n, E, K = shape = SHAPES[args.shape]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *s, std: (torch.randn(*s, device="cuda", generator=gen) * std).to(torch.bfloat16)  # noqa: E731
-    master = {"wr": rnd(E, d, std=d**-0.5), "w1": rnd(E, 2 * n, d, std=d**-0.5), "w2": rnd(E, d, n, std=n**-0.5)}
-    x, dy = rnd(T, d, std=1.0), rnd(T, d, std=1.0)
+    shape = SHAPES[args.shape]
+    master, x, dy = layer_inputs(shape)
     for provider in args.providers.split(","):
         try:
             probe(provider, shape, master, x, dy, args.replays, args.min_gap, args.verbose)

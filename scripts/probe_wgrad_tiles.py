@@ -20,7 +20,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 from bench_gluon_wgrad import run_gluon, run_triton  # noqa: E402  (the launches bench_gluon_wgrad times)
-from bench_layer import SHAPES, build_provider  # noqa: E402
+from bench_layer import SHAPES, build_provider, layer_inputs  # noqa: E402
 
 from codegen import triton_moe  # noqa: E402
 from codegen.kernels import gluon_wgrad as gw  # noqa: E402
@@ -30,12 +30,10 @@ TILES = "256x128x64x4x8x88,128x256x64x4x8x88,256x128x64x3x8x88,128x256x64x3x8x88
 
 def capture(name):
     """{gather_lhs: (lhs, rhs, routing kwargs, dw shape)} of one fwd+bwd of the layer at `name`."""
-    T, d, n, E, K = shape = SHAPES[name]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *s, std: (torch.randn(*s, device="cuda", generator=gen) * std).to(torch.bfloat16)  # noqa: E731
-    master = {"wr": rnd(E, d, std=d**-0.5), "w1": rnd(E, 2 * n, d, std=d**-0.5), "w2": rnd(E, d, n, std=n**-0.5)}
+    shape = SHAPES[name]
+    master, x, dy = layer_inputs(shape)
     fn, _ = build_provider("ours-fused-router", master, shape)
-    x = rnd(T, d, std=1.0).requires_grad_()
+    x.requires_grad_()
     seen = {}
     original = triton_moe._weight_grad
 
@@ -46,7 +44,7 @@ def capture(name):
 
     triton_moe._weight_grad = keep
     try:
-        fn(x).backward(rnd(T, d, std=1.0))
+        fn(x).backward(dy)
     finally:
         triton_moe._weight_grad = original
     torch.cuda.synchronize()
