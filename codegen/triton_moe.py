@@ -220,6 +220,10 @@ PERSISTENT_UP = os.environ.get("SONIC_MOE_PERSISTENT_UP", "1") != "0"
 # row through the map that the same launch writes (`gluon_scatter_gemm(row_map=...)`); env
 # SONIC_MOE_SCATTER_TILES=0 (or `set_scatter_tiles`) keeps slot order.
 SCATTER_TILES = os.environ.get("SONIC_MOE_SCATTER_TILES", "1") != "0"
+# The product gather-sum (dX with the router's term folded in) loads the next token block's row-map
+# entries while it sums the current block's rows ([T, K] routing through a row map); False loads each
+# block's entries just before its rows (A/B runs).
+MAP_PREFETCH = True
 
 
 def _w_block_hook(nargs):
@@ -863,6 +867,7 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
         rhs.stride(1), TOP_K=K, SLOTS=slots is not None, ROW_MAP=row_map is not None, BLOCK_T=lp.block_t,
         BLOCK_D=lp.block_d, BLOCK_J=lp.block_j,
         R_RESIDENT=J <= lp.block_j, PRODUCT_FIRST=lp.product_first, DOT_PRECISION=_dot_precision(lhs.dtype),
+        K_POW2=max(2, triton.next_power_of_2(K)), PREFETCH=MAP_PREFETCH and row_map is not None and slots is None,
         num_warps=lp.warps,
     )
     return out

@@ -229,11 +229,14 @@ def test_gpu_fold_bf16_list_form(bias, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("slots", [False, True])
+@pytest.mark.parametrize("slots,mapped", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["dense", "slots", "dense-row-map", "slots-row-map"])
 @pytest.mark.parametrize("d,J", [(1536, 128), (768, 64), (200, 300)])
-def test_gpu_gather_sum_product_kernel(slots, d, J):
+def test_gpu_gather_sum_product_kernel(slots, mapped, d, J):
     # the launcher's default launch in bf16: R resident (J <= 128) or in chunks (J = 300), d not a
-    # multiple of the block; against float32 sums of the same bf16 rows
+    # multiple of the block; against float32 sums of the same bf16 rows. mapped: each slot's row
+    # read through a row map (a random permutation into a larger buffer whose other rows are NaN),
+    # as the TILE-order dX~ is read (with [T, K] routing the kernel loads the map a block ahead)
     from codegen import triton_moe
 
     T, K = 3000, 4
@@ -246,7 +249,15 @@ def test_gpu_gather_sum_product_kernel(slots, d, J):
     if slots:
         ids[::3] = -1
         arg = (ids, triton_moe.token_offsets(torch.arange(T * K, device="cuda") // K, T))
-    got = triton_moe.triton_moe_gather_sum(y, None, T, K, torch.bfloat16, arg, product=(lhs, rhs)).float()
+    y_in, row_map = y, None
+    if mapped:
+        row_map = torch.randperm(T * K + 500, device="cuda", generator=gen)[:T * K].to(torch.int32)
+        y_in = torch.full((T * K + 500, d), float("nan"), dtype=y.dtype, device="cuda")
+        y_in[row_map.long()] = y
+        if slots:
+            row_map[::3] = -1  # padding slots are never read
+    got = triton_moe.triton_moe_gather_sum(y_in, None, T, K, torch.bfloat16, arg, product=(lhs, rhs),
+                                           row_map=row_map).float()
     rows = torch.where((ids >= 0)[:, None], y.float(), 0.0).view(T, K, d).sum(1)
     want = rows + lhs.float() @ rhs.float()
     # one bf16 rounding of the float32 result (2^-8 relative), on top of float32 sums in either order

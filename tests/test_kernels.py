@@ -631,28 +631,31 @@ def test_tile_row_map_matches_brute_force(tm, E, TK, padded, block_m):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("form", ["weights", "slots", "product"])
+@pytest.mark.parametrize("form", ["weights", "slots", "product", "product-slots", "product-walking"])
 def test_gather_sum_through_a_row_map(tm, dtype, form):
     """The gather-sums read slot s's row at y[row_map[s]] (a TILE-order y) bit-equal to reading a
-    slot-order y; every row no slot maps to holds NaN, so a wrong row shows."""
+    slot-order y; every row no slot maps to holds NaN, so a wrong row shows. The product forms: the
+    rows through the map tile a program loads one token block ahead (K = 3, not a power of two),
+    also in programs that walk several blocks with the dot after the rows, and the slot form's."""
     from codegen.kernels.gluon_scatter import slot_rows_in_tiles
     T, K, d, E = 37, 3, 40, 5
     gen = torch.Generator().manual_seed(11)
     y = torch.randn(T * K, d, generator=gen).to(dtype)
     ids = torch.randint(0, E, (T * K,), generator=gen)
     arg, s, product = None, torch.rand(T * K, generator=gen).to(dtype), None
-    if form == "slots":  # every 4th slot is padding, never written or read
+    if form in ("slots", "product-slots"):  # every 4th slot is padding, never written or read
         ids[::4] = -1
         arg = (ids, tm.token_offsets(torch.arange(T * K) // K, T))
-    if form == "product":
+    if form.startswith("product"):
         s, product = None, (torch.randn(T, 7, generator=gen).to(dtype), torch.randn(7, d, generator=gen).to(dtype))
-    rows, offs = tm.route(ids.view(-1, 1), E, padded=form == "slots")
+    launch = tm.ProductLaunch(16, 16, 16, 4, 1, False) if form == "product-walking" else None
+    rows, offs = tm.route(ids.view(-1, 1), E, padded=arg is not None)
     row_map = slot_rows_in_tiles(rows, offs, 16)
     y_tiles = torch.full(((T * K // 16 + E + 1) * 16, d), float("nan"), dtype=dtype)
     live = row_map >= 0
     y_tiles[row_map[live].long()] = y[live]
-    want = tm.triton_moe_gather_sum(y, s, T, K, dtype, arg, product=product)
-    got = tm.triton_moe_gather_sum(y_tiles, s, T, K, dtype, arg, product=product, row_map=row_map)
+    want = tm.triton_moe_gather_sum(y, s, T, K, dtype, arg, product=product, launch=launch)
+    got = tm.triton_moe_gather_sum(y_tiles, s, T, K, dtype, arg, product=product, row_map=row_map, launch=launch)
     assert torch.equal(got, want)
 
 

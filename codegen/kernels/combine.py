@@ -73,6 +73,26 @@ def _gather_sum_kernel(
     tl.store(out_ptr + toks.to(tl.int64)[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _row_map_tile(row_map_ptr, tb, T, ks, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """[BLOCK_T, K_POW2] int32: the y rows of token block tb's slots (token t's k-th slot is t*K + k),
+    zeros past T or TOP_K."""
+    toks = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = (toks < T)[:, None] & (ks < TOP_K)[None, :]
+    return tl.load(row_map_ptr + toks.to(tl.int64)[:, None] * TOP_K + ks[None, :], mask=live, other=0)
+
+
+@triton.jit
+def _mapped_rows_sum(acc, y_ptr, rows, ks, t_mask, cols, d, TOP_K: tl.constexpr):
+    """acc + the sum of each token's K rows of y, their row numbers given ([BLOCK_T, K_POW2],
+    `_row_map_tile`), in float32 and slot order, as `_token_rows_sum` sums them."""
+    mask = t_mask[:, None] & (cols < d)[None, :]
+    for k in tl.static_range(TOP_K):
+        row = tl.sum(tl.where(ks[None, :] == k, rows, 0), 1).to(tl.int64)
+        acc += tl.load(y_ptr + row[:, None] * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gather_sum_product_kernel(
     y_ptr, ids_ptr, token_offsets_ptr, row_map_ptr,  # as _gather_sum_kernel's (no weights: the backward's dX~)
@@ -85,24 +105,37 @@ def _gather_sum_product_kernel(
     R_RESIDENT: tl.constexpr,  # J <= BLOCK_J: R's [J, BLOCK_D] tile is loaded once per program
     PRODUCT_FIRST: tl.constexpr,  # the dot before the row loads (else after)
     DOT_PRECISION: tl.constexpr,
+    K_POW2: tl.constexpr,  # TOP_K rounded up to a power of two: the width of a token block's row-map tile
+    PREFETCH: tl.constexpr,  # ROW_MAP and not SLOTS only: load the next token block's map entries a block ahead
 ):
     """out[t] = sum of token t's rows of y + L[t] @ R. Grid: (programs over token blocks,
     cdiv(d, BLOCK_D)); a program takes token blocks pid, pid + grid0, ... . tl.dot needs BLOCK_T and
-    BLOCK_J of at least 16."""
+    BLOCK_J of at least 16. With [T, K] routing and a row map, a program loads the next token
+    block's row-map entries while it sums the current block's rows, so a block's row loads wait on
+    no map load of their own."""
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     c_mask = cols < d
     js = tl.arange(0, BLOCK_J)
     if R_RESIDENT:
         rhs = tl.load(rhs_ptr + js[:, None].to(tl.int64) * stride_rj + cols[None, :] * stride_rd,
                       mask=(js < J)[:, None] & c_mask[None, :], other=0.0)
+    ks = tl.arange(0, K_POW2)
+    if PREFETCH:
+        next_rows = _row_map_tile(row_map_ptr, tl.program_id(0), T, ks, TOP_K, BLOCK_T)
     for tb in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         toks = tb * BLOCK_T + tl.arange(0, BLOCK_T)
         t_mask = toks < T
         l_rows = lhs_ptr + toks.to(tl.int64)[:, None] * stride_lt
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        if PREFETCH:
+            rows = next_rows
+            next_rows = _row_map_tile(row_map_ptr, tb + tl.num_programs(0), T, ks, TOP_K, BLOCK_T)
         if not PRODUCT_FIRST:
-            acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, row_map_ptr, toks, t_mask, cols,
-                                  d, TOP_K, False, SLOTS, ROW_MAP)
+            if PREFETCH:
+                acc = _mapped_rows_sum(acc, y_ptr, rows, ks, t_mask, cols, d, TOP_K)
+            else:
+                acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, row_map_ptr, toks, t_mask, cols,
+                                      d, TOP_K, False, SLOTS, ROW_MAP)
         if R_RESIDENT:
             lhs = tl.load(l_rows + js[None, :] * stride_lj, mask=t_mask[:, None] & (js < J)[None, :], other=0.0)
             acc = tl.dot(lhs, rhs, acc, input_precision=DOT_PRECISION)
@@ -115,8 +148,11 @@ def _gather_sum_product_kernel(
                                mask=j_mask[:, None] & c_mask[None, :], other=0.0)
                 acc = tl.dot(lhs, part, acc, input_precision=DOT_PRECISION)
         if PRODUCT_FIRST:
-            acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, row_map_ptr, toks, t_mask, cols,
-                                  d, TOP_K, False, SLOTS, ROW_MAP)
+            if PREFETCH:
+                acc = _mapped_rows_sum(acc, y_ptr, rows, ks, t_mask, cols, d, TOP_K)
+            else:
+                acc = _token_rows_sum(acc, y_ptr, y_ptr, ids_ptr, token_offsets_ptr, row_map_ptr, toks, t_mask, cols,
+                                      d, TOP_K, False, SLOTS, ROW_MAP)
         mask = t_mask[:, None] & c_mask[None, :]
         tl.store(out_ptr + toks.to(tl.int64)[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask)
