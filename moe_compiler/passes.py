@@ -15,6 +15,7 @@ from patterns import (
     hf_batched_mm,
     hf_eager_loop,
     hf_grouped_mm,
+    repeat_loop,
 )
 from patterns.common import MoEMatch, NoMatch, Rejection, rewrite, settle_autocast
 from patterns.router_fusion import match_router, rewrite_router
@@ -31,6 +32,7 @@ FINDERS = {
     "expert_loop": expert_loop.find,  # nn.ModuleList experts looped over with torch.where + index_add
     "dense_experts": dense_experts.find,  # nn.ModuleList experts all run, combined by a [T, E] gate matrix
     "dense_bmm": dense_bmm.find,  # stacked experts all run as bmm (Llama 4), gated by a [T, E] matrix
+    "repeat_loop": repeat_loop.find,  # ModuleList experts over x.repeat_interleave(K) rows (DeepSeek-MoE)
 }
 
 _graph_ids = itertools.count()

@@ -569,12 +569,22 @@ def _replace_accumulator(graph: fx.Graph, match: MoEMatch, result: fx.Node) -> N
             match.region.discard(node)
 
 
+_FRESH_BUFFERS = ("empty", "empty_like", "zeros", "zeros_like", "new_empty", "new_zeros")
+
+
 def erase_dead(graph: fx.Graph, region: set[fx.Node]) -> None:
     """Erase region nodes nothing outside the erased set uses, in-place side users included.
 
     In-place nodes of the region (setitem on the inverse permutation, sentinel masked_fill_) have
-    no users; they go when every node they mutate goes.
+    no users; they go when every node they mutate goes. Writes into a tensor the region made that
+    nothing reads but other such writes (`y[flat == e] = ...` for every e, once the combine that read
+    y is gone) go together.
     """
+
+    def dead_write(node: fx.Node, target: fx.Node) -> bool:  # into a fresh buffer of the region: no alias outside
+        return (node in region and target in region and is_call(target, *_FRESH_BUFFERS) and not node.users
+                and is_inplace(node) and node.args[0] is target)
+
     changed = True
     while changed:
         changed = False
@@ -583,8 +593,10 @@ def erase_dead(graph: fx.Graph, region: set[fx.Node]) -> None:
                 continue
             if node.users:
                 continue
-            if is_inplace(node) and node.args and isinstance(node.args[0], fx.Node) and node.args[0].users.keys() - {node}:
-                continue  # still mutates a tensor someone reads
+            if is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
+                target = node.args[0]
+                if any(u is not node and not dead_write(u, target) for u in target.users):
+                    continue  # still mutates a tensor someone reads
             graph.erase_node(node)
             region.discard(node)
             changed = True

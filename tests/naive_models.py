@@ -457,3 +457,47 @@ class BmmMoE(Router):
         elif gated_out:
             y = y * col3
         return y.sum(dim=0)
+
+
+class RepeatLoopMoE(Router):
+    """DeepSeek-MoE's (and DeepSeek-V2's) training-path loop over the token rows repeated K times:
+    `xr = x.repeat_interleave(K, dim=0)`, `y = torch.empty_like(xr)`, `y[flat == e] =
+    experts[e](xr[flat == e])` with `flat = ids.view(-1)`, then `(y.view(*w.shape, -1) *
+    w.unsqueeze(-1)).sum(dim=1)`.
+
+    spelling: "method" (x.repeat_interleave), "function" (torch.repeat_interleave, one shared mask
+              node per expert, zeros_like, w[..., None])
+    ids_int32: the ids cast to int32 before they are flattened (BailingMoE's variant)
+    Knobs that break it (the negative grid): transposed_ids (flat of ids.t(): k-major
+    slots), experts_used, read_flipped (experts read their rows of the repeated rows
+    flipped), y_read (y's sum added to the output), sum_dim, weights_view ("unsqueeze" or "probs": [T, E] scores where [T, K] belong)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, experts="gated", spelling="method", bias=False,
+                 ids_int32=False, transposed_ids=False, experts_used=None, read_flipped=False, y_read=False, sum_dim=1, acts=None):
+        super().__init__(d, E, K)
+        self.experts = make_experts(experts, d, n, E, acts, bias)
+        self.spelling, self.ids_int32, self.transposed_ids = spelling, ids_int32, transposed_ids
+        self.experts_used = list(range(E)) if experts_used is None else experts_used
+        self.read_flipped, self.y_read, self.sum_dim = read_flipped, y_read, sum_dim
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        ids = ids.to(torch.int32) if self.ids_int32 else ids
+        flat = (ids.t() if self.transposed_ids else ids).reshape(-1)
+        if self.spelling == "function":
+            xr = torch.repeat_interleave(x, self.K, dim=0)
+            y = torch.zeros_like(xr)
+        else:
+            xr = x.repeat_interleave(self.K, dim=0)
+            y = torch.empty_like(xr)
+        rows = xr.flip(0) if self.read_flipped else xr
+        for e in self.experts_used:
+            if self.spelling == "function":
+                m = flat == e
+                y[m] = self.experts[e](rows[m])
+            else:
+                y[flat == e] = self.experts[e](rows[flat == e])
+        scale = w[..., None] if self.spelling == "function" else w.unsqueeze(-1)
+        out = (y.view(*w.shape, -1) * scale).sum(dim=self.sum_dim)
+        return out + y.sum() if self.y_read else out

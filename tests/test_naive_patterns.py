@@ -21,7 +21,8 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import BmmMoE, DeepSeekRefMoE, DenseMoE, LoopMoE, SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE
+from .naive_models import (BmmMoE, DeepSeekRefMoE, DenseMoE, LoopMoE, RepeatLoopMoE, SplitLoopMoE, StackedLoopMoE,
+                           SwitchLoopMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -131,6 +132,60 @@ def test_expert_loop_matches_eager(variant):
     assert layout.startswith("per-expert list"), layout
 
 
+REPEAT_VARIANTS = {
+    "deepseek-moe": dict(),  # its modeling code's training path, as published
+    "function-shared-mask-zeros": dict(spelling="function"),
+    "fused-bias": dict(experts="fused", bias=True),
+    "non-gated-top3": dict(experts="plain", K=3),
+    "int32-ids-function": dict(ids_int32=True, spelling="function"),
+}
+
+
+@pytest.mark.parametrize("variant", REPEAT_VARIANTS)
+def test_repeat_loop_matches_eager(variant):
+    report = _check_rewrite(RepeatLoopMoE(**REPEAT_VARIANTS[variant]), "repeat_loop")
+    layout = report.rewritten[0].details["layout"]
+    assert layout.startswith("per-expert list"), layout
+
+
+@pytest.mark.parametrize("T,E,K,unused", [(1, 4, 2, False), (5, 3, 3, False), (9, 6, 2, True)],
+                         ids=["one-token", "k-equals-e", "expert-never-chosen"])
+def test_repeat_loop_edge_routings(T, E, K, unused):
+    # one token (most experts' masks all False), every expert on every token (K = E), and an expert
+    # no token picks; against eager, outputs and every gradient. (Not K = 1: the renormalised top-1
+    # weight is 1, the gate's gradient 0, and eager's rounding noise around it no reference.)
+    model = RepeatLoopMoE(E=E, K=K)
+    g = torch.Generator().manual_seed(T)
+    x, cotangent = (torch.randn(T, D, generator=g) for _ in range(2))
+    if unused:  # positive rows against a gate row of -10s: expert 0 scores far below every other
+        x = x.abs()
+        with torch.no_grad():
+            model.gate.weight[0] = -10.0
+    params = dict(model.named_parameters())
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        eager = _out_and_grads(model, x, cotangent, params)
+        if unused:
+            assert not (model.route(x)[2] == 0).any()
+        with moe_compiler.capture() as report:
+            got = _out_and_grads(_compile(model), x, cotangent, params)
+    _assert_one_rewrite(report, "repeat_loop")
+    assert_close_to_eager(got[0], eager[0], what="output")
+    for name in eager[1]:
+        assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
+
+
+def test_repeat_loop_transposed_ids_is_no_candidate():
+    # flat = ids.t().reshape(-1) puts slot k*T + t where the repeated rows hold token t*K + k's
+    # copy: not the loop's pairing, and not a flattened top-k index tensor, so not a candidate
+    model = RepeatLoopMoE(transposed_ids=True)
+    x, _ = _inputs()
+    with torch._dynamo.config.patch(**{FLAG: True}), torch.no_grad(), moe_compiler.capture() as report:
+        got = _compile(model)(x)
+        want = model(x)
+    assert not report.rewritten, str(report)
+    assert_close_to_eager(got, want, what="output")
+
+
 SWITCH_VARIANTS = {
     "assign-eq-relu": dict(experts="plain_relu"),
     "mask-assign": dict(where="mask"),  # out[m] = expert(x[m]) * p[m].unsqueeze(-1), m = ids == e
@@ -217,12 +272,14 @@ def test_dense_bmm_no_token_rounding_on_scaled_inputs():
     assert_close_to_eager(got.detach(), model(x).detach(), what="output")
 
 
-@pytest.mark.parametrize("model,kwargs", [(LoopMoE, {}), (DenseMoE, {}), (LoopMoE, dict(bias=True, combine="setitem_iadd"))],
-                         ids=["expert_loop", "dense_experts", "expert_loop-bias-setitem"])
+@pytest.mark.parametrize("model,kwargs", [(LoopMoE, {}), (DenseMoE, {}), (LoopMoE, dict(bias=True, combine="setitem_iadd")),
+                                          (RepeatLoopMoE, dict(bias=True))],
+                         ids=["expert_loop", "dense_experts", "expert_loop-bias-setitem", "repeat_loop-bias"])
 def test_inductor(model, kwargs):
-    """The full path: the unbacked sizes of torch.where go with the region, Inductor compiles the rest
-    (and the stacking of the Linears' biases)."""
-    _check_rewrite(model(**kwargs), "expert_loop" if model is LoopMoE else "dense_experts", compiler="inductor")
+    """The full path: the unbacked sizes of torch.where (or of boolean-mask rows) go with the region,
+    Inductor compiles the rest (and the stacking of the Linears' biases)."""
+    idiom = {LoopMoE: "expert_loop", DenseMoE: "dense_experts", RepeatLoopMoE: "repeat_loop"}[model]
+    _check_rewrite(model(**kwargs), idiom, compiler="inductor")
 
 
 def test_layouts_reported():
@@ -237,11 +294,12 @@ def test_layouts_reported():
         assert report.rewritten[0].details["activation"] == {"gated": "swiglu", "fused": "swiglu", "plain": "gelu"}[experts]
 
 
-@pytest.mark.parametrize("model", [LoopMoE, lambda: LoopMoE(combine="setitem_iadd"), lambda: SwitchLoopMoE(where="mask")],
-                         ids=["index_add", "setitem", "top1-boolean-mask"])
+@pytest.mark.parametrize("model", [LoopMoE, lambda: LoopMoE(combine="setitem_iadd"), lambda: SwitchLoopMoE(where="mask"),
+                                   RepeatLoopMoE, lambda: RepeatLoopMoE(spelling="function")],
+                         ids=["index_add", "setitem", "top1-boolean-mask", "repeat", "repeat-function"])
 def test_region_erased_with_its_asserts(model):
-    """No torch.where, index_add, setitem, boolean-mask gather, runtime assert or expert Linear
-    survives the rewrite; the router does."""
+    """No torch.where, index_add, setitem, boolean-mask gather, runtime assert, repeated rows or
+    expert Linear survives the rewrite; the router does."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -257,7 +315,8 @@ def test_region_erased_with_its_asserts(model):
     (graph,) = graphs
     targets = [str(n.target) for n in graph.nodes if n.op in ("call_function", "call_method")]
     assert sum("moe_experts_list" in t for t in targets) == 1, targets
-    for gone in ("where", "index_add", "setitem", "_assert_scalar", "sym_size", "one_hot", "nonzero"):
+    for gone in ("where", "index_add", "setitem", "_assert_scalar", "sym_size", "one_hot", "nonzero", "repeat_interleave",
+                 "empty_like", "zeros_like"):
         assert not any(gone in t for t in targets), (gone, targets)
     assert not any(n.target is operator.getitem and n.args[0].name == "l_x_" for n in graph.nodes
                    if n.op == "call_function"), targets  # no x[tok] / x[m] rows gathered
@@ -410,6 +469,12 @@ NEGATIVE = {
     "bmm-up-bias": (lambda: BmmMoE(bias=True), "not only the up-projection output"),
     "bmm-ungated": (lambda: BmmMoE(gate_on="none"), "the experts are not gated"),
     "bmm-gated-twice": (lambda: BmmMoE(gate_on="both"), "gated on both"),
+    # zeros_like: the rows of the expert left out stay defined in eager
+    "repeat-subset": (lambda: RepeatLoopMoE(spelling="function", experts_used=[0, 1, 3]), "not every expert"),
+    "repeat-reads-other-rows": (lambda: RepeatLoopMoE(read_flipped=True), "does not read the repeated rows"),
+    "repeat-rows-returned": (lambda: RepeatLoopMoE(y_read=True), "read 2 times besides the loop's writes"),
+    "repeat-sum-over-d": (lambda: RepeatLoopMoE(sum_dim=2), "not summed over each token's K experts"),
+    "repeat-other-activation": (lambda: RepeatLoopMoE(acts=[F.silu, F.gelu, F.silu, F.silu]), "activation"),
 }
 
 
@@ -523,6 +588,7 @@ IDIOM_CASES = {
     "dense-list": (lambda: DenseMoE(experts="fused"), "dense_experts"),
     "bmm-stacked": (lambda: BmmMoE(K=2), "dense_bmm"),
     "loop-stacked-plain": (lambda: StackedLoopMoE(orient="linear", gate_up="plain"), "expert_loop"),
+    "repeat-list": (lambda: RepeatLoopMoE(), "repeat_loop"),
 }
 
 
@@ -554,7 +620,9 @@ def _check_autocast(monkeypatch, make, idiom, device="cpu", compiler="aot_eager"
         assert_close_to_eager(got[1][name], eager[1][name], truth[1][name], torch.bfloat16, f"grad {name}")
 
 
-@pytest.mark.parametrize("case", IDIOM_CASES)
+# the repeat loop cannot run under autocast in eager: its `y[flat == e] = ...` (index_put) into the
+# float32 y refuses the experts' bf16 outputs
+@pytest.mark.parametrize("case", [c for c in IDIOM_CASES if c != "repeat-list"])
 def test_autocast_runs_the_op_in_the_autocast_dtype(case, monkeypatch):
     _check_autocast(monkeypatch, *IDIOM_CASES[case])
 
@@ -588,7 +656,7 @@ class _Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
-@pytest.mark.parametrize("case", ["bmm-stacked", "dense-list", "loop-list"])
+@pytest.mark.parametrize("case", ["bmm-stacked", "dense-list", "loop-list", "repeat-list"])
 def test_checkpointed_block_is_rewritten(case):
     make, idiom = IDIOM_CASES[case]
     model = _Checkpointed(make())
@@ -631,6 +699,12 @@ def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor"):
                                      "bias-gated", "bias-non-gated", "eq-setitem_iadd", "none_reshape-rows"])
 def test_expert_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: LoopMoE(**LOOP_VARIANTS[variant]), "expert_loop")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["deepseek-moe", "fused-bias"])
+def test_repeat_loop_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: RepeatLoopMoE(**REPEAT_VARIANTS[variant]), "repeat_loop")
 
 
 @pytest.mark.gpu
