@@ -17,7 +17,7 @@ from patterns import (
     hf_grouped_mm,
     repeat_loop,
 )
-from patterns.common import MoEMatch, NoMatch, Rejection, rewrite, settle_autocast
+from patterns.common import MoEMatch, NoMatch, Rejection, check_inputs_unmutated, rewrite, settle_autocast
 from patterns.router_fusion import match_router, rewrite_router
 
 from .diagnostics import RegionRecord, publish
@@ -62,6 +62,7 @@ def _find(name: str, gm: fx.GraphModule, graph_id: int, options: SonicOptions):
     matches, rejections = [], [r for r in found if isinstance(r, Rejection)]
     for m in (m for m in found if isinstance(m, MoEMatch)):
         try:
+            check_inputs_unmutated(m)
             settle_autocast(m)
             matches.append(m)
         except NoMatch as why:

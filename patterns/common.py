@@ -686,6 +686,40 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     )
 
 
+def check_inputs_unmutated(match: MoEMatch) -> None:
+    """The op reads its inputs where the anchor stood; eager read them where the region read them.
+    A node outside the region that writes in place into an input's storage (x, the routing, a
+    weight, or a view of one) anywhere from the region's first node to the anchor would make the two
+    differ, so such a region is left alone. Storage identity comes from the fake tensors, which
+    share one storage between a tensor and its views."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node):
+        value = example_value(node)
+        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+    inputs = [match.x, match.topk_ids, match.topk_weights, match.w1, match.w2, match.b1, match.b2]
+    for group in (*(match.expert_lists or ()), *(match.expert_bias_lists or ())):
+        inputs += list(group)
+    read = {ref: node for node in inputs if isinstance(node, fx.Node) and (ref := storage(node)) is not None}
+    region = match.region | {match.anchor}
+    inside = False
+    for node in match.anchor.graph.nodes:
+        if node is match.anchor:
+            return
+        inside = inside or node in region
+        if not inside or node in region:
+            continue
+        written = [node.kwargs["out"]] if isinstance(node.kwargs.get("out"), fx.Node) else []
+        if is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
+            written.append(node.args[0])
+        for target in written:
+            ref = storage(target)
+            expect(ref is not None, f"{node.name} writes in place into {target.name} inside the region, of no known storage")
+            expect(ref not in read, f"{node.name} writes in place into {read.get(ref, target).name} (or a view of it) "
+                   f"inside the region, which the op would read only where the region ends")
+
+
 def check_closed(region: set[fx.Node], walk: RegionWalk) -> None:
     """The region holds only nodes a checker validated, and nothing outside it mutates them."""
     unknown = [nd for nd in region if nd not in walk.seen and isinstance(example_value(nd), torch.Tensor)]

@@ -111,11 +111,12 @@ class LoopMoE(Router):
     experts_used: the experts the loop visits (default all); read_inside: the loop reads `out`;
     spare_experts: experts beyond the router's E, in the ModuleList, the one_hot and the loop;
     top1_keepdim: top-1 as `p, ids = probs.max(dim=-1, keepdim=True)` ([T, 1], as a top-k of 1)
+    mutate_input: after expert 1, write in place into "x", "x-view" (a slice of x) or "weights"
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", where="one_hot", scale="index_none",
                  combine="inplace", acc="zeros_like", acts=None, bias=False, experts_used=None,
-                 read_inside=False, spare_experts=0, rows="index", top1_keepdim=False):
+                 read_inside=False, spare_experts=0, rows="index", top1_keepdim=False, mutate_input=None):
         super().__init__(d, E, 1 if top1_keepdim else K)
         self.rows, self.top1_keepdim = rows, top1_keepdim
         self.experts = make_experts(experts, d, n, E + spare_experts, acts, bias)
@@ -123,6 +124,7 @@ class LoopMoE(Router):
         self.classes = E + spare_experts
         self.experts_used = list(range(self.classes)) if experts_used is None else experts_used
         self.read_inside = read_inside
+        self.mutate_input = mutate_input
 
     def _rows(self, ids, mask, e):
         if self.where == "eq":
@@ -177,6 +179,12 @@ class LoopMoE(Router):
                 out[tok] = y.to(x.dtype)
             else:
                 out.index_add_(0, tok, y.to(x.dtype))
+            if self.mutate_input == "x" and e == 1:
+                x.mul_(0.5)  # the experts after this one read the halved rows
+            elif self.mutate_input == "x-view" and e == 1:
+                x[:, :4].zero_()
+            elif self.mutate_input == "weights" and e == 1:
+                w.mul_(2.0)
         if kept:
             return out + sum(kept)
         return out

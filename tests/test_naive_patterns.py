@@ -437,6 +437,39 @@ def test_stacked_slices_reach_the_list_op_as_views(compiler, monkeypatch):
             assert w.data_ptr() == param[e].data_ptr() and w.stride() == param[e].stride() and w.shape == param[e].shape
 
 
+@pytest.mark.parametrize("case", ["x", "x-view", "weights", "repeat-x"])
+def test_input_written_inside_the_region_is_untouched(case, caplog):
+    # the op reads x, the routing and the weights where the region ends; eager read them where each
+    # expert did: a write in place into one of them (or a view of one) in between must leave the
+    # region alone (under no_grad, where autograd does not refuse the write itself)
+    if case == "repeat-x":
+        model = _RepeatWritesX()
+    else:
+        model = LoopMoE(mutate_input=case)
+    x, _ = _inputs()
+    with torch._dynamo.config.patch(**{FLAG: True}), torch.no_grad():
+        want = model(x.clone())
+        with caplog.at_level(logging.DEBUG, logger="moe_compiler"), moe_compiler.capture() as report:
+            got = _compile(model)(x.clone())
+    assert not report.rewritten and report.rejected, str(report)
+    assert any("writes in place into" in r.reason for r in report.rejected), str(report)
+    assert_close_to_eager(got, want, what="output")
+
+
+class _RepeatWritesX(RepeatLoopMoE):
+    """`RepeatLoopMoE` with x halved in place after the loop, before the combine."""
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        flat = ids.view(-1)
+        xr = x.repeat_interleave(self.K, dim=0)
+        y = torch.empty_like(xr)
+        for e in range(self.E):
+            y[flat == e] = self.experts[e](xr[flat == e])
+        x.mul_(0.5)
+        return (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1) + x
+
+
 # -- negative grid: untouched, reason logged, equal to eager -------------------------------------
 
 NEGATIVE = {
