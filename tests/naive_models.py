@@ -473,16 +473,16 @@ class RepeatLoopMoE(Router):
     experts[e](xr[flat == e])` with `flat = ids.view(-1)`, then `(y.view(*w.shape, -1) *
     w.unsqueeze(-1)).sum(dim=1)`.
 
-    spelling: "method" (x.repeat_interleave), "function" (torch.repeat_interleave, one shared mask
-              node per expert, zeros_like, w[..., None])
+    spelling: "method" (x.repeat_interleave, ids.view(-1)), "function" (torch.repeat_interleave,
+              ids.reshape(-1), one shared mask node per expert, zeros_like, w[..., None])
     ids_int32: the ids cast to int32 before they are flattened (BailingMoE's variant)
-    Knobs that break it (the negative grid): transposed_ids (flat of ids.t(): k-major
-    slots), experts_used, read_flipped (experts read their rows of the repeated rows
-    flipped), y_read (y's sum added to the output), sum_dim, weights_view ("unsqueeze" or "probs": [T, E] scores where [T, K] belong)
+    Knobs that break it (the negative grid): transposed_ids (flat of ids.t(): k-major slots),
+    experts_used, read_flipped (experts read their rows of the repeated rows flipped), y_read (y's
+    sum added to the output), sum_dim
     """
 
-    def __init__(self, d=16, n=8, E=4, K=2, experts="gated", spelling="method", bias=False,
-                 ids_int32=False, transposed_ids=False, experts_used=None, read_flipped=False, y_read=False, sum_dim=1, acts=None):
+    def __init__(self, d=16, n=8, E=4, K=2, experts="gated", spelling="method", bias=False, ids_int32=False,
+                 transposed_ids=False, experts_used=None, read_flipped=False, y_read=False, sum_dim=1, acts=None):
         super().__init__(d, E, K)
         self.experts = make_experts(experts, d, n, E, acts, bias)
         self.spelling, self.ids_int32, self.transposed_ids = spelling, ids_int32, transposed_ids
@@ -492,7 +492,10 @@ class RepeatLoopMoE(Router):
     def forward(self, x):
         _, w, ids = self.route(x)
         ids = ids.to(torch.int32) if self.ids_int32 else ids
-        flat = (ids.t() if self.transposed_ids else ids).reshape(-1)
+        if self.transposed_ids:
+            flat = ids.t().reshape(-1)
+        else:
+            flat = ids.reshape(-1) if self.spelling == "function" else ids.view(-1)
         if self.spelling == "function":
             xr = torch.repeat_interleave(x, self.K, dim=0)
             y = torch.zeros_like(xr)
