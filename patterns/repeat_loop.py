@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .common import MoEMatch, NoMatch, RegionWalk, Rejection, arg, dtype_of, expect, getitem_of, is_call, module_path, same_size, shape_of
-from .expert_loop import _is_bool_mask, _size_asserts
+from .expert_loop import _is_bool_mask, _is_index, _size_asserts
 from .module_list import expert_mlp, finish_expert_match, through_float_casts, topk_routing
 
 IDIOM = "repeat_loop"
@@ -115,7 +115,7 @@ def _check(y: fx.Node, writes: list[fx.Node]) -> MoEMatch:
         expect(is_call(out, "linear", "matmul", "mm", "__matmul__"), f"expert {e}'s rows of {y.name} are not an expert's output")
         expert = expert_mlp(out, walk, e, stacked=True)
         rows = through_float_casts(expert.rows, walk)
-        read_mask = rows.args[1] if rows.op == "call_function" and rows.target is operator.getitem and rows.args[0] is xr else None
+        read_mask = rows.args[1] if _is_index(rows) and rows.args[0] is xr else None
         found = _flat_ids(read_mask) if _is_bool_mask(read_mask) else None
         expect(found is not None and found[:2] == (flat, e), f"expert {e} does not read the repeated rows xr[flat == {e}] it writes")
         experts[e] = expert
@@ -169,13 +169,13 @@ def _combine(y: fx.Node, writes: list[fx.Node], T, K: int, d, walk: RegionWalk) 
     shape = shape_of(view)
     expect(len(shape) == 3 and same_size(shape[0], T) and shape[1] == K and same_size(shape[2], d),
            f"{y.name} is viewed as {shape}, not [T, K={K}, d]")
-    mul = _only_user(view)
+    mul = walk.only_reader(view)
     expect(is_call(mul, "mul", "__mul__") and len(mul.args) == 2 and not mul.kwargs and view in mul.args,
            "the experts' rows are not scaled by the routing weights")
     weights = _broadcast_weights(mul.args[1] if mul.args[0] is view else mul.args[0], walk)
     expect(weights is not None and len(shape_of(weights)) == 2 and dtype_of(weights) is not None
            and dtype_of(weights).is_floating_point, "the experts' rows are not scaled by [T, K] weights broadcast over d")
-    total = _only_user(mul)
+    total = walk.only_reader(mul)
     dim, keepdim = (arg(total, 1, "dim"), arg(total, 2, "keepdim", False)) if is_call(total, "sum") else (None, None)
     expect(is_call(total, "sum") and dim in (1, -2, (1,), (-2,), [1], [-2]) and keepdim is False
            and set(total.kwargs) <= {"dim", "keepdim"} and len(total.args) <= 3,
@@ -184,19 +184,13 @@ def _combine(y: fx.Node, writes: list[fx.Node], T, K: int, d, walk: RegionWalk) 
     return total, weights
 
 
-def _only_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def _broadcast_weights(scale, walk: RegionWalk) -> fx.Node | None:
     """w of `w.unsqueeze(-1)`, `w[..., None]`, `w[:, :, None]` or `w.view(T, K, 1)`, cast or not after
     the broadcast; w itself as the combine reads it (its casts are the op's input)."""
     scale = through_float_casts(scale, walk)
     if is_call(scale, "unsqueeze") and arg(scale, 1, "dim") in (-1, 2):
         inner = scale.args[0]
-    elif isinstance(scale, fx.Node) and scale.op == "call_function" and scale.target is operator.getitem \
-            and scale.args[1] in ((Ellipsis, None), (slice(None), slice(None), None)):
+    elif _is_index(scale) and scale.args[1] in ((Ellipsis, None), (slice(None), slice(None), None)):
         inner = scale.args[0]
     elif is_call(scale, "view", "reshape") and len(shape_of(scale)) == 3 and shape_of(scale)[2] == 1:
         inner = scale.args[0]
