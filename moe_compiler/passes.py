@@ -12,6 +12,7 @@ from patterns import (
     dense_bmm,
     dense_experts,
     expert_loop,
+    gathered_weights,
     hf_batched_mm,
     hf_eager_loop,
     hf_grouped_mm,
@@ -33,6 +34,7 @@ FINDERS = {
     "dense_experts": dense_experts.find,  # nn.ModuleList experts all run, combined by a [T, E] gate matrix
     "dense_bmm": dense_bmm.find,  # stacked experts all run as bmm (Llama 4), gated by a [T, E] matrix
     "repeat_loop": repeat_loop.find,  # ModuleList experts over x.repeat_interleave(K) rows (DeepSeek-MoE)
+    "gathered_weights": gathered_weights.find,  # einsums on W[ids], stacked weights gathered per token (gpt-fast)
 }
 
 _graph_ids = itertools.count()

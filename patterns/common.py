@@ -29,6 +29,9 @@ class MoEMatch:
     topk_weights: fx.Node  # [T, K] float; with `gates`, the [T, E] gate matrix
     w1: fx.Node | None = None  # [E, 2n, d] (or [E, d, 2n] when transposed); None in the list form
     w2: fx.Node | None = None  # [E, d, n]  (or [E, n, d] when transposed); None in the list form
+    # Gate and up as two stacked [E, n, d] parameters (w1 the gate): the rewrite hands the list op
+    # their per-expert views W[e] (read where they lie, no copy), with w2's as the down projections.
+    w_up: fx.Node | None = None
     b1: fx.Node | None = None
     b2: fx.Node | None = None
     activation: str = "swiglu"
@@ -69,6 +72,8 @@ class MoEMatch:
             w_gate, w_up, _ = self.expert_lists
             gated = w_up or shape_of(w_gate[0])[0] == 2 * self.shape.get("n", -1)
             layout = "per-expert list" + (", separate gate/up" if w_up else f", fused gate/up {layout}" if gated else "")
+        elif self.w_up is not None:
+            layout = "separate gate/up (two stacked parameters)"
         if self.b1 is not None or self.b2 is not None or self.expert_bias_lists is not None:
             layout += ", bias"
         if self.input_scaled:
@@ -486,7 +491,11 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
                          (match.router_probs, ids, weights, M_TILE, token_rounding, True))
         ids, weights, slot_token = (insert(operator.getitem, (rounded, i)) for i in range(3))
 
-    if match.expert_lists is None:
+    if match.w_up is not None:  # two stacked parameters: the list op on their per-expert views
+        lists = tuple(_unbound(cast(t), match.shape["E"], insert) for t in (match.w1, match.w_up, match.w2))
+        call = insert(torch.ops.sonic.moe_experts_list.default,
+                      _list_call_args(match, lists, cast(match.b1), cast(match.b2), x, ids, weights, slot_token))
+    elif match.expert_lists is None:
         w1, w2, b1, b2 = (cast(t) for t in (match.w1, match.w2, match.b1, match.b2))
         fakes = [example_value(a) for a in (x, ids, weights, w1, w2, b1, b2)]
         validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed,
@@ -518,6 +527,13 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         _replace_accumulator(graph, match, result)
     erase_dead(graph, match.region | {match.anchor})
     return call
+
+
+def _unbound(stacked: fx.Node, E: int, insert) -> list[fx.Node]:
+    """The E views `stacked[e]` of an [E, ., .] tensor, from one unbind (its backward stacks the
+    experts' gradients once, where E selects would each add a zero-filled [E, ., .] tensor)."""
+    parts = insert(torch.unbind, (stacked, 0))
+    return [insert(operator.getitem, (parts, e)) for e in range(E)]
 
 
 def _stacked_list_biases(bias_lists, insert) -> tuple[fx.Node | None, fx.Node | None]:
@@ -642,24 +658,32 @@ def check_stacked_biases(b1, b2, *, E, w1_out, d, x_dtype) -> None:
         expect(bias is None or dtype_of(bias) == x_dtype, f"{name} bias dtype {dtype_of(bias)} differs from {x_dtype}")
 
 
-def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, *, E, K, T, d) -> MoEMatch:
-    """Legality shared by every idiom (dtypes, shapes, a closed region), then the typed match."""
+def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, *, E, K, T, d,
+                 w_up=None) -> MoEMatch:
+    """Legality shared by every idiom (dtypes, shapes, a closed region), then the typed match.
+    `w_up`: the up projection's own stacked parameter, shaped as w1 (the gate) then."""
     from codegen.activations import GATED
 
     x_dtype = dtype_of(x)
     expect(x_dtype == dtype_of(w1) == dtype_of(w2), f"hidden states ({x_dtype}) and expert weights ({dtype_of(w1)}) differ in dtype")
+    if w_up is not None:
+        expect(not transposed and GATED[act["activation"]], "separate gate and up parameters need a gated activation, [E, n, d]")
+        expect(shape_of(w_up) == shape_of(w1) and dtype_of(w_up) == x_dtype,
+               f"up weights {shape_of(w_up)} ({dtype_of(w_up)}) are not shaped as the gate's {shape_of(w1)} ({x_dtype})")
+        expect(b1 is None, "biases on separate stacked gate and up parameters are not supported")
     expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point, "routing weights are not floating point")
     expect(dtype_of(topk_ids) is not None and not dtype_of(topk_ids).is_floating_point, "expert ids are not integers")
     s1, s2 = shape_of(w1), shape_of(w2)
     expect(len(s1) == 3 and len(s2) == 3 and s1[0] == E == s2[0], f"expert weights {s1} / {s2} do not hold E={E} experts")
     w1_in, w1_out = (s1[1], s1[2]) if transposed else (s1[2], s1[1])
+    w1_out *= 1 if w_up is None else 2
     n, w2_out = (s2[1], s2[2]) if transposed else (s2[2], s2[1])
     expect(w1_in == d and w2_out == d, f"expert weights {s1} / {s2} do not map d={d}")
     expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
     check_stacked_biases(b1, b2, E=E, w1_out=w1_out, d=d, x_dtype=x_dtype)
 
     # the region must be exactly what was validated (plus integer/shape glue)
-    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2) if b is not None}
+    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2, w_up) if b is not None}
     region = backward_slice([anchor], stop=inputs)
     for node in list(region):
         region |= {u for u in node.users if is_inplace(u) and walk.is_harmless_inplace(u)}
@@ -673,6 +697,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
         topk_weights=topk_weights,
         w1=w1,
         w2=w2,
+        w_up=w_up,
         b1=b1,
         b2=b2,
         activation=act["activation"],
@@ -698,7 +723,7 @@ def check_inputs_unmutated(match: MoEMatch) -> None:
         value = example_value(node)
         return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
-    inputs = [match.x, match.topk_ids, match.topk_weights, match.w1, match.w2, match.b1, match.b2]
+    inputs = [match.x, match.topk_ids, match.topk_weights, match.w1, match.w_up, match.w2, match.b1, match.b2]
     for group in (*(match.expert_lists or ()), *(match.expert_bias_lists or ())):
         inputs += list(group)
     read = {ref: node for node in inputs if isinstance(node, fx.Node) and (ref := storage(node)) is not None}

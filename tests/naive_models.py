@@ -81,6 +81,12 @@ def make_experts(kind, d, n, E, acts=None, bias=False):
     raise ValueError(kind)
 
 
+def stacked_param(E, out_features, in_features, orient):
+    """An [E, out, in] expert weight ([E, in, out] for orient "in_out"), scaled as nn.Linear's."""
+    shape = (E, in_features, out_features) if orient == "in_out" else (E, out_features, in_features)
+    return nn.Parameter(torch.randn(shape) / in_features ** 0.5)
+
+
 class Router(nn.Module):
     """softmax(gate(x)) in fp32 -> top-k -> renormalise, cast back to x's dtype."""
 
@@ -342,14 +348,10 @@ class StackedLoopMoE(Router):
         self.mutate = mutate
         self.perm = [(e * 3 + 1) % E for e in range(E)] if E != 3 else [1, 2, 0]
 
-        def stacked(out_features, in_features, orient):
-            shape = (E, in_features, out_features) if orient == "in_out" else (E, out_features, in_features)
-            return nn.Parameter(torch.randn(shape) / in_features ** 0.5)
-
-        self.w1 = stacked(2 * n if gate_up == "fused" else n, d, orient)
+        self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, orient)
         if gate_up == "separate":
-            self.w3 = stacked(n, d, orient)
-        self.w2 = stacked(d, n, self.down_orient)
+            self.w3 = stacked_param(E, n, d, orient)
+        self.w2 = stacked_param(E, d, n, self.down_orient)
         self.bias = bias
         if bias:
             for name in ("w1", "w3", "w2"):
@@ -512,3 +514,72 @@ class RepeatLoopMoE(Router):
         scale = w[..., None] if self.spelling == "function" else w.unsqueeze(-1)
         out = (y.view(*w.shape, -1) * scale).sum(dim=self.sum_dim)
         return out + y.sum() if self.y_read else out
+
+
+class GatheredMoE(Router):
+    """gpt-fast's Mixtral (`ConditionalFeedForward`): every projection gathers the stacked weights
+    of each token's experts, `W[ids]` [T, K, ., .], and contracts them by einsum, then the combine
+    `einsum("tai,ta->ti", y, w)`.
+
+    gate_up: "separate" (w1, w3 [E, n, d]: silu(g) * u), "fused" (w13 [E, 2n, d], chunked),
+             "plain" (gelu, non-gated)
+    orient:  "out_in" (W [E, out, in]: "ti,taoi->tao"), "in_out" (W [E, in, out]: "ti,taio->tao")
+    combine: "einsum", "einsum_w_first" ("ta,tai->ti"), "mul_sum" ((y * w.unsqueeze(-1)).sum(1)),
+             "index_none_sum" ((y * w[..., None]).sum(dim=1))
+    letters: other einsum letters for the same products
+    Knobs that break it (the negative grid): down_ids ("flipped": the down projection gathers with
+    ids.flip(-1)), up_rows ("scaled": the up projection reads 2 x), y_read (y's sum added to the
+    output), sum_dim (the combine sums over d), down_orient (the down weights in the other
+    orientation), gather_read (the gathered W1[ids] also feeds the output), up_matmul (the up
+    projections as torch.matmul(W[ids], x[:, None, :, None]).squeeze(-1), W [E, out, in])
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", orient="out_in", combine="einsum", letters=False,
+                 down_ids=None, up_rows=None, y_read=False, sum_dim=None, down_orient=None, gather_read=False,
+                 up_matmul=False):
+        super().__init__(d, E, K)
+        self.gate_up, self.orient, self.combine, self.letters = gate_up, orient, combine, letters
+        self.down_ids, self.up_rows, self.y_read, self.sum_dim = down_ids, up_rows, y_read, sum_dim
+        self.down_orient, self.gather_read, self.up_matmul = down_orient or orient, gather_read, up_matmul
+
+        self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, orient)
+        if gate_up == "separate":
+            self.w3 = stacked_param(E, n, d, orient)
+        self.w2 = stacked_param(E, d, n, self.down_orient)
+
+    def _up(self, x, gathered):
+        if self.up_matmul:  # the same product as a batched matmul: not an einsum, left alone
+            return torch.matmul(gathered, x[:, None, :, None]).squeeze(-1)
+        eq = {("out_in", False): "ti,taoi -> tao", ("in_out", False): "ti,taio->tao",
+              ("out_in", True): "bh,bkfh->bkf", ("in_out", True): "bh,bkhf->bkf"}[self.orient, self.letters]
+        return torch.einsum(eq, x, gathered)
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        rows = 2 * x if self.up_rows == "scaled" else x
+        w1 = self.w1[ids]  # [T, K, ., .]
+        if self.gate_up == "separate":
+            a = F.silu(self._up(rows, w1)) * self._up(x, self.w3[ids])
+        elif self.gate_up == "fused":
+            g, u = self._up(x, w1).chunk(2, dim=-1)
+            a = F.silu(g) * u
+        else:
+            a = F.gelu(self._up(x, w1))
+        down_ids = ids.flip(-1) if self.down_ids == "flipped" else ids
+        eq = "tao,taio->tai" if self.down_orient == "out_in" else "tao,taoi->tai"
+        y = torch.einsum(eq, a, self.w2[down_ids])
+        if self.sum_dim is not None:
+            out = (y * w.unsqueeze(-1)).sum(self.sum_dim)
+        elif self.combine == "einsum":
+            out = torch.einsum("tai,ta->ti", y, w)
+        elif self.combine == "einsum_w_first":
+            out = torch.einsum("ta,tai->ti", w, y)
+        elif self.combine == "mul_sum":
+            out = (y * w.unsqueeze(-1)).sum(1)
+        else:
+            out = (y * w[..., None]).sum(dim=1)
+        if self.y_read:
+            out = out + y.sum()
+        if self.gather_read:
+            out = out + w1.sum()
+        return out

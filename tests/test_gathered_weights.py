@@ -1,0 +1,108 @@
+"""The `gathered_weights` idiom: gpt-fast's Mixtral experts, `einsum` on `W[ids]` (stacked weights
+gathered per token by the top-k ids), rewritten into the op.
+
+As in test_naive_patterns: outputs and every gradient equal eager in training and under no_grad,
+one region rewritten, the expected op executed; the negative grid stays untouched with its reason
+and equals eager.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import moe_compiler
+
+from .helpers import assert_close_to_eager
+from .naive_models import GatheredMoE
+from .test_naive_patterns import D, _check_autocast, _check_gpu_bf16, _check_rewrite, _compile, _inputs, assert_expert_views
+
+IDIOM = "gathered_weights"
+LIST_OP, STACKED_OP = "sonic::moe_experts_list", "sonic::moe_experts"
+
+VARIANTS = {  # kwargs, the op, the reported layout
+    "gpt-fast": (dict(), LIST_OP, "separate gate/up (two stacked parameters)"),
+    "separate-mul_sum-letters": (dict(combine="mul_sum", letters=True), LIST_OP, "separate gate/up (two stacked parameters)"),
+    "fused-out_in": (dict(gate_up="fused"), STACKED_OP, "concatenated"),
+    "fused-in_out-w_first": (dict(gate_up="fused", orient="in_out", combine="einsum_w_first"), STACKED_OP,
+                             "concatenated, transposed"),
+    "plain-index_none_sum": (dict(gate_up="plain", combine="index_none_sum"), STACKED_OP, "concatenated"),
+    "plain-in_out-letters-K_eq_E": (dict(gate_up="plain", orient="in_out", letters=True, K=4), STACKED_OP,
+                                "concatenated, transposed"),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gathered_weights_match_eager(variant):
+    kwargs, op, layout = VARIANTS[variant]
+    report = _check_rewrite(GatheredMoE(**kwargs), IDIOM, op=op)
+    assert report.rewritten[0].details["layout"] == layout, str(report)
+
+
+@pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first"])
+def test_gathered_weights_inductor(variant):
+    kwargs, op, _ = VARIANTS[variant]
+    _check_rewrite(GatheredMoE(**kwargs), IDIOM, compiler="inductor", op=op)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_separate_weights_reach_the_list_op_as_views(compiler, monkeypatch):
+    """Gate and up in two stacked parameters: the list op gets W[e] views, never a gathered or
+    stacked copy of the weights."""
+    import codegen.ops as ops
+
+    model = GatheredMoE(E=5)
+    x, _ = _inputs()
+    calls, real = [], ops.stack_expert_lists
+    monkeypatch.setattr(ops, "stack_expert_lists", lambda *lists: calls.append(lists) or real(*lists))
+    with torch.no_grad():
+        _compile(model, compiler)(x)
+    assert_expert_views(calls, (model.w1, model.w3, model.w2))
+
+
+def test_gathered_weights_dynamic_batch():
+    model = GatheredMoE()
+    compiled = _compile(model)
+    with torch.no_grad(), moe_compiler.capture() as report:
+        for tokens in (8, 12, 5, 1):
+            x = torch.randn(tokens, D)
+            assert_close_to_eager(compiled(x), model(x), what=f"T={tokens}")
+    assert report.records and all(r.status == "rewritten" for r in report.records), str(report)
+
+
+def test_gathered_weights_autocast(monkeypatch):
+    _check_autocast(monkeypatch, lambda: GatheredMoE(gate_up="fused"), IDIOM)
+
+
+NEGATIVE = {
+    "down-other-ids": (dict(down_ids="flipped"), "no down projection on weights gathered by the same ids"),
+    "up-rows-differ": (dict(up_rows="scaled"), "not only the up-projection output"),
+    "y-read-elsewhere": (dict(y_read=True), "read more than once"),
+    "summed-over-d": (dict(sum_dim=2), "not summed over each token's K experts"),
+    "orientation-mismatch": (dict(gate_up="plain", down_orient="in_out"), "two orientations"),
+    "gather-read-elsewhere": (dict(gather_read=True), "read more than once"),
+    "separate-in_out": (dict(orient="in_out"), "gate and up are two stacked parameters"),
+    "up-matmul": (dict(up_matmul=True), "not by an einsum with the hidden states"),
+}
+
+
+@pytest.mark.parametrize("case", NEGATIVE)
+def test_gathered_weights_negative_untouched(case, caplog):
+    kwargs, reason = NEGATIVE[case]
+    model = GatheredMoE(**kwargs)
+    x, _ = _inputs()
+    with torch.no_grad():
+        want = model(x)
+        with caplog.at_level(logging.DEBUG, logger="moe_compiler"), moe_compiler.capture() as report:
+            got = _compile(model)(x)
+    assert not report.rewritten and report.rejected, str(report)
+    assert any(reason in r.reason for r in report.rejected), str(report)
+    assert "untouched" in caplog.text
+    assert_close_to_eager(got, want, what="output")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first", "plain-index_none_sum"])
+def test_gathered_weights_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: GatheredMoE(**VARIANTS[variant][0]), IDIOM)
