@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-PATTERNS = ("hf_grouped_mm", "hf_batched_mm", "hf_eager_loop", "expert_loop", "dense_experts", "dense_bmm", "repeat_loop",
+PATTERNS = ("hf_grouped_mm", "sorted_grouped_mm", "hf_batched_mm", "hf_eager_loop", "expert_loop", "dense_experts", "dense_bmm", "repeat_loop",
             "gathered_weights")  # every idiom the pass driver knows, in the order it runs them
 COMPILERS = ("inductor", "aot_eager", "eager")
 ROUNDING_MODES = ("nearest", "up", "down")  # codegen.token_rounding.MODES (kept import-free here)

@@ -17,6 +17,7 @@ from patterns import (
     hf_eager_loop,
     hf_grouped_mm,
     repeat_loop,
+    sorted_grouped_mm,
 )
 from patterns.common import MoEMatch, NoMatch, Rejection, check_inputs_unmutated, rewrite, settle_autocast
 from patterns.router_fusion import match_router, rewrite_router
@@ -28,6 +29,7 @@ log = logging.getLogger("moe_compiler")
 
 FINDERS = {
     "hf_grouped_mm": hf_grouped_mm.find,
+    "sorted_grouped_mm": sorted_grouped_mm.find,  # tokens sorted by expert, grouped_mm, scatter_add back (torchtitan)
     "hf_batched_mm": hf_batched_mm.find,
     "hf_eager_loop": hf_eager_loop.find,  # recognises only, to explain; never rewrites
     "expert_loop": expert_loop.find,  # nn.ModuleList experts looped over with torch.where + index_add

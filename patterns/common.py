@@ -32,6 +32,9 @@ class MoEMatch:
     # Gate and up as two stacked [E, n, d] parameters (w1 the gate): the rewrite hands the list op
     # their per-expert views W[e] (read where they lie, no copy), with w2's as the down projections.
     w_up: fx.Node | None = None
+    # The combine adds the experts' rows into this [T, d] tensor (a shared expert's output) instead
+    # of zeros: it stays in the graph and the rewrite adds the op's output to it.
+    added_to: fx.Node | None = None
     b1: fx.Node | None = None
     b2: fx.Node | None = None
     activation: str = "swiglu"
@@ -368,8 +371,9 @@ def users_getitem(node: fx.Node, index: int) -> fx.Node | None:
 
 
 def is_noop_cast(node: fx.Node) -> bool:
-    """`.to(dtype)`/`.contiguous()` that keeps the dtype of its input (so it changes no value)."""
-    if not is_call(node, "to", "contiguous", "type_as"):
+    """`.to(dtype)`/`.contiguous()` (`.float()`, `.bfloat16()`...) that keeps the dtype of its input
+    (so it changes no value)."""
+    if not is_call(node, "to", "contiguous", "type_as", "float", "half", "bfloat16", "double"):
         return False
     src, out = example_value(node.args[0]), example_value(node)
     return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype == out.dtype
@@ -519,6 +523,8 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     anchor_dtype = dtype_of(match.anchor)
     if anchor_dtype is not None and anchor_dtype != match.dtype:
         result = to(out, anchor_dtype)
+    if match.added_to is not None:  # the combine started from this tensor, not from zeros
+        result = insert(torch.add, (match.added_to, result))
     for node in inserted:
         node.meta.update({k: v for k, v in match.anchor.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     if match.accumulator is None:
@@ -659,9 +665,10 @@ def check_stacked_biases(b1, b2, *, E, w1_out, d, x_dtype) -> None:
 
 
 def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, *, E, K, T, d,
-                 w_up=None) -> MoEMatch:
+                 w_up=None, added_to=None) -> MoEMatch:
     """Legality shared by every idiom (dtypes, shapes, a closed region), then the typed match.
-    `w_up`: the up projection's own stacked parameter, shaped as w1 (the gate) then."""
+    `w_up`: the up projection's own stacked parameter, shaped as w1 (the gate) then; `added_to`: see
+    MoEMatch (outside the region)."""
     from codegen.activations import GATED
 
     x_dtype = dtype_of(x)
@@ -683,7 +690,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     check_stacked_biases(b1, b2, E=E, w1_out=w1_out, d=d, x_dtype=x_dtype)
 
     # the region must be exactly what was validated (plus integer/shape glue)
-    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2, w_up) if b is not None}
+    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2, w_up, added_to) if b is not None}
     region = backward_slice([anchor], stop=inputs)
     for node in list(region):
         region |= {u for u in node.users if is_inplace(u) and walk.is_harmless_inplace(u)}
@@ -698,6 +705,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
         w1=w1,
         w2=w2,
         w_up=w_up,
+        added_to=added_to,
         b1=b1,
         b2=b2,
         activation=act["activation"],

@@ -31,7 +31,6 @@ The router glue that produced top_k_index/top_k_weights stays in the graph for I
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 
 import torch.fx as fx
 
@@ -56,19 +55,16 @@ from .common import (
     summed_per_token,
     users_getitem,
 )
+from .sorted_grouped_mm import grouped_calls, looks_scattered
 
 IDIOM = "hf_grouped_mm"
-GROUPED_MM = ("_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback")
 
 
 def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
-    calls_by_offsets: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-    for node in gm.graph.nodes:
-        if is_call(node, *GROUPED_MM):
-            offs = arg(node, 2, "offs")
-            calls_by_offsets[offs].append(node)
     results = []
-    for offs, calls in calls_by_offsets.items():
+    for offs, calls in grouped_calls(gm).items():
+        if looks_scattered(calls):
+            continue  # sorted_grouped_mm's (a scatter-add back to the tokens)
         module = module_path(calls[0])
         try:
             results.append(_check(offs, calls))

@@ -583,3 +583,72 @@ class GatheredMoE(Router):
         if self.gather_read:
             out = out + w1.sum()
         return out
+
+
+class SortedGroupedMoE(Router):
+    """torchtitan's MoE spelling (without its padding wrapper): tokens sorted by expert with
+    argsort, counts by histc, `torch._grouped_mm` over them, and a scatter_add back.
+
+    gate_up: "separate" (w1, w3 [E, n, d]: silu(g) * u), "fused" (w13 [E, 2n, d], chunked)
+    score_before: the routing weights scale the sorted rows before the experts (torchtitan's default)
+    rows: "gather" (torch.gather of the expanded tokens), "index" (x[tok])
+    sort: "argsort" (stable), "sort" (torch.sort of the ids, counts of its values, max=E-1)
+    combine: "scatter_add" (into zeros_like), "scatter_add_" (in place), "index_add", "shared" (into a
+             shared expert's output)
+    casts: torchtitan's `.bfloat16()` on the rows and weights (no-ops on a bf16 model)
+    Knobs that break it (the negative grid): histc_max (another histc range), tok_k (perm // another K),
+    scatter_rows ("perm": the rows scattered by perm, not perm // K), descending
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", score_before=False, rows="gather", sort="argsort",
+                 combine="scatter_add", casts=False, histc_max=None, tok_k=None, scatter_rows=None, descending=False):
+        super().__init__(d, E, K)
+        self.casts = casts
+        self.gate_up, self.score_before, self.rows, self.sort, self.combine = gate_up, score_before, rows, sort, combine
+        self.histc_max, self.tok_k, self.scatter_rows, self.descending = histc_max, tok_k, scatter_rows, descending
+        self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, "out_in")
+        if gate_up == "separate":
+            self.w3 = stacked_param(E, n, d, "out_in")
+        self.w2 = stacked_param(E, d, n, "out_in")
+        if combine == "shared":
+            self.shared = GatedExpert(d, n)
+
+    def forward(self, x):
+        T, d = x.shape
+        _, w, ids = self.route(x)
+        if self.sort == "sort":
+            ids_sorted, perm = torch.sort(ids.view(-1), descending=self.descending)
+            counts = torch.histc(ids_sorted.float(), bins=self.E, min=0, max=self.E - 1)
+        else:
+            counts = torch.histc(ids.view(-1).float(), bins=self.E, min=0, max=self.histc_max or self.E)
+            perm = torch.argsort(ids.view(-1), stable=True, descending=self.descending)
+        tok = perm // (self.tok_k or self.K)
+        index = tok.reshape(-1, 1).expand(-1, d)
+        rows = torch.gather(x, dim=0, index=index) if self.rows == "gather" else x[tok]
+        w_sorted = w.view(-1)[perm]
+        if self.score_before:
+            rows = (rows.to(torch.float32) * w_sorted.reshape(-1, 1)).to(x.dtype)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        if self.gate_up == "separate" and self.casts:  # torchtitan's _run_experts_grouped_mm, bf16 casts and all
+            h = F.silu(torch._grouped_mm(rows.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(rows.bfloat16(), self.w3.bfloat16().transpose(-2, -1), offs=offs)
+        elif self.gate_up == "separate":
+            h = F.silu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(rows, self.w3.transpose(-2, -1), offs=offs)
+        else:
+            g, u = torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            h = F.silu(g) * u
+        w2 = self.w2.bfloat16() if self.casts else self.w2
+        y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).type_as(x)
+        if not self.score_before:
+            y = (y.to(torch.float32) * w_sorted.reshape(-1, 1)).to(x.dtype)
+        if self.scatter_rows == "perm":
+            index = perm.reshape(-1, 1).expand(-1, d) % T
+        if self.combine == "scatter_add_":
+            out = torch.zeros_like(x)
+            out.scatter_add_(0, index, y)
+            return out
+        if self.combine == "index_add":
+            return torch.zeros_like(x).index_add(0, tok, y)
+        base = self.shared(x) if self.combine == "shared" else torch.zeros_like(x)
+        return base.scatter_add(dim=0, index=index, src=y)

@@ -1,0 +1,353 @@
+"""Tokens sorted by expert, `torch._grouped_mm` over the per-expert counts, and a scatter-add back:
+the spelling of torchtitan's MoE (before its padding wrapper) and of the MoE code that copied it.
+
+Eager code it matches, shapes (T tokens, d hidden, n expert width, E experts, K top-k):
+
+    w, ids = torch.topk(scores, K, dim=-1)                                 # [T, K]
+    counts = torch.histc(ids.view(-1), bins=E, min=0, max=E)               # (or max=E-1, bincount, casts)
+    perm = torch.argsort(ids.view(-1), stable=True)                        # (or torch.sort(...)[1])
+    tok = perm // K                                                        # [TK]: slot -> token
+    rows = torch.gather(x, 0, tok.reshape(-1, 1).expand(-1, d))           # (or x[tok], index_select)
+    rows = (rows.float() * w.view(-1)[perm].reshape(-1, 1)).to(x.dtype)   # either here ...
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = F.silu(grouped_mm(rows, W1.transpose(-2, -1), offs=offs)) * grouped_mm(rows, W3.transpose(-2, -1), offs=offs)
+    y = grouped_mm(h, W2.transpose(-2, -1), offs=offs)                     # (or one W13, chunked)
+    y = (y.float() * w.view(-1)[perm].reshape(-1, 1)).to(x.dtype)         # ... or here
+    out = torch.zeros_like(x).scatter_add(0, tok.reshape(-1, 1).expand(-1, d), y)   # (or index_add, in place,
+                                                                           #  or into a shared expert's output)
+
+Slot s of the sorted order is token perm[s] // K with expert ids.view(-1)[perm[s]]; ascending
+expert order with the histogram's counts makes grouped_mm run expert e on exactly its slots, and
+the scatter-add sums each token's K rows: `out[t] = sum_k w[t, k] * expert_{ids[t, k]}(x[t])`
+(weights on the inputs: `sum_k expert(w[t, k] x[t])`, the op on the T K scaled rows). Any
+permutation that sorts the ids ascending gives the same sum, so a stable sort is not required.
+
+It becomes `sonic::moe_experts` (one W13), or `sonic::moe_experts_list` on the per-expert views of
+W1 and W3; a shared expert's output that the scatter-add starts from stays in the graph and is
+added to the op's output. transformers' own grouped_mm path (an inverse permutation and a
+view(T, K, d).sum(1)) is `hf_grouped_mm`; `looks_scattered` tells the two apart.
+"""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch.fx as fx
+
+from .activation_probe import identify_activation, identify_pair_activation
+from .common import (
+    MoEMatch,
+    NoMatch,
+    RegionWalk,
+    Rejection,
+    arg,
+    backward_slice,
+    dtype_of,
+    expect,
+    finish_match,
+    getitem_of,
+    is_call,
+    is_noop_cast,
+    module_path,
+    same_size,
+    shape_of,
+)
+from .module_list import through_float_casts, topk_routing
+
+IDIOM = "sorted_grouped_mm"
+GROUPED_MM = ("_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback")
+_SCATTERS = ("scatter_add", "scatter_add_", "index_add", "index_add_")
+_ZEROS = ("zeros", "zeros_like", "new_zeros")
+_INT_CASTS = ("float", "int", "long", "to", "double")
+
+
+def grouped_calls(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+    """The graph's grouped_mm calls, by the offsets they share (one MoE layer each)."""
+    calls: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if is_call(node, *GROUPED_MM):
+            calls[arg(node, 2, "offs")].append(node)
+    return calls
+
+
+def looks_scattered(calls: list[fx.Node]) -> bool:
+    """The layer's rows go back to their tokens by a scatter/index add (this idiom), not by
+    transformers' inverse permutation (`hf_grouped_mm`): a scatter_add/index_add within a few
+    nodes after the last grouped_mm."""
+    frontier, seen = [calls[-1]], set()
+    for _ in range(6):
+        frontier = [u for node in frontier for u in node.users if u not in seen]
+        seen.update(frontier)
+        if any(is_call(u, *_SCATTERS) for u in frontier):
+            return True
+    return False
+
+
+def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
+    results = []
+    for offs, calls in grouped_calls(gm).items():
+        if not looks_scattered(calls):
+            continue  # hf_grouped_mm's
+        try:
+            results.append(_check(offs, calls))
+        except NoMatch as exc:
+            results.append(Rejection(IDIOM, module_path(calls[0]), str(exc)))
+    return results
+
+
+def _through_int_casts(node, walk: RegionWalk):
+    while is_call(node, *_INT_CASTS) and len(node.args) <= 2 and not node.kwargs:
+        walk.mark(node)
+        node = node.args[0]
+    return node
+
+
+def _flat_topk(node, walk: RegionWalk) -> fx.Node:
+    """ids of `ids.view(-1)` / reshape(-1) / flatten() with ids a top-k's [T, K] indices."""
+    expect(is_call(node, "view", "reshape", "flatten") and len(shape_of(node)) == 1,
+           f"{getattr(node, 'name', node)} is not the flattened top-k ids")
+    ids = node.args[0]
+    expect(is_call(getitem_of(ids, 1), "topk") and len(shape_of(ids)) == 2, "sorted ids are not a top-k's [T, K] indices")
+    walk.mark(node)
+    return ids
+
+
+def _counts(offs: fx.Node, walk: RegionWalk) -> tuple[int, fx.Node]:
+    """(E, the counted ids) of `cumsum(histc(ids, bins=E, min=0, max=E or E-1), dtype=int32)` or of
+    bincount(ids, minlength=E)."""
+    expect(is_call(offs, "cumsum") and arg(offs, 1, "dim") in (0, -1), "grouped_mm offsets are not a cumsum of per-expert counts")
+    hist = offs.args[0]
+    expect(is_call(hist, "histc", "bincount"), "per-expert counts are not a histc/bincount")
+    walk.mark(offs, hist)
+    if is_call(hist, "histc"):
+        E, lo, hi = arg(hist, 1, "bins"), arg(hist, 2, "min", 0), arg(hist, 3, "max", 0)
+        expect(isinstance(E, int) and lo == 0 and hi in (E - 1, E), f"histc range ({lo}, {hi}) does not give one bin per expert")
+    else:
+        E = arg(hist, 2, "minlength")
+        expect(isinstance(E, int) and arg(hist, 1, "weights") is None, "bincount has weights or no static minlength")
+    return E, _through_int_casts(hist.args[0], walk)
+
+
+def _sort_perm(counted: fx.Node, perm: fx.Node, walk: RegionWalk) -> fx.Node:
+    """The [T, K] top-k ids, given that `perm` is an ascending sort's permutation of their flattened
+    view (`argsort`, or `sort(...)[1]`) and `counted` is that view, or the sort's values."""
+    sort = perm if is_call(perm, "argsort") else getitem_of(perm, 1)
+    expect(is_call(sort, "argsort", "sort"), "the rows are not permuted by a sort of the expert ids")
+    expect(arg(sort, 1, "dim", -1) in (0, -1) and not arg(sort, 2, "descending", False)
+           and not sort.kwargs.get("descending", False), "expert ids are not sorted ascending")
+    ids = _flat_topk(sort.args[0], walk)
+    values = getitem_of(counted, 0)
+    if values is not None:
+        expect(values is sort, "the counts are of another sort's values")
+        walk.mark(counted)
+    else:
+        expect(_flat_topk(counted, walk) is ids, "the sort and the counts read different ids")
+    walk.mark(sort, perm)
+    return ids
+
+
+def _rows(node, tok: fx.Node, d, walk: RegionWalk) -> fx.Node:
+    """x of `x[tok]`, `index_select(x, 0, tok)` or `gather(x, 0, tok.reshape(-1, 1).expand(-1, d))`."""
+    if node.op == "call_function" and node.target is operator.getitem and node.args[1] is tok:
+        walk.mark(node)
+        return node.args[0]
+    if is_call(node, "index_select") and arg(node, 1, "dim") in (0, -2) and arg(node, 2, "index") is tok:
+        walk.mark(node)
+        return node.args[0]
+    expect(is_call(node, "gather") and arg(node, 1, "dim") in (0, -2), "up-projection rows are not gathered by token")
+    expect(_expanded_tok(arg(node, 2, "index"), tok, d, walk), "up-projection rows are not gathered by the sorted tokens")
+    walk.mark(node)
+    return node.args[0]
+
+
+def _expanded_tok(index, tok: fx.Node, d, walk: RegionWalk) -> bool:
+    """`tok.reshape(-1, 1).expand(-1, d)` (view, unsqueeze(1), expand_as alike): every column of a row
+    reads token tok[s]."""
+    if not is_call(index, "expand", "expand_as"):
+        return False
+    col = index.args[0]
+    ok = (is_call(col, "reshape", "view") and shape_of(col)[1:] == (1,)) or (is_call(col, "unsqueeze") and arg(col, 1, "dim") in (1, -1))
+    ok = ok and col.args[0] is tok and len(shape_of(index)) == 2 and same_size(shape_of(index)[1], d)
+    if ok:
+        walk.mark(index, col)
+    return ok
+
+
+def _sorted_weights(scale, perm: fx.Node, walk: RegionWalk) -> fx.Node:
+    """topk_weights of `w.view(-1)[perm].reshape(-1, 1)` (unsqueeze(-1), [:, None]; casts allowed)."""
+    scale = through_float_casts(scale, walk)
+    broadcast = (is_call(scale, "unsqueeze") and arg(scale, 1, "dim") in (1, -1)) or \
+        (is_call(scale, "reshape", "view") and len(shape_of(scale)) == 2 and shape_of(scale)[1] == 1) or \
+        getitem_of(scale, (slice(None), None)) is not None
+    expect(broadcast, "the rows are not scaled by per-slot weights broadcast over d")
+    picked = through_float_casts(scale.args[0], walk)
+    expect(getitem_of(picked, perm) is not None, "the rows' weights are not the routing weights in sorted order")
+    flat = picked.args[0]
+    expect(is_call(flat, "view", "reshape", "flatten") and len(shape_of(flat)) == 1, "the rows' weights are not the flattened top-k weights")
+    walk.mark(scale, picked, flat)
+    return flat.args[0]
+
+
+def _scaled(node: fx.Node, perm: fx.Node, walk: RegionWalk) -> tuple[fx.Node, fx.Node] | None:
+    """(the rows, topk_weights) of `rows * w_sorted` (either order, float casts around), or None."""
+    if not (is_call(node, "mul", "__mul__") and len(node.args) == 2 and not node.kwargs):
+        return None
+    for rows, scale in (node.args, node.args[::-1]):
+        try:
+            inner = RegionWalk()
+            weights = _sorted_weights(scale, perm, inner)
+        except NoMatch:
+            continue
+        walk.seen |= inner.seen
+        walk.mark(node)
+        return rows, weights
+    return None
+
+
+def _weight_of(node, walk: RegionWalk) -> tuple[fx.Node, bool]:
+    """(expert weight, stored transposed?) from grouped_mm's second argument, no-op casts skipped."""
+    node = walk.through(node)
+    if (is_call(node, "transpose") and sorted(int(a) % 3 for a in node.args[1:3]) == [1, 2]) or is_call(node, "mT"):
+        walk.mark(node)
+        return walk.through(node.args[0]), False
+    return node, True
+
+
+def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
+    walk = RegionWalk()
+    expect(len(calls) in (2, 3), f"expected two or three grouped_mm calls sharing offsets, found {len(calls)}")
+    *ups, down = calls
+    expect(all(arg(c, 3, "bias") is None for c in calls), "grouped_mm with bias is not matched")
+    walk.mark(*calls)
+    E, counted = _counts(offs, walk)
+    up_inputs = {walk.through(u.args[0]) for u in ups}
+    expect(len(up_inputs) == 1, "the up projections read different rows")
+    (rows,) = up_inputs
+
+    # rows = x[perm // K], maybe scaled by the sorted weights first
+    inner = through_float_casts(rows, walk)
+    sources = [a for a in inner.args if isinstance(a, fx.Node)] if is_call(inner, "mul", "__mul__") else [inner]
+    toks = [i for src in sources for i in _row_indices(through_float_casts(src, RegionWalk()))
+            if is_call(i, "floordiv") and len(i.args) == 2 and isinstance(i.args[1], int)]
+    expect(len(toks) == 1, "up-projection rows are not gathered by perm // K")
+    (tok,) = toks
+    perm, K = tok.args
+    topk_ids = _sort_perm(counted, perm, walk)
+    ranked, _ = topk_routing(topk_ids, walk)
+    expect(ranked == E, f"the counts have {E} bins, the router ranks E={ranked} experts")
+    T = shape_of(topk_ids)[0]
+    expect(K == shape_of(topk_ids)[1], f"rows are gathered by perm // {K} for K={shape_of(topk_ids)[1]}")
+    walk.mark(tok)
+
+    scaled = _scaled(inner, perm, walk)
+    input_scaled = scaled is not None
+    gathered = through_float_casts(scaled[0], walk) if input_scaled else inner
+    expect(len(shape_of(gathered)) == 2, "gathered rows are not [TK, d]")
+    d = shape_of(gathered)[1]
+    x = _rows(gathered, tok, d, walk)
+    expect(len(shape_of(x)) == 2 and same_size(shape_of(x)[0], T) and same_size(shape_of(x)[1], d),
+           "gathered hidden states are not [T, d] (every column of each token)")
+
+    # weights
+    layouts = [_weight_of(c.args[1], walk) for c in calls]
+    expect(len({t for _, t in layouts}) == 1, "up and down weights use different layouts")
+    transposed = layouts[0][1]
+    w2 = layouts[-1][0]
+
+    # the activation between the grouped mms
+    a = walk.through(down.args[0])
+    if len(ups) == 1:
+        h = walk.forward(ups[0])
+        act = identify_activation(h, a)
+        expect(not isinstance(act, str), str(act))
+        w1, w_up = layouts[0][0], None
+        walk.mark(*backward_slice([a], stop={h}))
+    else:
+        hs = tuple(walk.forward(u) for u in ups)
+        found = identify_pair_activation(hs[0], hs[1], a)
+        expect(not isinstance(found, str), str(found))
+        act, swapped = found
+        w1, w_up = (layouts[1][0], layouts[0][0]) if swapped else (layouts[0][0], layouts[1][0])
+        expect(not transposed, f"gate and up are two stacked parameters ({w1.name}, {w_up.name}) in [E, in, out]: "
+               f"the list op takes [out, in] slices; keep gate and up in one [E, d, 2n] parameter, or store them as [E, n, d]")
+        walk.mark(*backward_slice([a], stop=set(hs)))
+
+    # y, scaled by the sorted weights unless the inputs were, then scattered back to the tokens
+    y = _forward_float_casts(walk.forward(down), walk)
+    if input_scaled:
+        topk_weights = scaled[1]
+        src = y
+    else:
+        mul = walk.only_reader(y)
+        found = _scaled(mul, perm, walk) if mul is not None else None
+        expect(found is not None and found[0] is y, "expert outputs are not scaled by the routing weights")
+        topk_weights = found[1]
+        src = mul
+    src = _forward_float_casts(src, walk)
+    anchor, added_to, acc = _scatter_back(src, tok, T, d, walk)
+    expect(shape_of(topk_weights) == shape_of(topk_ids), "top-k weights and ids differ in shape")
+    expect(dtype_of(anchor) == dtype_of(x), f"the combine is in {dtype_of(anchor)}, the hidden states in {dtype_of(x)}")
+    match = finish_match(IDIOM, ups[0], walk, anchor, x, topk_ids, topk_weights, w1, w2, None, None, transposed, act,
+                         E=E, K=K, T=T, d=d, w_up=w_up, added_to=added_to)
+    match.input_scaled, match.accumulator = input_scaled, acc
+    return match
+
+
+def _row_indices(node) -> list[fx.Node]:
+    """The row index a gather of rows reads: tok of x[tok], index_select(x, 0, tok), or the tok under
+    gather(x, 0, tok.reshape(-1, 1).expand(-1, d))."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], fx.Node):
+        return [node.args[1]]
+    if is_call(node, "index_select"):
+        return [arg(node, 2, "index")]
+    if is_call(node, "gather"):
+        index = arg(node, 2, "index")
+        if is_call(index, "expand", "expand_as") and is_call(index.args[0], "reshape", "view", "unsqueeze"):
+            return [index.args[0].args[0]]
+    return []
+
+
+def _forward_float_casts(node: fx.Node, walk: RegionWalk) -> fx.Node:
+    """Follow `node` through its single float-to-float cast readers (`.to(x.dtype)` after the scaling)."""
+    while True:
+        user = walk.only_reader(node)
+        if user is None or not (is_noop_cast(user) or (is_call(user, "to", "float", "half", "bfloat16", "type_as")
+                                                        and dtype_of(user) is not None and dtype_of(user).is_floating_point
+                                                        and not any(isinstance(a, str) for a in user.args[1:]))):
+            return node
+        walk.mark(user)
+        node = user
+
+
+def _scatter_back(src: fx.Node, tok: fx.Node, T, d, walk: RegionWalk) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
+    """(anchor, added_to, accumulator) of the combine `base.scatter_add(0, tok.reshape(-1, 1).expand(-1, d),
+    src)` or `base.index_add(0, tok, src)`: base a fresh zeros [T, d] (nothing to add), a tensor the
+    op's output is added to (a shared expert's output: added_to), or, in place, a fresh zeros that is
+    read only after the add (accumulator)."""
+    add = walk.only_reader(src)
+    expect(add is not None and is_call(add, *_SCATTERS) and arg(add, 3, "src" if "scatter" in str(add.target) else "source") is src,
+           "expert rows are not scatter-added back to their tokens")
+    expect(arg(add, 1, "dim") in (0, -2), f"{add.name} adds along dim {arg(add, 1, 'dim')}, not the token dim")
+    index = arg(add, 2, "index")
+    if is_call(add, "index_add", "index_add_"):
+        expect(index is tok and arg(add, 4, "alpha", 1) == 1, f"{add.name} adds at other rows than the sorted tokens, or scaled")
+    else:
+        expect(_expanded_tok(index, tok, d, walk), f"{add.name} adds at other rows than the sorted tokens")
+    base = add.args[0]
+    expect(len(shape_of(base)) == 2 and same_size(shape_of(base)[0], T) and same_size(shape_of(base)[1], d),
+           f"the combine adds into {shape_of(base)}, not [T, d]")
+    walk.mark(add)
+    fresh = is_call(base, *_ZEROS)
+    inplace = str(add.target).endswith("_")
+    if inplace:
+        expect(fresh, f"{add.name} adds in place into {base.name}, not a fresh zeros")
+        order = {n: i for i, n in enumerate(add.graph.nodes)}
+        early = [u for u in base.users if u is not add and order[u] < order[add]]
+        expect(not early, f"the accumulator {base.name} is read before the add (by {early[0].name if early else ''})")
+        walk.mark(base)
+        return add, None, base
+    if fresh and len(base.users) == 1:
+        walk.mark(base)
+        return add, None, None
+    expect(dtype_of(base) == dtype_of(add), "the combine's base and result differ in dtype")
+    return add, base, None
