@@ -38,7 +38,7 @@ def test_sorted_grouped_mm_inductor_cpu_bf16():
 
 
 def test_reported_layout():
-    """torchtitan's layer: W1 and W3 separate, the weights on the inputs."""
+    """torchtitan's layer: W1 and W3 separate, the weights on the inputs, its router fused."""
     model = SortedGroupedMoE(**VARIANTS["torchtitan"]).to(torch.bfloat16)
     x = _inputs()[0].to(torch.bfloat16)
     with torch.no_grad(), moe_compiler.capture() as report:
@@ -46,6 +46,8 @@ def test_reported_layout():
     assert [r.idiom for r in report.rewritten] == [IDIOM], str(report)
     layout = "separate gate/up (two stacked parameters), router-scaled inputs"
     assert report.rewritten[0].details["layout"] == layout, str(report)
+    # the router scales the op's rows, and is fused all the same
+    assert report.rewritten[0].details["router"] == "softmax->topk->renorm, fused", str(report)
 
 
 NEGATIVE = {
