@@ -12,7 +12,7 @@ Eager code it matches, shapes (T tokens, d hidden, n expert width, E experts, K 
 any einsum letters, either operand order, and the weights in either orientation ([E, out, in] as
 above, or [E, in, out]: "ti,taio->tao"). Every (t, k) pair is expert ids[t, k] on x[t], so
 `out[t] = sum_k w[t, k] * expert_{ids[t, k]}(x[t])`: the op's contract. The gathers copy
-T K (2n d + n d) weight elements a step (at T = 4096 a layer of Mixtral's size gathers ~1.4 TB);
+T K (2n d + n d) weight elements a step (at T = 4096, K = 2 a layer of Mixtral's size gathers ~2.9 TB in bf16);
 the op reads each expert's weights in place.
 
 It becomes `sonic::moe_experts` for gate and up in one parameter (or a non-gated expert), and
