@@ -112,7 +112,7 @@ def router_outcome(gm: fx.GraphModule, call: fx.Node, match: MoEMatch, router: s
     if match.gates:  # the op's weights are gathered from a [T, E] gate matrix: no router form to fuse
         return f"{router}, not fused: weights gathered from a [T, E] gate matrix"
     try:
-        found = match_router(call)
+        found = match_router(call, (match.topk_ids, match.topk_weights) if match.input_scaled else None)
     except NoMatch as why:
         log.debug("router of %s not fused: %s", match.module, why)
         return f"{router}, not fused: {why}"

@@ -112,7 +112,7 @@ def _einsum_parts(node: fx.Node) -> tuple[list[str], list, str] | None:
 
 
 def _projection(einsum: fx.Node, ids: fx.Node, rows_rank: int, what: str) -> tuple[fx.Node, fx.Node, bool]:
-    """(W, rows, transposed) of `einsum(rows, W[ids])` computing out[t, k, o] = sum_i rows[t, (k,) i] *
+    """(the gather W[ids], rows, transposed) of `einsum(rows, W[ids])` computing out[t, k, o] = sum_i rows[t, (k,) i] *
     W[ids[t, k]][o, i] (transposed: W[.][i, o]); rows is [T, d] (rows_rank 2) or [T, K, n] (3)."""
     parts = _einsum_parts(einsum)
     expect(parts is not None, f"{what} projection {einsum.name} is not a two-operand einsum with an explicit output")
@@ -129,7 +129,7 @@ def _projection(einsum: fx.Node, ids: fx.Node, rows_rank: int, what: str) -> tup
     want = t + i if rows_rank == 2 else t + k + i
     expect(r_spec == want and len(shape_of(rows)) == rows_rank,
            f"{what} projection einsum {einsum.args[0]!r} does not contract the rows' last dim with the weights' other")
-    return operands[wi].args[0], rows, o == q
+    return operands[wi], rows, o == q
 
 
 def _check(ids: fx.Node, x: fx.Node, ups: list[fx.Node]) -> MoEMatch:
@@ -141,46 +141,39 @@ def _check(ids: fx.Node, x: fx.Node, ups: list[fx.Node]) -> MoEMatch:
     expect(len(ups) in (1, 2), f"{len(ups)} projections of the hidden states on gathered weights, not one or two")
     projections = [_projection(up, ids, 2, "up") for up in ups]
     expect(all(rows is x for _, rows, _ in projections), "the up projections read different rows")
-    for up in ups:
-        gather = _gather_of(up)
-        expect(len(gather.users) == 1, f"the gathered weight {gather.name} is read more than once")
-        walk.mark(up, gather)
     transposed = {p[2] for p in projections}
     expect(len(transposed) == 1, "gate and up are gathered in two orientations")
     (transposed,) = transposed
 
-    down, y = _down_projection(ups, ids, walk)
-    w2, a, down_transposed = _projection(down, ids, 3, "down")
+    down = _down_projection(ups, ids)
+    down_gather, a, down_transposed = _projection(down, ids, 3, "down")
     expect(down_transposed == transposed, "the up and down weights are gathered in two orientations")
+    for einsum, gather in zip((*ups, down), (*(p[0] for p in projections), down_gather)):
+        expect(len(gather.users) == 1, f"the gathered weight {gather.name} is read more than once")
+        walk.mark(einsum, gather)
     if len(ups) == 1:
         act = identify_activation(ups[0], a)
         expect(not isinstance(act, str), str(act))
-        w1, w_up = projections[0][0], None
+        w1, w_up = projections[0][0].args[0], None
         walk.mark(*backward_slice([a], stop={ups[0]}))
     else:
         found = identify_pair_activation(ups[0], ups[1], a)
         expect(not isinstance(found, str), str(found))
         act, swapped = found
         gate, up = (projections[1], projections[0]) if swapped else (projections[0], projections[1])
-        w1, w_up = gate[0], up[0]
+        w1, w_up = gate[0].args[0], up[0].args[0]
         expect(not transposed, f"gate and up are two stacked parameters ({w1.name}, {w_up.name}) in [E, in, out]: "
                f"the list op takes [out, in] slices; keep gate and up in one [E, d, 2n] parameter, or store them as [E, n, d]")
         walk.mark(*backward_slice([a], stop=set(ups)))
-    expect(len(_gather_of(down).users) == 1, f"the gathered weight {_gather_of(down).name} is read more than once")
-    walk.mark(down, _gather_of(down))
-    anchor, weights = _combine(y, T, K, d, walk)
+    anchor, weights = _combine(down, T, K, d, walk)
     expect(shape_of(weights) == shape_of(ids), "top-k weights and ids differ in shape")
     expect(shape_of(w1)[0] == E, f"the weights hold {shape_of(w1)[0]} experts, the router ranks E={E}")
-    return finish_match(IDIOM, ups[0], walk, anchor, x, ids, weights, w1, w2, None, None, transposed, act,
+    return finish_match(IDIOM, ups[0], walk, anchor, x, ids, weights, w1, down_gather.args[0], None, None, transposed, act,
                         E=E, K=K, T=T, d=d, w_up=w_up)
 
 
-def _gather_of(einsum: fx.Node) -> fx.Node:
-    return next(op for op in _einsum_parts(einsum)[1] if isinstance(op, fx.Node) and _is_weight_gather(op))
-
-
-def _down_projection(ups: list[fx.Node], ids: fx.Node, walk: RegionWalk) -> tuple[fx.Node, fx.Node]:
-    """(the down einsum, its output): the one einsum on weights gathered by the same ids that reads
+def _down_projection(ups: list[fx.Node], ids: fx.Node) -> fx.Node:
+    """The down einsum: the first einsum on weights gathered by the same ids that reads
     what the up projections compute."""
     reached = set(ups)
     graph = ups[0].graph
@@ -190,7 +183,7 @@ def _down_projection(ups: list[fx.Node], ids: fx.Node, walk: RegionWalk) -> tupl
             if node not in ups and is_call(node, "einsum"):
                 parts = _einsum_parts(node)
                 if parts and any(isinstance(op, fx.Node) and _is_weight_gather(op) and op.args[1] is ids for op in parts[1]):
-                    return node, node
+                    return node
     raise NoMatch("no down projection on weights gathered by the same ids reads the up projections")
 
 

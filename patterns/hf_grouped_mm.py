@@ -31,6 +31,7 @@ The router glue that produced top_k_index/top_k_weights stays in the graph for I
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 
 import torch.fx as fx
 
@@ -55,9 +56,32 @@ from .common import (
     summed_per_token,
     users_getitem,
 )
-from .sorted_grouped_mm import grouped_calls, looks_scattered
 
 IDIOM = "hf_grouped_mm"
+GROUPED_MM = ("_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback")
+SCATTERS = ("scatter_add", "scatter_add_", "index_add", "index_add_")  # sorted_grouped_mm's combines
+
+
+def grouped_calls(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+    """The graph's grouped_mm calls, by the offsets they share (one MoE layer each)."""
+    calls: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if is_call(node, *GROUPED_MM):
+            calls[arg(node, 2, "offs")].append(node)
+    return calls
+
+
+def looks_scattered(calls: list[fx.Node]) -> bool:
+    """The layer's rows go back to their tokens by a scatter/index add (`sorted_grouped_mm`), not by
+    transformers' inverse permutation (this idiom): a scatter_add/index_add within a few
+    nodes after the last grouped_mm."""
+    frontier, seen = [calls[-1]], set()
+    for _ in range(6):
+        frontier = [u for node in frontier for u in node.users if u not in seen]
+        seen.update(frontier)
+        if any(is_call(u, *SCATTERS) for u in frontier):
+            return True
+    return False
 
 
 def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:

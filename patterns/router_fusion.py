@@ -86,14 +86,16 @@ def fuse_router(gm: fx.GraphModule, call: fx.Node) -> tuple[bool, str]:
     return True, match.form
 
 
-def match_router(call: fx.Node) -> RouterMatch:
+def match_router(call: fx.Node, routing: tuple[fx.Node, fx.Node] | None = None) -> RouterMatch:
+    """The router of a sonic MoE call. `routing`: the router's [T, K] (ids, weights) when the call's
+    own are not them (an input-scaled call: rows x[t] * w[t, k] with unit weights)."""
     expect(is_call(call, "sonic::moe_experts", "sonic::moe_experts_list"), f"{call.name} is not a sonic MoE call")
     ids, weights = call.args[1], call.args[2]
     slot_form = call.args[13]  # slot_token, in both forms (x, ids, weights, 3 weights or lists, b1, b2, 5 flags, save_h)
     expect(slot_form is None and not is_call(_src(ids), "sonic::round_routing_slots"),
            "token rounding reads the router probabilities (sonic::round_routing_slots)")
-    if is_call(weights, "ones_like"):
-        ids, weights = _input_scaled_routing(call)
+    if routing is not None:
+        ids, weights = routing
     while _cast_dtype(weights) is not None:  # casts after the router stay in the graph
         weights = weights.args[0]
     walk = _Walk()
@@ -120,21 +122,6 @@ def match_router(call: fx.Node) -> RouterMatch:
     except ValueError as err:
         raise NoMatch(str(err)) from None
     return RouterMatch(logits, weights_node, ids, walk.region, args, form)
-
-
-def _input_scaled_routing(call: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """The router's [T, K] (ids, weights) of an op called in the input-scaled form that
-    `patterns.common.rewrite` builds: rows x[:, None] * w[..., None] reshaped to [T*K, d] (cast or
-    not), ids reshaped to [T*K, 1], weights ones_like those."""
-    rows, ids = call.args[0], call.args[1]
-    while _cast_dtype(rows) is not None:
-        rows = rows.args[0]
-    mul = rows.args[0] if is_call(rows, "reshape") else None
-    scale = mul.args[1] if is_call(mul, "mul") and len(mul.args) == 2 else None
-    ok = (is_call(scale, "unsqueeze") and scale.args[1] == -1 and is_call(ids, "reshape")
-          and call.args[2].args[0] is ids and shape_of(scale.args[0]) == shape_of(ids.args[0]))
-    expect(ok, "routing weights come from ones_like, not the input-scaled rows of the rewrite")
-    return ids.args[0], scale.args[0]
 
 
 def _before_tensor_factor(weights: fx.Node, ids: fx.Node, why: NoMatch):

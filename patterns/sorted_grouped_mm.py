@@ -30,7 +30,6 @@ view(T, K, d).sum(1)) is `hf_grouped_mm`; `looks_scattered` tells the two apart.
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 
 import torch.fx as fx
 
@@ -52,35 +51,12 @@ from .common import (
     same_size,
     shape_of,
 )
+from .hf_grouped_mm import SCATTERS, _weight_of as _grouped_weight, grouped_calls, looks_scattered
 from .module_list import through_float_casts, topk_routing
 
 IDIOM = "sorted_grouped_mm"
-GROUPED_MM = ("_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback")
-_SCATTERS = ("scatter_add", "scatter_add_", "index_add", "index_add_")
 _ZEROS = ("zeros", "zeros_like", "new_zeros")
 _INT_CASTS = ("float", "int", "long", "to", "double")
-
-
-def grouped_calls(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
-    """The graph's grouped_mm calls, by the offsets they share (one MoE layer each)."""
-    calls: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-    for node in gm.graph.nodes:
-        if is_call(node, *GROUPED_MM):
-            calls[arg(node, 2, "offs")].append(node)
-    return calls
-
-
-def looks_scattered(calls: list[fx.Node]) -> bool:
-    """The layer's rows go back to their tokens by a scatter/index add (this idiom), not by
-    transformers' inverse permutation (`hf_grouped_mm`): a scatter_add/index_add within a few
-    nodes after the last grouped_mm."""
-    frontier, seen = [calls[-1]], set()
-    for _ in range(6):
-        frontier = [u for node in frontier for u in node.users if u not in seen]
-        seen.update(frontier)
-        if any(is_call(u, *_SCATTERS) for u in frontier):
-            return True
-    return False
 
 
 def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
@@ -146,31 +122,29 @@ def _sort_perm(counted: fx.Node, perm: fx.Node, walk: RegionWalk) -> fx.Node:
     return ids
 
 
-def _rows(node, tok: fx.Node, d, walk: RegionWalk) -> fx.Node:
-    """x of `x[tok]`, `index_select(x, 0, tok)` or `gather(x, 0, tok.reshape(-1, 1).expand(-1, d))`."""
-    if node.op == "call_function" and node.target is operator.getitem and node.args[1] is tok:
-        walk.mark(node)
-        return node.args[0]
-    if is_call(node, "index_select") and arg(node, 1, "dim") in (0, -2) and arg(node, 2, "index") is tok:
-        walk.mark(node)
-        return node.args[0]
-    expect(is_call(node, "gather") and arg(node, 1, "dim") in (0, -2), "up-projection rows are not gathered by token")
-    expect(_expanded_tok(arg(node, 2, "index"), tok, d, walk), "up-projection rows are not gathered by the sorted tokens")
-    walk.mark(node)
-    return node.args[0]
-
-
-def _expanded_tok(index, tok: fx.Node, d, walk: RegionWalk) -> bool:
-    """`tok.reshape(-1, 1).expand(-1, d)` (view, unsqueeze(1), expand_as alike): every column of a row
-    reads token tok[s]."""
-    if not is_call(index, "expand", "expand_as"):
-        return False
+def _expanded(index) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(tok, the index glue) of `tok.reshape(-1, 1).expand(-1, w)` (view, unsqueeze(1), expand_as
+    alike): every column of row s reads token tok[s]."""
+    if not is_call(index, "expand", "expand_as") or len(shape_of(index)) != 2:
+        return None
     col = index.args[0]
     ok = (is_call(col, "reshape", "view") and shape_of(col)[1:] == (1,)) or (is_call(col, "unsqueeze") and arg(col, 1, "dim") in (1, -1))
-    ok = ok and col.args[0] is tok and len(shape_of(index)) == 2 and same_size(shape_of(index)[1], d)
-    if ok:
-        walk.mark(index, col)
-    return ok
+    return (col.args[0], [index, col]) if ok else None
+
+
+def _row_gather(node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(x, tok, the index glue) of `x[tok]`, `index_select(x, 0, tok)` or `gather(x, 0,
+    tok.reshape(-1, 1).expand(-1, d))` over all of x's d columns; None for anything else."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \
+            and isinstance(node.args[1], fx.Node):
+        return node.args[0], node.args[1], []
+    if is_call(node, "index_select") and arg(node, 1, "dim") in (0, -2):
+        return node.args[0], arg(node, 2, "index"), []
+    if is_call(node, "gather") and arg(node, 1, "dim") in (0, -2):
+        x, found = node.args[0], _expanded(arg(node, 2, "index"))
+        if found is not None and len(shape_of(x)) == 2 and same_size(shape_of(arg(node, 2, "index"))[1], shape_of(x)[1]):
+            return x, *found
+    return None
 
 
 def _sorted_weights(scale, perm: fx.Node, walk: RegionWalk) -> fx.Node:
@@ -205,12 +179,9 @@ def _scaled(node: fx.Node, perm: fx.Node, walk: RegionWalk) -> tuple[fx.Node, fx
 
 
 def _weight_of(node, walk: RegionWalk) -> tuple[fx.Node, bool]:
-    """(expert weight, stored transposed?) from grouped_mm's second argument, no-op casts skipped."""
-    node = walk.through(node)
-    if (is_call(node, "transpose") and sorted(int(a) % 3 for a in node.args[1:3]) == [1, 2]) or is_call(node, "mT"):
-        walk.mark(node)
-        return walk.through(node.args[0]), False
-    return node, True
+    """hf_grouped_mm's (expert weight, stored transposed?), no-op casts on either side skipped."""
+    weight, transposed = _grouped_weight(walk.through(node), walk)
+    return walk.through(weight), transposed
 
 
 def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
@@ -227,8 +198,8 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     # rows = x[perm // K], maybe scaled by the sorted weights first
     inner = through_float_casts(rows, walk)
     sources = [a for a in inner.args if isinstance(a, fx.Node)] if is_call(inner, "mul", "__mul__") else [inner]
-    toks = [i for src in sources for i in _row_indices(through_float_casts(src, RegionWalk()))
-            if is_call(i, "floordiv") and len(i.args) == 2 and isinstance(i.args[1], int)]
+    toks = [g[1] for src in sources if (g := _row_gather(through_float_casts(src, RegionWalk()))) is not None
+            and is_call(g[1], "floordiv") and len(g[1].args) == 2 and isinstance(g[1].args[1], int)]
     expect(len(toks) == 1, "up-projection rows are not gathered by perm // K")
     (tok,) = toks
     perm, K = tok.args
@@ -244,7 +215,10 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     gathered = through_float_casts(scaled[0], walk) if input_scaled else inner
     expect(len(shape_of(gathered)) == 2, "gathered rows are not [TK, d]")
     d = shape_of(gathered)[1]
-    x = _rows(gathered, tok, d, walk)
+    found = _row_gather(gathered)
+    expect(found is not None and found[1] is tok, "up-projection rows are not gathered by the sorted tokens")
+    x, _, glue = found
+    walk.mark(gathered, *glue)
     expect(len(shape_of(x)) == 2 and same_size(shape_of(x)[0], T) and same_size(shape_of(x)[1], d),
            "gathered hidden states are not [T, d] (every column of each token)")
 
@@ -293,20 +267,6 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     return match
 
 
-def _row_indices(node) -> list[fx.Node]:
-    """The row index a gather of rows reads: tok of x[tok], index_select(x, 0, tok), or the tok under
-    gather(x, 0, tok.reshape(-1, 1).expand(-1, d))."""
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], fx.Node):
-        return [node.args[1]]
-    if is_call(node, "index_select"):
-        return [arg(node, 2, "index")]
-    if is_call(node, "gather"):
-        index = arg(node, 2, "index")
-        if is_call(index, "expand", "expand_as") and is_call(index.args[0], "reshape", "view", "unsqueeze"):
-            return [index.args[0].args[0]]
-    return []
-
-
 def _forward_float_casts(node: fx.Node, walk: RegionWalk) -> fx.Node:
     """Follow `node` through its single float-to-float cast readers (`.to(x.dtype)` after the scaling)."""
     while True:
@@ -325,14 +285,17 @@ def _scatter_back(src: fx.Node, tok: fx.Node, T, d, walk: RegionWalk) -> tuple[f
     op's output is added to (a shared expert's output: added_to), or, in place, a fresh zeros that is
     read only after the add (accumulator)."""
     add = walk.only_reader(src)
-    expect(add is not None and is_call(add, *_SCATTERS) and arg(add, 3, "src" if "scatter" in str(add.target) else "source") is src,
+    expect(add is not None and is_call(add, *SCATTERS) and arg(add, 3, "src" if "scatter" in str(add.target) else "source") is src,
            "expert rows are not scatter-added back to their tokens")
     expect(arg(add, 1, "dim") in (0, -2), f"{add.name} adds along dim {arg(add, 1, 'dim')}, not the token dim")
     index = arg(add, 2, "index")
     if is_call(add, "index_add", "index_add_"):
         expect(index is tok and arg(add, 4, "alpha", 1) == 1, f"{add.name} adds at other rows than the sorted tokens, or scaled")
     else:
-        expect(_expanded_tok(index, tok, d, walk), f"{add.name} adds at other rows than the sorted tokens")
+        found = _expanded(index)
+        expect(found is not None and found[0] is tok and same_size(shape_of(index)[1], d),
+               f"{add.name} adds at other rows than the sorted tokens")
+        walk.mark(*found[1])
     base = add.args[0]
     expect(len(shape_of(base)) == 2 and same_size(shape_of(base)[0], T) and same_size(shape_of(base)[1], d),
            f"the combine adds into {shape_of(base)}, not [T, d]")

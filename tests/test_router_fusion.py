@@ -810,7 +810,7 @@ def test_fusion_error_keeps_the_moe_rewrite(monkeypatch):
     rewrite stands and the report names the error."""
     import moe_compiler.passes as passes
 
-    def broken(call):
+    def broken(call, routing=None):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(passes, "match_router", broken)
