@@ -419,15 +419,30 @@ def backward_slice(outputs: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Nod
 
 
 INPLACE_FNS = {"setitem"}
+# Python's augmented assignments (`t += u`, `t *= 0.5`): Dynamo keeps them as operator.iadd & co.
+AUGMENTED_FNS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor",
+                 "ilshift", "irshift"}
 
 
 def is_inplace(node: fx.Node) -> bool:
+    """An in-place method or function (`add_`, `setitem`): a node whose effect is its write. The
+    augmented assignments are not among them: their result is the written tensor, and later code
+    reads it through them (see `writes_in_place`)."""
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.startswith("_")
     if node.op == "call_function":
         name = op_name(node.target)
         return name in INPLACE_FNS or (name.endswith("_") and not name.startswith("_"))
     return False
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Writes into the storage of its first argument: an in-place node, or an augmented assignment
+    on a tensor, which writes into it and every view sharing its storage (`rows = x.view(-1);
+    rows *= 0.5` changes x)."""
+    if node.op == "call_function" and op_name(node.target) in AUGMENTED_FNS:
+        return bool(node.args) and isinstance(example_value(node.args[0]), torch.Tensor)
+    return is_inplace(node)
 
 
 def fake_mode_of(gm: fx.GraphModule):
@@ -722,9 +737,11 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
 def check_inputs_unmutated(match: MoEMatch) -> None:
     """The op reads its inputs where the anchor stood; eager read them where the region read them.
     A node outside the region that writes in place into an input's storage (x, the routing, a
-    weight, or a view of one) anywhere from the region's first node to the anchor would make the two
-    differ, so such a region is left alone. Storage identity comes from the fake tensors, which
-    share one storage between a tensor and its views."""
+    weight, or a view of one) after a region node has read that storage and before the anchor would
+    make the two differ, so such a region is left alone. A write before the region's first read of
+    that storage is seen by both (Qwen3's router divides its top-k values in place, `/=`, before the
+    experts read them). Storage identity comes from the fake tensors, which share one storage
+    between a tensor and its views."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     def storage(node):
@@ -734,22 +751,24 @@ def check_inputs_unmutated(match: MoEMatch) -> None:
     inputs = [match.x, match.topk_ids, match.topk_weights, match.w1, match.w_up, match.w2, match.b1, match.b2]
     for group in (*(match.expert_lists or ()), *(match.expert_bias_lists or ())):
         inputs += list(group)
-    read = {ref: node for node in inputs if isinstance(node, fx.Node) and (ref := storage(node)) is not None}
+    watched = {ref: node for node in inputs if isinstance(node, fx.Node) and (ref := storage(node)) is not None}
     region = match.region | {match.anchor}
-    inside = False
+    read: set = set()  # the watched storages a region node has read so far
     for node in match.anchor.graph.nodes:
         if node is match.anchor:
             return
-        inside = inside or node in region
-        if not inside or node in region:
+        if node in region:
+            read |= {ref for inp in node.all_input_nodes if (ref := storage(inp)) in watched}
+            continue
+        if not read:
             continue
         written = [node.kwargs["out"]] if isinstance(node.kwargs.get("out"), fx.Node) else []
-        if is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
+        if writes_in_place(node) and node.args and isinstance(node.args[0], fx.Node):
             written.append(node.args[0])
         for target in written:
             ref = storage(target)
             expect(ref is not None, f"{node.name} writes in place into {target.name} inside the region, of no known storage")
-            expect(ref not in read, f"{node.name} writes in place into {read.get(ref, target).name} (or a view of it) "
+            expect(ref not in read, f"{node.name} writes in place into {watched.get(ref, target).name} (or a view of it) "
                    f"inside the region, which the op would read only where the region ends")
 
 

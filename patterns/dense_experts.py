@@ -39,10 +39,10 @@ from .common import (
     dtype_of,
     expect,
     is_call,
-    is_inplace,
     module_path,
     same_size,
     shape_of,
+    writes_in_place,
 )
 from .module_list import (
     expert_mlp,
@@ -296,7 +296,7 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
         order = {n: i for i, n in enumerate(base.graph.nodes)}
         early = [u for u in base.users if u is not scatter and order[u] < order[scatter]]
         expect(not early, f"the gate matrix is read before its scatter (by {early[0].name if early else ''})")
-        others = [u for u in base.users if u is not scatter and is_inplace(u)]
+        others = [u for u in base.users if u is not scatter and writes_in_place(u)]
         expect(not others, "the gate matrix is written more than once")
     walk.mark(base, scatter)
     return GateSupport(ids, w if squash is None else None, base, scatter if is_call(scatter, "scatter_") else None)

@@ -49,10 +49,10 @@ from .common import (
     expect,
     getitem_of,
     is_call,
-    is_inplace,
     module_path,
     shape_of,
     site_fields,
+    writes_in_place,
 )
 
 _CAST_METHODS = ("to", "float", "half", "bfloat16", "double", "type_as", "contiguous")
@@ -437,7 +437,7 @@ def _mutation_of(base: fx.Node) -> fx.Node | None:
                 continue
             seen.add(user)
             mutated = (bool(user.args) and user.args[0] is node) or any(user.kwargs.get(k) is node for k in ("input", "self"))
-            if (is_inplace(user) and mutated) or "out" in user.kwargs:
+            if (writes_in_place(user) and mutated) or "out" in user.kwargs:
                 return user
             if is_call(user, *_VIEW_OPS):
                 todo.append(user)

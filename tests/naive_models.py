@@ -117,7 +117,8 @@ class LoopMoE(Router):
     experts_used: the experts the loop visits (default all); read_inside: the loop reads `out`;
     spare_experts: experts beyond the router's E, in the ModuleList, the one_hot and the loop;
     top1_keepdim: top-1 as `p, ids = probs.max(dim=-1, keepdim=True)` ([T, 1], as a top-k of 1)
-    mutate_input: after expert 1, write in place into "x", "x-view" (a slice of x) or "weights"
+    mutate_input: after expert 1, write in place into "x", "x-view" (a slice of x), "x-view-augmented"
+                  (`x.view(-1) *= 0.5`) or "weights"
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", where="one_hot", scale="index_none",
@@ -189,6 +190,9 @@ class LoopMoE(Router):
                 x.mul_(0.5)  # the experts after this one read the halved rows
             elif self.mutate_input == "x-view" and e == 1:
                 x[:, :4].zero_()
+            elif self.mutate_input == "x-view-augmented" and e == 1:
+                rows = x.view(-1)
+                rows *= 0.5  # operator.imul on a view: writes into x as mul_ does
             elif self.mutate_input == "weights" and e == 1:
                 w.mul_(2.0)
         if kept:
