@@ -1,5 +1,6 @@
 """Experts whose weights are gathered per token by the top-k ids: gpt-fast's Mixtral
-(`ConditionalFeedForward`), torchao's MoE examples and the code bases that copied them.
+(`ConditionalFeedForward`), gpt-oss's reference `MLPBlock`, torchao's MoE examples and the code
+bases that copied them.
 
 Eager code it matches, shapes (T tokens, d hidden, n expert width, E experts, K top-k):
 
@@ -10,10 +11,11 @@ Eager code it matches, shapes (T tokens, d hidden, n expert width, E experts, K 
     out = torch.einsum("tai,ta->ti", y, w)                          # or (y * w.unsqueeze(-1)).sum(1)
 
 any einsum letters, either operand order, and the weights in either orientation ([E, out, in] as
-above, or [E, in, out]: "ti,taio->tao"). Every (t, k) pair is expert ids[t, k] on x[t], so
-`out[t] = sum_k w[t, k] * expert_{ids[t, k]}(x[t])`: the op's contract. The gathers copy
-T K (2n d + n d) weight elements a step (at T = 4096, K = 2 a layer of Mixtral's size gathers ~2.9 TB in bf16);
-the op reads each expert's weights in place.
+above, or [E, in, out]: "ti,taio->tao"), with stacked biases gathered the same way and added to
+a projection's output (`einsum(...) + B1[ids, ...]`, `y += B2[ids, ...]`: gpt-oss). Every (t, k)
+pair is expert ids[t, k] on x[t], so `out[t] = sum_k w[t, k] * expert_{ids[t, k]}(x[t])`: the op's
+contract. The gathers copy T K (2n d + n d) weight elements a step (at T = 4096, K = 2 a layer of
+Mixtral's size gathers ~2.9 TB in bf16); the op reads each expert's weights in place.
 
 It becomes `sonic::moe_experts` for gate and up in one parameter (or a non-gated expert), and
 `sonic::moe_experts_list` on the per-expert views `W[e]` when they are two parameters (as
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import operator
 import re
+from typing import NamedTuple
 
 import torch.fx as fx
 
@@ -37,6 +40,7 @@ from .common import (
     NoMatch,
     RegionWalk,
     Rejection,
+    arg,
     backward_slice,
     expect,
     finish_match,
@@ -62,14 +66,17 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     for node in gm.graph.nodes:
         if not _is_weight_gather(node):
             continue
-        for user in node.users:
-            parts = _einsum_parts(user) if is_call(user, "einsum") else None
-            if parts is None:
-                others.setdefault(node.args[1], user)
-                continue
-            rows = parts[1][1 - parts[1].index(node)] if node in parts[1] else None
-            if isinstance(rows, fx.Node) and len(shape_of(rows)) == 2:
-                groups.setdefault((node.args[1], rows), []).append(user)
+        ids = _gather_ids(node)
+        halves = _halves(node)
+        for operand in (halves[2] if halves else [node]):
+            for user in operand.users:
+                parts = _einsum_parts(user) if is_call(user, "einsum") else None
+                if parts is None:
+                    others.setdefault(ids, user)
+                    continue
+                rows = parts[1][1 - parts[1].index(operand)] if operand in parts[1] else None
+                if isinstance(rows, fx.Node) and len(shape_of(rows)) == 2:
+                    groups.setdefault((ids, rows), []).append(user)
     results: list[MoEMatch | Rejection] = []
     for (ids, x), ups in groups.items():
         try:
@@ -84,15 +91,82 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     return results
 
 
-def _is_weight_gather(node: fx.Node) -> bool:
-    """`W[ids]`: a 3-D tensor indexed along its first dim by a top-k's [T, K] indices (an index of
-    another origin, a position table's say, is no expert choice)."""
+def _gather_index(node: fx.Node, rank: int) -> fx.Node | None:
+    """The [T, K] index of `table[index]` (also spelt `table[index, ...]` or `table[index, :, :]`, as
+    gpt-oss's reference code does) on a rank-`rank` table, else None."""
     if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
-        return False
+        return None
     table, index = node.args
+    if isinstance(index, tuple):
+        if not index or any(i is not Ellipsis and i != slice(None) for i in index[1:]):
+            return None
+        index = index[0]
     if not (isinstance(table, fx.Node) and isinstance(index, fx.Node)):
-        return False
-    return len(shape_of(table)) == 3 and len(shape_of(index)) == 2 and is_call(getitem_of(index, 1), "topk")
+        return None
+    return index if len(shape_of(table)) == rank and len(shape_of(index)) == 2 else None
+
+
+def _gather_ids(node: fx.Node, rank: int = 3) -> fx.Node | None:
+    """The ids of `table[ids]` (`_gather_index`) when they are a top-k's indices (an index of
+    another origin, a position table's say, is no expert choice); else None."""
+    index = _gather_index(node, rank)
+    return index if index is not None and is_call(getitem_of(index, 1), "topk") else None
+
+
+def _is_weight_gather(node: fx.Node) -> bool:
+    """`W[ids]`: stacked [E, ., .] weights gathered by a top-k's ids (`_gather_ids`)."""
+    return _gather_ids(node) is not None
+
+
+def _halves(gather: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """(the split, its dim in [0, 4), [half 0, half 1]) when the gather's one reader cuts it in two
+    equal halves, `W13[ids].chunk(2, dim)` or `.split(m, dim)` (SGLang's and vLLM's native MoE
+    fallback: gate and up in one parameter, gathered then cut), each half read; else None."""
+    if len(gather.users) != 1:
+        return None
+    (cut,) = gather.users
+    if is_call(cut, "chunk"):
+        ok, dim = arg(cut, 1, "chunks") == 2, arg(cut, 2, "dim", 0)
+    elif is_call(cut, "split"):
+        dim = arg(cut, 2, "dim", 0)
+        size = arg(cut, 1, "split_size_or_sections", arg(cut, 1, "split_size"))
+        ok = isinstance(dim, int) and size == shape_of(gather)[dim] // 2 and shape_of(gather)[dim] % 2 == 0
+    else:
+        return None
+    parts = {u.args[1]: u for u in cut.users if u.op == "call_function" and u.target is operator.getitem}
+    if not (ok and isinstance(dim, int) and len(cut.users) == 2 and set(parts) == {0, 1}):
+        return None
+    return cut, dim % 4, [parts[0], parts[1]]
+
+
+def _weight_operand(op, ids: fx.Node) -> tuple[fx.Node, int | None] | None:
+    """(the gather W[ids], None) for W[ids] itself, (the gather, 0 or 1) for a half of it
+    (`_halves`), else None."""
+    if not isinstance(op, fx.Node):
+        return None
+    if _gather_ids(op) is ids:
+        return op, None
+    cut = op.args[0] if op.op == "call_function" and op.target is operator.getitem else None
+    gather = cut.args[0] if isinstance(cut, fx.Node) and cut.args else None
+    if isinstance(gather, fx.Node) and _gather_ids(gather) is ids and (halves := _halves(gather)) and op in halves[2]:
+        return gather, halves[2].index(op)
+    return None
+
+
+def _biased(out: fx.Node, ids: fx.Node, walk: RegionWalk) -> tuple[fx.Node, fx.Node | None]:
+    """(the projection's value, its [E, width] bias or None): `out + B[ids]` (either order, `+=`
+    too: gpt-oss's reference code) when that add is the projection's one reader and the gathered
+    bias is read by it alone; else (out, None)."""
+    user = walk.only_reader(out)
+    if not (is_call(user, "add", "iadd", "__add__") and len(user.args) == 2 and not user.kwargs and len(out.users) == 1):
+        return out, None
+    other = user.args[1] if user.args[0] is out else user.args[0]
+    if not (isinstance(other, fx.Node) and _gather_index(other, rank=2) is not None):
+        return out, None
+    expect(_gather_index(other, rank=2) is ids, f"the bias {other.name} added to {out.name} is not gathered by the top-k ids")
+    expect(len(other.users) == 1, f"the gathered bias {other.name} is read more than once")
+    walk.mark(user, other)
+    return user, other.args[0]
 
 
 def _einsum_parts(node: fx.Node) -> tuple[list[str], list, str] | None:
@@ -111,15 +185,25 @@ def _einsum_parts(node: fx.Node) -> tuple[list[str], list, str] | None:
     return ins, operands, out
 
 
-def _projection(einsum: fx.Node, ids: fx.Node, rows_rank: int, what: str) -> tuple[fx.Node, fx.Node, bool]:
-    """(the gather W[ids], rows, transposed) of `einsum(rows, W[ids])` computing out[t, k, o] = sum_i rows[t, (k,) i] *
-    W[ids[t, k]][o, i] (transposed: W[.][i, o]); rows is [T, d] (rows_rank 2) or [T, K, n] (3)."""
+class Projection(NamedTuple):
+    gather: fx.Node  # W[ids]
+    half: int | None  # which half of W[ids] the einsum reads (`_halves`), None: all of it
+    rows: fx.Node
+    transposed: bool  # W [E, in, out]
+
+
+def _projection(einsum: fx.Node, ids: fx.Node, rows_rank: int, what: str) -> Projection:
+    """`einsum(rows, W[ids])` computing out[t, k, o] = sum_i rows[t, (k,) i] * W[ids[t, k]][o, i]
+    (transposed: W[.][i, o]), on W[ids] or a half of it cut along o; rows is [T, d] (rows_rank 2)
+    or [T, K, n] (3)."""
     parts = _einsum_parts(einsum)
     expect(parts is not None, f"{what} projection {einsum.name} is not a two-operand einsum with an explicit output")
     ins, operands, out = parts
-    gathers = [i for i, op in enumerate(operands) if isinstance(op, fx.Node) and _is_weight_gather(op) and op.args[1] is ids]
+    found = [_weight_operand(op, ids) for op in operands]
+    gathers = [i for i, f in enumerate(found) if f is not None]
     expect(len(gathers) == 1, f"{what} projection {einsum.name} does not read one weight gathered by the top-k ids")
     wi = gathers[0]
+    gather, half = found[wi]
     w_spec, r_spec, rows = ins[wi], ins[1 - wi], operands[1 - wi]
     expect(len(w_spec) == 4 and len(out) == 3, f"{what} projection einsum {einsum.args[0]!r} is not [T, K, out] from [T, K, ., .] weights")
     t, k, p, q = w_spec
@@ -129,7 +213,9 @@ def _projection(einsum: fx.Node, ids: fx.Node, rows_rank: int, what: str) -> tup
     want = t + i if rows_rank == 2 else t + k + i
     expect(r_spec == want and len(shape_of(rows)) == rows_rank,
            f"{what} projection einsum {einsum.args[0]!r} does not contract the rows' last dim with the weights' other")
-    return operands[wi], rows, o == q
+    expect(half is None or _halves(gather)[1] == w_spec.index(o),
+           f"{what} projection {einsum.name} reads a half of {gather.name} cut along its input dim, not its output dim")
+    return Projection(gather, half, rows, o == q)
 
 
 def _check(ids: fx.Node, x: fx.Node, ups: list[fx.Node]) -> MoEMatch:
@@ -140,35 +226,54 @@ def _check(ids: fx.Node, x: fx.Node, ups: list[fx.Node]) -> MoEMatch:
     expect(same_size(T, shape_of(ids)[0]), "hidden states are not [T, d] for the routed T")
     expect(len(ups) in (1, 2), f"{len(ups)} projections of the hidden states on gathered weights, not one or two")
     projections = [_projection(up, ids, 2, "up") for up in ups]
-    expect(all(rows is x for _, rows, _ in projections), "the up projections read different rows")
-    transposed = {p[2] for p in projections}
+    expect(all(p.rows is x for p in projections), "the up projections read different rows")
+    transposed = {p.transposed for p in projections}
     expect(len(transposed) == 1, "gate and up are gathered in two orientations")
     (transposed,) = transposed
+    cut = {p.gather for p in projections if p.half is not None}
+    expect(not cut or (len(ups) == 2 and {p.half for p in projections} == {0, 1} and len(cut) == 1),
+           "an up projection reads a half of its gathered weights, but gate and up are not its two halves")
 
     down = _down_projection(ups, ids)
-    down_gather, a, down_transposed = _projection(down, ids, 3, "down")
-    expect(down_transposed == transposed, "the up and down weights are gathered in two orientations")
-    for einsum, gather in zip((*ups, down), (*(p[0] for p in projections), down_gather)):
+    down_p = _projection(down, ids, 3, "down")
+    a = down_p.rows
+    expect(down_p.transposed == transposed, "the up and down weights are gathered in two orientations")
+    expect(down_p.half is None, f"the down projection reads a half of {down_p.gather.name}")
+    for einsum, gather in zip((*ups, down), (*(p.gather for p in projections), down_p.gather)):
         expect(len(gather.users) == 1, f"the gathered weight {gather.name} is read more than once")
         walk.mark(einsum, gather)
+    for gather in cut:
+        split, _, halves = _halves(gather)
+        expect(all(len(half.users) == 1 for half in halves), f"a half of the gathered weight {gather.name} is read twice")
+        walk.mark(split, *halves)
     if len(ups) == 1:
-        act = identify_activation(ups[0], a)
+        h, b1 = _biased(ups[0], ids, walk)
+        act = identify_activation(h, a)
         expect(not isinstance(act, str), str(act))
-        w1, w_up = projections[0][0].args[0], None
-        walk.mark(*backward_slice([a], stop={ups[0]}))
+        w1, w_up = projections[0].gather.args[0], None
+        walk.mark(*backward_slice([a], stop={h}))
     else:
+        b1 = None
+        expect(all(_biased(up, ids, RegionWalk())[1] is None for up in ups),
+               "biases on separate stacked gate and up parameters are not supported")
         found = identify_pair_activation(ups[0], ups[1], a)
         expect(not isinstance(found, str), str(found))
         act, swapped = found
         gate, up = (projections[1], projections[0]) if swapped else (projections[0], projections[1])
-        w1, w_up = gate[0].args[0], up[0].args[0]
-        expect(not transposed, f"gate and up are two stacked parameters ({w1.name}, {w_up.name}) in [E, in, out]: "
-               f"the list op takes [out, in] slices; keep gate and up in one [E, d, 2n] parameter, or store them as [E, n, d]")
+        if cut:  # W13[ids] cut in two: one [E, 2n, d] parameter, gate first
+            expect(gate.half == 0, f"the gate is the second half of {gate.gather.args[0].name}: "
+                   "[up | gate] in one parameter is not a layout the op takes")
+            w1, w_up = gate.gather.args[0], None
+        else:
+            w1, w_up = gate.gather.args[0], up.gather.args[0]
+            expect(not transposed, f"gate and up are two stacked parameters ({w1.name}, {w_up.name}) in [E, in, out]: "
+                   f"the list op takes [out, in] slices; keep gate and up in one [E, d, 2n] parameter, or store them as [E, n, d]")
         walk.mark(*backward_slice([a], stop=set(ups)))
-    anchor, weights = _combine(down, T, K, d, walk)
+    y, b2 = _biased(down, ids, walk)
+    anchor, weights = _combine(y, T, K, d, walk)
     expect(shape_of(weights) == shape_of(ids), "top-k weights and ids differ in shape")
     expect(shape_of(w1)[0] == E, f"the weights hold {shape_of(w1)[0]} experts, the router ranks E={E}")
-    return finish_match(IDIOM, ups[0], walk, anchor, x, ids, weights, w1, down_gather.args[0], None, None, transposed, act,
+    return finish_match(IDIOM, ups[0], walk, anchor, x, ids, weights, w1, down_p.gather.args[0], b1, b2, transposed, act,
                         E=E, K=K, T=T, d=d, w_up=w_up)
 
 
@@ -182,7 +287,7 @@ def _down_projection(ups: list[fx.Node], ids: fx.Node) -> fx.Node:
             reached.add(node)
             if node not in ups and is_call(node, "einsum"):
                 parts = _einsum_parts(node)
-                if parts and any(isinstance(op, fx.Node) and _is_weight_gather(op) and op.args[1] is ids for op in parts[1]):
+                if parts and any(_weight_operand(op, ids) is not None for op in parts[1]):
                     return node
     raise NoMatch("no down projection on weights gathered by the same ids reads the up projections")
 

@@ -526,6 +526,8 @@ class GatheredMoE(Router):
     `einsum("tai,ta->ti", y, w)`.
 
     gate_up: "separate" (w1, w3 [E, n, d]: silu(g) * u), "fused" (w13 [E, 2n, d], chunked),
+             "cut" (w13 [E, 2n, d] gathered, then `W13[ids].chunk(2, dim)` into gate and up weights:
+             SGLang's and vLLM's native MoE), "cut-split" (the same by `.split(n, dim)`),
              "plain" (gelu, non-gated)
     orient:  "out_in" (W [E, out, in]: "ti,taoi->tao"), "in_out" (W [E, in, out]: "ti,taio->tao")
     combine: "einsum", "einsum_w_first" ("ta,tai->ti"), "mul_sum" ((y * w.unsqueeze(-1)).sum(1)),
@@ -535,18 +537,22 @@ class GatheredMoE(Router):
     ids.flip(-1)), up_rows ("scaled": the up projection reads 2 x), y_read (y's sum added to the
     output), sum_dim (the combine sums over d), down_orient (the down weights in the other
     orientation), gather_read (the gathered W1[ids] also feeds the output), up_matmul (the up
-    projections as torch.matmul(W[ids], x[:, None, :, None]).squeeze(-1), W [E, out, in])
+    projections as torch.matmul(W[ids], x[:, None, :, None]).squeeze(-1), W [E, out, in]), gate_bias
+    (separate gate/up only: `+ B[ids]` on the gate projection, an unsupported layout), cut_swapped (the
+    second half of the cut W13[ids] is the gate), cut_read (the cut's first half also feeds the output)
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", orient="out_in", combine="einsum", letters=False,
                  down_ids=None, up_rows=None, y_read=False, sum_dim=None, down_orient=None, gather_read=False,
-                 up_matmul=False):
+                 up_matmul=False, gate_bias=False, cut_swapped=False, cut_read=False):
         super().__init__(d, E, K)
         self.gate_up, self.orient, self.combine, self.letters = gate_up, orient, combine, letters
         self.down_ids, self.up_rows, self.y_read, self.sum_dim = down_ids, up_rows, y_read, sum_dim
         self.down_orient, self.gather_read, self.up_matmul = down_orient or orient, gather_read, up_matmul
+        self.gate_bias = nn.Parameter(torch.randn(E, n) * 0.1) if gate_bias else None
+        self.cut_swapped, self.cut_read, self.n = cut_swapped, cut_read, n
 
-        self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, orient)
+        self.w1 = stacked_param(E, 2 * n if gate_up in ("fused", "cut", "cut-split") else n, d, orient)
         if gate_up == "separate":
             self.w3 = stacked_param(E, n, d, orient)
         self.w2 = stacked_param(E, d, n, self.down_orient)
@@ -563,10 +569,18 @@ class GatheredMoE(Router):
         rows = 2 * x if self.up_rows == "scaled" else x
         w1 = self.w1[ids]  # [T, K, ., .]
         if self.gate_up == "separate":
-            a = F.silu(self._up(rows, w1)) * self._up(x, self.w3[ids])
+            g = self._up(rows, w1)
+            a = F.silu(g if self.gate_bias is None else g + self.gate_bias[ids]) * self._up(x, self.w3[ids])
         elif self.gate_up == "fused":
             g, u = self._up(x, w1).chunk(2, dim=-1)
             a = F.silu(g) * u
+        elif self.gate_up in ("cut", "cut-split"):
+            dim = 2 if self.orient == "out_in" else 3  # the output dim of W13[ids]
+            halves = w1.chunk(2, dim=dim) if self.gate_up == "cut" else w1.split(self.n, dim=dim)
+            g_w, u_w = halves[::-1] if self.cut_swapped else halves
+            a = F.silu(self._up(x, g_w)) * self._up(x, u_w)
+            if self.cut_read:
+                a = a + halves[0].sum()
         else:
             a = F.gelu(self._up(x, w1))
         down_ids = ids.flip(-1) if self.down_ids == "flipped" else ids
@@ -587,6 +601,47 @@ class GatheredMoE(Router):
         if self.gather_read:
             out = out + w1.sum()
         return out
+
+
+def oai_swiglu(h, alpha=1.702, limit=7.0):
+    """gpt-oss's reference activation on interleaved gate/up columns."""
+    glu, linear = h[..., ::2].clamp(min=None, max=limit), h[..., 1::2].clamp(min=-limit, max=limit)
+    return glu * torch.sigmoid(alpha * glu) * (linear + 1)
+
+
+class GptOssReferenceMoE(nn.Module):
+    """gpt-oss's reference `MLPBlock` (openai/gpt-oss, torch/model.py): top-k of the gate's logits
+    then softmax, one interleaved gate/up parameter [E, 2n, d] and its bias gathered per token
+    (`W[ids, ...]`), `einsum("beck,bk->bec", W1[ids], x) + B1[ids]`, the clamped SwiGLU, the down
+    einsum, `y += B2[ids]`, and the combine einsum.
+
+    down_bias: "iadd" (`y += B2[ids]`), "add" (`B2[ids] + y`), "none"
+    Knobs that break it: bias_ids ("flipped": the up bias gathered by ids.flip(-1)), bias_read (the
+    gathered up bias also feeds the output)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, down_bias="iadd", bias_ids=None, bias_read=False):
+        super().__init__()
+        self.K, self.down_bias, self.bias_ids, self.bias_read = K, down_bias, bias_ids, bias_read
+        self.gate = nn.Linear(d, E)
+        self.mlp1_weight = stacked_param(E, 2 * n, d, "out_in")
+        self.mlp1_bias = nn.Parameter(torch.randn(E, 2 * n) * 0.1)
+        self.mlp2_weight = stacked_param(E, d, n, "out_in")
+        self.mlp2_bias = nn.Parameter(torch.randn(E, d) * 0.1)
+
+    def forward(self, x):
+        experts = torch.topk(self.gate(x), k=self.K, dim=-1, sorted=True)
+        weights, ids = F.softmax(experts.values, dim=1), experts.indices
+        b1 = self.mlp1_bias[ids.flip(-1) if self.bias_ids == "flipped" else ids, ...]
+        t = torch.einsum("beck,bk->bec", self.mlp1_weight[ids, ...], x) + b1
+        t = oai_swiglu(t)
+        t = torch.einsum("beck,bek->bec", self.mlp2_weight[ids, ...], t)
+        if self.down_bias == "iadd":
+            t += self.mlp2_bias[ids, ...]
+        elif self.down_bias == "add":
+            t = self.mlp2_bias[ids, :, ] + t
+        out = torch.einsum("bec,be->bc", t, weights)
+        return out + b1.sum() if self.bias_read else out
 
 
 class SortedGroupedMoE(Router):

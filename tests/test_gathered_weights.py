@@ -14,7 +14,7 @@ import torch
 import moe_compiler
 
 from .helpers import assert_close_to_eager
-from .naive_models import GatheredMoE
+from .naive_models import GatheredMoE, GptOssReferenceMoE
 from .test_naive_patterns import (D, _check_autocast, _check_gpu_bf16, _check_rewrite, _compile, _inputs, assert_expert_views,
                                   assert_left_alone)
 
@@ -28,6 +28,9 @@ VARIANTS = {  # kwargs, the op, the reported layout
     "fused-in_out-w_first": (dict(gate_up="fused", orient="in_out", combine="einsum_w_first"), STACKED_OP,
                              "concatenated, transposed"),
     "plain-index_none_sum": (dict(gate_up="plain", combine="index_none_sum"), STACKED_OP, "concatenated"),
+    "cut-sglang-native": (dict(gate_up="cut", combine="einsum"), STACKED_OP, "concatenated"),
+    "cut-split-in_out-mul_sum": (dict(gate_up="cut-split", orient="in_out", combine="mul_sum"), STACKED_OP,
+                                 "concatenated, transposed"),
     "plain-in_out-letters-K_eq_E": (dict(gate_up="plain", orient="in_out", letters=True, K=4), STACKED_OP,
                                 "concatenated, transposed"),
 }
@@ -40,7 +43,7 @@ def test_gathered_weights_match_eager(variant):
     assert report.rewritten[0].details["layout"] == layout, str(report)
 
 
-@pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first"])
+@pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first", "cut-sglang-native"])
 def test_gathered_weights_inductor(variant):
     kwargs, op, _ = VARIANTS[variant]
     _check_rewrite(GatheredMoE(**kwargs), IDIOM, compiler="inductor", op=op)
@@ -84,6 +87,9 @@ NEGATIVE = {
     "gather-read-elsewhere": (dict(gather_read=True), "read more than once"),
     "separate-in_out": (dict(orient="in_out"), "gate and up are two stacked parameters"),
     "up-matmul": (dict(up_matmul=True), "not by an einsum with the hidden states"),
+    "separate-gate-bias": (dict(gate_bias=True), "biases on separate stacked gate and up parameters"),
+    "cut-up-first": (dict(gate_up="cut", cut_swapped=True), "[up | gate] in one parameter is not a layout"),
+    "cut-half-read-elsewhere": (dict(gate_up="cut", cut_read=True), "is read twice"),
 }
 
 
@@ -94,6 +100,44 @@ def test_gathered_weights_negative_untouched(case, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first", "plain-index_none_sum"])
+@pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first", "plain-index_none_sum",
+                                     "cut-split-in_out-mul_sum"])
 def test_gathered_weights_gpu_bf16(variant):
     _check_gpu_bf16(lambda: GatheredMoE(**VARIANTS[variant][0]), IDIOM)
+
+
+# -- gpt-oss's reference MLPBlock: interleaved W1 [E, 2n, d] and biases gathered per token --------
+
+GPT_OSS = {  # kwargs of GptOssReferenceMoE
+    "reference": dict(),  # y += B2[ids, ...]
+    "down-bias-added-first": dict(down_bias="add"),  # B2[ids, :] + y
+    "no-down-bias": dict(down_bias="none"),
+}
+
+
+@pytest.mark.parametrize("variant", GPT_OSS)
+def test_gpt_oss_reference_matches_eager(variant):
+    report = _check_rewrite(GptOssReferenceMoE(**GPT_OSS[variant]), IDIOM, op=STACKED_OP)
+    record = report.rewritten[0]
+    assert record.details["layout"] == "interleaved, bias" and record.details["activation"] == "swiglu_oai", str(report)
+
+
+def test_gpt_oss_reference_inductor():
+    _check_rewrite(GptOssReferenceMoE(), IDIOM, compiler="inductor", op=STACKED_OP)
+
+
+GPT_OSS_NEGATIVE = {
+    "bias-other-ids": (dict(bias_ids="flipped"), "is not gathered by the top-k ids"),
+    "bias-read-elsewhere": (dict(bias_read=True), "is read more than once"),
+}
+
+
+@pytest.mark.parametrize("case", GPT_OSS_NEGATIVE)
+def test_gpt_oss_reference_negative_untouched(case, caplog):
+    kwargs, reason = GPT_OSS_NEGATIVE[case]
+    assert_left_alone(GptOssReferenceMoE(**kwargs), _inputs()[0], reason, caplog)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_reference_gpu_bf16():
+    _check_gpu_bf16(GptOssReferenceMoE, IDIOM)
