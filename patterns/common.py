@@ -9,6 +9,7 @@ only the region used.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 from typing import Any, Iterable
 
@@ -437,12 +438,32 @@ def is_inplace(node: fx.Node) -> bool:
 
 
 def writes_in_place(node: fx.Node) -> bool:
-    """Writes into the storage of its first argument: an in-place node, or an augmented assignment
-    on a tensor, which writes into it and every view sharing its storage (`rows = x.view(-1);
-    rows *= 0.5` changes x)."""
+    """Writes into the storage of its first argument: an in-place node, an augmented assignment on
+    a tensor, which writes into it and every view sharing its storage (`rows = x.view(-1);
+    rows *= 0.5` changes x), or a functional called with `inplace=True` (`F.relu(v, inplace=True)`,
+    `F.dropout(v, p, training, True)`: what `nn.ReLU(inplace=True)` becomes)."""
     if node.op == "call_function" and op_name(node.target) in AUGMENTED_FNS:
         return bool(node.args) and isinstance(example_value(node.args[0]), torch.Tensor)
-    return is_inplace(node)
+    return is_inplace(node) or _inplace_flag(node)
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """A call_function whose `inplace` argument, by keyword or position, is True."""
+    if node.op != "call_function":
+        return False
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        params = inspect.signature(node.target).parameters
+    except (TypeError, ValueError):  # builtins and C functions without a signature
+        return False
+    if "inplace" not in params:
+        return False
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("inplace") is True
 
 
 def fake_mode_of(gm: fx.GraphModule):

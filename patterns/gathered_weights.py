@@ -120,8 +120,9 @@ def _is_weight_gather(node: fx.Node) -> bool:
 
 def _halves(gather: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
     """(the split, its dim in [0, 4), [half 0, half 1]) when the gather's one reader cuts it in two
-    equal halves, `W13[ids].chunk(2, dim)` or `.split(m, dim)` (SGLang's and vLLM's native MoE
-    fallback: gate and up in one parameter, gathered then cut), each half read; else None."""
+    equal halves, `W13[ids].chunk(2, dim)`, `.split(m, dim)` or `.split([m, m], dim)` (SGLang's and
+    vLLM's native MoE fallback: gate and up in one parameter, gathered then cut), each half read;
+    else None."""
     if len(gather.users) != 1:
         return None
     (cut,) = gather.users
@@ -130,7 +131,8 @@ def _halves(gather: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
     elif is_call(cut, "split"):
         dim = arg(cut, 2, "dim", 0)
         size = arg(cut, 1, "split_size_or_sections", arg(cut, 1, "split_size"))
-        ok = isinstance(dim, int) and size == shape_of(gather)[dim] // 2 and shape_of(gather)[dim] % 2 == 0
+        half, odd = divmod(shape_of(gather)[dim], 2) if isinstance(dim, int) else (None, 1)
+        ok = not odd and (size == half or (isinstance(size, (list, tuple)) and list(size) == [half, half]))
     else:
         return None
     parts = {u.args[1]: u for u in cut.users if u.op == "call_function" and u.target is operator.getitem}

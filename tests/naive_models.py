@@ -118,7 +118,7 @@ class LoopMoE(Router):
     spare_experts: experts beyond the router's E, in the ModuleList, the one_hot and the loop;
     top1_keepdim: top-1 as `p, ids = probs.max(dim=-1, keepdim=True)` ([T, 1], as a top-k of 1)
     mutate_input: after expert 1, write in place into "x", "x-view" (a slice of x), "x-view-augmented"
-                  (`x.view(-1) *= 0.5`) or "weights"
+                  (`x.view(-1) *= 0.5`), "x-view-relu-inplace" (`F.relu(x[:, :4], inplace=True)`) or "weights"
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", where="one_hot", scale="index_none",
@@ -193,6 +193,8 @@ class LoopMoE(Router):
             elif self.mutate_input == "x-view-augmented" and e == 1:
                 rows = x.view(-1)
                 rows *= 0.5  # operator.imul on a view: writes into x as mul_ does
+            elif self.mutate_input == "x-view-relu-inplace" and e == 1:
+                F.relu(x[:, :4], inplace=True)  # what nn.ReLU(inplace=True) on a view of x does
             elif self.mutate_input == "weights" and e == 1:
                 w.mul_(2.0)
         if kept:
@@ -527,7 +529,8 @@ class GatheredMoE(Router):
 
     gate_up: "separate" (w1, w3 [E, n, d]: silu(g) * u), "fused" (w13 [E, 2n, d], chunked),
              "cut" (w13 [E, 2n, d] gathered, then `W13[ids].chunk(2, dim)` into gate and up weights:
-             SGLang's and vLLM's native MoE), "cut-split" (the same by `.split(n, dim)`),
+             SGLang's and vLLM's native MoE), "cut-split" (the same by `.split(n, dim)`), "cut-sections"
+             (by `.split([n, n], dim)`),
              "plain" (gelu, non-gated)
     orient:  "out_in" (W [E, out, in]: "ti,taoi->tao"), "in_out" (W [E, in, out]: "ti,taio->tao")
     combine: "einsum", "einsum_w_first" ("ta,tai->ti"), "mul_sum" ((y * w.unsqueeze(-1)).sum(1)),
@@ -552,7 +555,7 @@ class GatheredMoE(Router):
         self.gate_bias = nn.Parameter(torch.randn(E, n) * 0.1) if gate_bias else None
         self.cut_swapped, self.cut_read, self.n = cut_swapped, cut_read, n
 
-        self.w1 = stacked_param(E, 2 * n if gate_up in ("fused", "cut", "cut-split") else n, d, orient)
+        self.w1 = stacked_param(E, 2 * n if gate_up in ("fused", "cut", "cut-split", "cut-sections") else n, d, orient)
         if gate_up == "separate":
             self.w3 = stacked_param(E, n, d, orient)
         self.w2 = stacked_param(E, d, n, self.down_orient)
@@ -574,9 +577,10 @@ class GatheredMoE(Router):
         elif self.gate_up == "fused":
             g, u = self._up(x, w1).chunk(2, dim=-1)
             a = F.silu(g) * u
-        elif self.gate_up in ("cut", "cut-split"):
+        elif self.gate_up in ("cut", "cut-split", "cut-sections"):
             dim = 2 if self.orient == "out_in" else 3  # the output dim of W13[ids]
-            halves = w1.chunk(2, dim=dim) if self.gate_up == "cut" else w1.split(self.n, dim=dim)
+            sizes = {"cut-split": self.n, "cut-sections": [self.n, self.n]}
+            halves = w1.chunk(2, dim=dim) if self.gate_up == "cut" else w1.split(sizes[self.gate_up], dim=dim)
             g_w, u_w = halves[::-1] if self.cut_swapped else halves
             a = F.silu(self._up(x, g_w)) * self._up(x, u_w)
             if self.cut_read:

@@ -31,6 +31,7 @@ VARIANTS = {  # kwargs, the op, the reported layout
     "cut-sglang-native": (dict(gate_up="cut", combine="einsum"), STACKED_OP, "concatenated"),
     "cut-split-in_out-mul_sum": (dict(gate_up="cut-split", orient="in_out", combine="mul_sum"), STACKED_OP,
                                  "concatenated, transposed"),
+    "cut-sections-letters": (dict(gate_up="cut-sections", letters=True), STACKED_OP, "concatenated"),
     "plain-in_out-letters-K_eq_E": (dict(gate_up="plain", orient="in_out", letters=True, K=4), STACKED_OP,
                                 "concatenated, transposed"),
 }

@@ -442,7 +442,7 @@ def assert_expert_views(calls, params):
             assert w.data_ptr() == param[e].data_ptr() and w.stride() == param[e].stride() and w.shape == param[e].shape
 
 
-@pytest.mark.parametrize("case", ["x", "x-view", "x-view-augmented", "weights", "repeat-x"])
+@pytest.mark.parametrize("case", ["x", "x-view", "x-view-augmented", "x-view-relu-inplace", "weights", "repeat-x"])
 def test_input_written_inside_the_region_is_untouched(case, caplog):
     # the op reads x, the routing and the weights where the region ends; eager read them where each
     # expert did: a write in place into one of them (or a view of one) in between must leave the
