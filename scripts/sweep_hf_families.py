@@ -72,6 +72,8 @@ LAYOUT = dict(
     qwen4_exp=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                    indexer_compress_ratio=4),
     deepseek_ocr2=dict(mlp_layer_types=["dense", "sparse"]),  # its default (None) builds no model
+    # Flint's layers 0 and 1 are dense by default (mlp_only_layers=[0, 1]): a toy of two layers had no experts
+    flint=dict(mlp_only_layers=[0]),
     # Step3.7 makes a sliding-window mask whatever its layers are, from a window it has none of by default
     step3p7=dict(sliding_window=8),
 )
