@@ -454,13 +454,13 @@ def _inplace_flag(node: fx.Node) -> bool:
     if node.kwargs.get("inplace") is True:
         return True
     try:
-        params = inspect.signature(node.target).parameters
+        signature = inspect.signature(node.target)
     except (TypeError, ValueError):  # builtins and C functions without a signature
         return False
-    if "inplace" not in params:
+    if "inplace" not in signature.parameters:
         return False
     try:
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+        bound = signature.bind(*node.args, **node.kwargs)
     except TypeError:
         return False
     return bound.arguments.get("inplace") is True
