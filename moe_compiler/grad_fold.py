@@ -56,12 +56,14 @@ def _val(node):
     return val
 
 
-def _through_views_down(node: fx.Node) -> fx.Node:
-    """The first node past a chain of single-user views of `node`."""
+def _through_views_down(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """(the first node past a chain of single-user views of `node`, [node, the views])."""
+    chain = [node]
     while len(node.users) == 1:
         (user,) = node.users
         if not _is_view(user):
-            return user
+            return user, chain
+        chain.append(user)
         node = user
     raise NoFold(f"{node} has {len(node.users)} readers")
 
@@ -101,10 +103,7 @@ def _find_term(bwd: fx.Node, outs: dict[int, fx.Node]) -> tuple[fx.Node, fx.Node
     """(add, L, R, the nodes the fold leaves dead): the add of dx and L @ R this op's dx can take in."""
     if 0 not in outs:
         raise NoFold("dx is not read")
-    add = _through_views_down(outs[0])
-    dx_chain = [outs[0]]
-    while dx_chain[-1] not in add.args:
-        dx_chain.append(next(iter(dx_chain[-1].users)))
+    add, dx_chain = _through_views_down(outs[0])  # add: x's gradient summed (or the graph's output, no sum)
     if _is(add, "aten.addmm.default") and add.args[0] is dx_chain[-1] and len(add.args) == 3 \
             and all(add.kwargs.get(k, 1) == 1 for k in ("alpha", "beta")) and set(add.kwargs) <= {"alpha", "beta"}:
         term_chain, (lhs, rhs) = [], add.args[1:]  # Inductor has already made the mm and add one addmm

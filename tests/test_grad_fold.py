@@ -191,6 +191,22 @@ def test_mixed_dtypes_are_left_alone(caplog):
     _assert_close(got, _grads(float_router_layer, x, p, compiled=False), 1e-5)
 
 
+def detached_router_layer(x, p):
+    """Routing weights detached (no gradient reaches the router): x's gradient is the op's dx alone."""
+    logits = x @ p["wr"].t()
+    vals, ids = torch.topk(logits, K, dim=-1)
+    return moe_experts(x, ids, torch.softmax(vals, dim=-1).detach(), p["w1"], p["w2"])
+
+
+def test_no_other_term_is_left_alone(caplog):
+    # dx goes straight to the graph's output: nothing to fold (this crashed the compile, walking past the output)
+    x, p = _x((T, D), torch.float64), _params(torch.float64)
+    with caplog.at_level(logging.INFO, logger="moe_compiler"):
+        got = _grads(detached_router_layer, x, p, compiled=True)
+    assert "not folded (dx goes to output" in caplog.text and _FOLDED not in caplog.text
+    _assert_close(got, _grads(detached_router_layer, x, p, compiled=False), 1e-12)
+
+
 def test_fold_off_keeps_autograd_sum(caplog):
     x, p = _x((T, D), torch.float64), _params(torch.float64)
     with caplog.at_level(logging.INFO, logger="moe_compiler"):
