@@ -142,3 +142,8 @@ def test_gpt_oss_reference_negative_untouched(case, caplog):
 @pytest.mark.gpu
 def test_gpt_oss_reference_gpu_bf16():
     _check_gpu_bf16(GptOssReferenceMoE, IDIOM)
+
+
+def test_gpt_oss_reference_autocast(monkeypatch):
+    # float32 biases meet bf16 einsums under autocast (eager adds them in float32)
+    _check_autocast(monkeypatch, GptOssReferenceMoE, IDIOM)
