@@ -1,5 +1,6 @@
-"""The `gathered_weights` idiom: gpt-fast's Mixtral experts, `einsum` on `W[ids]` (stacked weights
-gathered per token by the top-k ids), rewritten into the op.
+"""The `gathered_weights` idiom: `einsum` on `W[ids]` (stacked weights gathered per token by the
+top-k ids) as gpt-fast's Mixtral, gpt-oss's reference MLPBlock (with gathered biases) and SGLang's
+native fallback (`W13[ids]` cut into gate and up) write it, rewritten into the op.
 
 As in test_naive_patterns: outputs and every gradient equal eager in training and under no_grad,
 one region rewritten, the expected op executed; the negative grid stays untouched with its reason
