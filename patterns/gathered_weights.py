@@ -159,13 +159,16 @@ def _biased(out: fx.Node, ids: fx.Node, walk: RegionWalk) -> tuple[fx.Node, fx.N
     """(the projection's value, its [E, width] bias or None): `out + B[ids]` (either order, `+=`
     too: gpt-oss's reference code) when that add is the projection's one reader and the gathered
     bias is read by it alone; else (out, None)."""
-    user = walk.only_reader(out)
-    if not (is_call(user, "add", "iadd", "__add__") and len(user.args) == 2 and not user.kwargs and len(out.users) == 1):
+    if len(out.users) != 1:
+        return out, None
+    (user,) = out.users
+    if not (is_call(user, "add", "iadd", "__add__") and len(user.args) == 2 and not user.kwargs):
         return out, None
     other = user.args[1] if user.args[0] is out else user.args[0]
-    if not (isinstance(other, fx.Node) and _gather_index(other, rank=2) is not None):
+    index = _gather_index(other, rank=2) if isinstance(other, fx.Node) else None
+    if index is None:
         return out, None
-    expect(_gather_index(other, rank=2) is ids, f"the bias {other.name} added to {out.name} is not gathered by the top-k ids")
+    expect(index is ids, f"the bias {other.name} added to {out.name} is not gathered by the top-k ids")
     expect(len(other.users) == 1, f"the gathered bias {other.name} is read more than once")
     walk.mark(user, other)
     return user, other.args[0]
