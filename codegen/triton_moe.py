@@ -14,7 +14,8 @@ exclusive prefix of the per-expert counts. H (saved for the backward) is in expe
 Forward:  route (a Triton counting sort: one program for small batches, three launches over pieces of the
           slots for larger ones up to 511 experts, else a torch sort; no host sync) -> _up_proj_kernel (gather x, H and A = act(H))
           -> _scatter_gemm_kernel (Y = A W2^T + b2, stored in slot order; the Gluon kernel's in TILE order,
-          `SCATTER_TILES`) -> _gather_sum_kernel (out).
+          `SCATTER_TILES`) -> _gather_sum_kernel (out). A forward that keeps no H (inference) with few slots
+          (`decode_path`) instead runs `kernels.decode`: two launches, the first ranking the slots itself.
 Backward: _up_proj_kernel as a gathered GEMM (dA' = gather(dO) W2) -> _act_grad_kernel (dS, dH,
           A' = s A) -> then, in the order `backward_order` finds holds the fewest bytes at once:
           _wgrad_kernel for dW2 and for dW1 (and the biases; or torch._grouped_mm where `wgrad_choice`
@@ -61,6 +62,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .activations import ACTIVATIONS, GATED
 from .kernels.backward import _act_grad_kernel, _wgrad_kernel
 from .kernels.combine import _gather_sum_kernel, _gather_sum_product_kernel
+from .kernels.decode import _decode_down_kernel, _decode_up_kernel
 from .kernels.grouped_gemm import (
     _scatter_gemm_kernel,
     _scatter_gemm_tma_kernel,
@@ -1180,8 +1182,11 @@ def _forward(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, activa
     T, d = x.shape
     E = W1.table.numel() // 2 if W1.table is not None else W1.ptr.shape[0]
     K, slots = _slot_routing(topk_ids, slot_token, T)
-    sorted_rows, offsets = route(topk_ids, E, padded=slot_token is not None)
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    if decode_path(topk_ids.numel(), E, save_h, slot_token):
+        out, sorted_rows, offsets = triton_moe_decode(x, topk_ids, topk_weights, W1, W2, b1, b2, n=n, E=E, **flags)
+        return out, x.new_empty(0, _w1_out(n, activation)), sorted_rows, offsets
+    sorted_rows, offsets = route(topk_ids, E, padded=slot_token is not None)
     h, a = triton_moe_up(x, W1, b1, sorted_rows, offsets, n=n, top_k=K, store_h=save_h,
                          row_token=_row_token(slot_token, sorted_rows), **flags)
     sw = W2.strides  # (e, d, n); the down-projection reads B[e] = W2[e]^T [n, d]
@@ -1190,6 +1195,75 @@ def _forward(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, activa
     del a
     out = triton_moe_gather_sum(y, topk_weights.reshape(-1), T, K, x.dtype, slots, row_map=y_rows)
     return out, h, sorted_rows, offsets
+
+
+# The decode path (`kernels.decode`): a forward that keeps no H, with at most DECODE_MAX_SLOTS slots
+# and at most DECODE_SLOTS_PER_EXPERT slots per expert (two slots on one expert read its weights
+# twice), runs in two launches: no TMA descriptors, no expert-ordered rows, no padded tiles. The
+# routing is still computed (the first launch ranks the slots): the op returns it, and a backward
+# that recomputes H (save_h False) reads it. SONIC_MOE_DECODE_MAX_SLOTS=0 turns the path off.
+DECODE_MAX_SLOTS = int(os.environ.get("SONIC_MOE_DECODE_MAX_SLOTS", "64"))
+DECODE_SLOTS_PER_EXPERT = 0.5
+_DECODE_RANK_SLOTS = 128  # the first launch ranks all pairs of slots in one [TK, TK] tile: at most this
+# The reduction chunk of each decode kernel (d for the up-projection, n for the down-projection) and
+# their warps.
+DECODE_CHUNK_UP, DECODE_CHUNK_DOWN, DECODE_WARPS = 256, 256, 8
+
+
+def decode_path(TK: int, E: int, save_h: bool, slot_token: Tensor | None) -> bool:
+    """Whether a forward of TK slots over E experts runs `triton_moe_decode`."""
+    return (not save_h and slot_token is None and 0 < TK <= min(DECODE_MAX_SLOTS, _DECODE_RANK_SLOTS)
+            and TK <= DECODE_SLOTS_PER_EXPERT * E)
+
+
+def _w1_out(n: int, activation: str) -> int:
+    return 2 * n if GATED[activation] else n
+
+
+def _decode_blocks(parallel: int, width: int) -> int:
+    """The widest block of `width` columns (16..64) that still gives ~2 programs per SM."""
+    block = 64
+    while block > 16 and parallel * triton.cdiv(width, block) < 264:
+        block //= 2
+    return block
+
+
+def triton_moe_decode(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, E, activation, interleaved,
+                      alpha, limit) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [T, d], sorted_rows, offsets) of [T, K] routing through `kernels.decode`: A [TK, n] per
+    slot, then each token's weighted sum of its K down-projections (see the kernels' docstring for
+    the numerics); the routing as `route` gives it, ranked by the first launch."""
+    T, d = x.shape
+    K = topk_ids.shape[1]
+    TK = T * K
+    gated = GATED[activation]
+    if x.device.type == "cpu":  # the interpreter skips the kernels' device asserts; a CPU check costs no sync
+        if not bool(((topk_ids >= 0) & (topk_ids < E)).all()):
+            raise IndexError(f"expert id out of range [0, {E}) in topk_ids")
+    sorted_rows = torch.empty(TK, dtype=torch.int32, device=x.device)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=x.device)
+    a = x.new_empty(TK, n)
+    w1_ptr, w1_table, w1_has_table, w1_align = W1.kernel_args()
+    b1c = b1.contiguous() if b1 is not None else x
+    block_n = _decode_blocks(TK, n)
+    _decode_up_kernel[(TK, triton.cdiv(n, block_n))](
+        x, topk_ids, w1_ptr, w1_table, b1c, a, sorted_rows, offsets, TK, d, n, E, x.stride(0), x.stride(1),
+        *W1.strides,
+        _w1_out(n, activation) if b1 is not None else 0, 1, float(alpha), float(limit),
+        TOP_K=K, ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
+        HAS_B1=b1 is not None, W_TABLE=w1_has_table, W_ALIGN=w1_align, BLOCK_N=block_n,
+        BLOCK_D=DECODE_CHUNK_UP, BLOCK_S=max(16, triton.next_power_of_2(TK)), BLOCK_E=64, num_warps=DECODE_WARPS,
+    )
+    out = torch.empty(T, d, dtype=x.dtype, device=x.device)
+    w2_ptr, w2_table, w2_has_table, w2_align = W2.kernel_args()
+    b2c = b2.contiguous() if b2 is not None else x
+    block_d = _decode_blocks(T, d)
+    _decode_down_kernel[(T, triton.cdiv(d, block_d))](
+        a, topk_ids, topk_weights, w2_ptr, w2_table, b2c, out, d, n, *W2.strides, d if b2 is not None else 0, 1,
+        TOP_K=K, HAS_B2=b2 is not None, W_TABLE=w2_has_table, W_ALIGN=w2_align, BLOCK_D=block_d,
+        BLOCK_N=DECODE_CHUNK_DOWN, num_warps=DECODE_WARPS,
+    )
+    return out, sorted_rows, offsets
 
 
 class _BwdRouting(NamedTuple):

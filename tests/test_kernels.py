@@ -533,6 +533,63 @@ def test_backward_recomputes_h_without_save_h(tm):
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32], save_h=False)
 
 
+@pytest.fixture
+def decode_everywhere(tm, monkeypatch):
+    """Every forward without save_h takes the decode path (`triton_moe.decode_path`'s limits lifted);
+    yields the list its calls are appended to."""
+    monkeypatch.setattr(tm, "DECODE_MAX_SLOTS", 10**6)
+    monkeypatch.setattr(tm, "DECODE_SLOTS_PER_EXPERT", float("inf"))
+    calls, decode = [], tm.triton_moe_decode
+    monkeypatch.setattr(tm, "triton_moe_decode", lambda *a, **k: calls.append(a[0].shape) or decode(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_decode_path_matches_oracle(tm, decode_everywhere, activation):
+    """The two-launch forward (no H kept) against the oracle, every activation, the layout flags and
+    biases cycled through them, fp32 and fp16, slots sharing experts; the op still returns the
+    routing, and the backward that recomputes H from it is right too."""
+    i = ACTIVATIONS.index(activation)
+    dtype = (torch.float32, torch.float16)[i % 2]
+    flags = dict(_FLAGS, activation=activation, interleaved=bool(i % 2), transposed=bool(i % 3 == 0), limit=1.0)
+    inputs, go = _make(7, 40, 24, 5, 3, dtype, activation=activation, transposed=flags["transposed"],
+                       bias=bool(i % 2 == 0), seed=i)
+    _check_against_oracle(tm, inputs, go, flags, _TOL[dtype], save_h=False)
+    assert decode_everywhere == [(7, 40)]
+
+
+def test_decode_path_strided_inputs_and_k1(tm, decode_everywhere):
+    """x a column slice of a wider tensor, weights a column of a wider one (K = 1), W1 transposed
+    in memory but not in its layout (strides, not a copy)."""
+    inputs, go = _make(5, 32, 16, 4, 2, torch.float32, seed=3)
+    wide = torch.randn(5, 48)
+    wide[:, 8:40] = inputs["x"]
+    inputs["x"] = wide[:, 8:40]
+    inputs["w1"] = inputs["w1"].transpose(1, 2).contiguous().transpose(1, 2)
+    inputs["topk_ids"], inputs["topk_weights"] = inputs["topk_ids"][:, :1], inputs["topk_weights"][:, 1:]
+    _check_against_oracle(tm, inputs, go[:, :], _FLAGS, _TOL[torch.float32], save_h=False)
+    assert len(decode_everywhere) == 1
+
+
+@pytest.mark.parametrize("T,E,K,experts", [(9, 130, 3, [0, 1, 129]), (1, 3, 1, None), (21, 70, 3, [5, 6, 7, 69])])
+def test_decode_path_ranks_like_route(tm, decode_everywhere, T, E, K, experts):
+    """The routing the decode path returns (ranked in its first launch) is `torch_route`'s: slots
+    piled on a few experts, ties in slot order, offsets across several BLOCK_E chunks of experts."""
+    inputs, go = _make(T, 16, 8, E, K, torch.float32, experts=experts, seed=T)
+    _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32], save_h=False)
+    assert len(decode_everywhere) == 1
+
+
+def test_decode_path_rule(tm):
+    """Few slots next to the experts, no H kept, [T, K] routing: only then."""
+    assert tm.decode_path(32, 128, False, None)
+    assert not tm.decode_path(32, 128, True, None)  # a backward will read H: the grouped path stores it
+    assert not tm.decode_path(32, 128, False, torch.zeros(32))  # the slot form (token rounding)
+    assert not tm.decode_path(0, 128, False, None)
+    assert not tm.decode_path(tm.DECODE_MAX_SLOTS + 1, 10**6, False, None)
+    assert tm.decode_path(4, 8, False, None) and not tm.decode_path(5, 8, False, None)  # slots <= E / 2
+
+
 @pytest.mark.parametrize("order", list(itertools.permutations(("dw2", "dw1", "dx"))), ids="-".join)
 def test_every_backward_order_matches_oracle(tm, order, monkeypatch):
     # the backward runs its weight gradients and dX~ in the order `backward_order` picks per shape:
@@ -823,6 +880,25 @@ def test_list_form_backward_parts_equal_the_one_op(tm, layout, bias):
     assert _rel(folded, want) <= _TOL[torch.float16], _rel(folded, want)
 
 
+@pytest.mark.parametrize("layout,bias", [(layout, False) for layout in _LIST_LAYOUTS] + [("separate", True)])
+def test_decode_path_list_form(tm, decode_everywhere, layout, bias):
+    """Per-expert tensors (the offset tables) through the decode path, against the oracle."""
+    activation, interleaved = _LIST_LAYOUTS[layout]
+    flags = dict(_FLAGS, activation=activation, interleaved=interleaved)
+    inputs, go = _make(6, 40, 24, 4, 2, torch.float32, activation=activation, bias=bias, seed=7)
+    gate, up, down = _as_lists(inputs, layout)
+    routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
+    list_flags = {k: v for k, v in flags.items() if k != "transposed"}
+    banks = tm.list_banks(*routing, gate, up, down, inputs["b1"], inputs["b2"], **list_flags)
+    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, inputs["b1"], inputs["b2"],
+                                                        banks=banks, save_h=False, **list_flags)
+    assert decode_everywhere == [(6, 40)] and h.shape[0] == 0
+    want_rows, want_offs = torch_route(inputs["topk_ids"], 4)
+    assert torch.equal(rows, want_rows) and torch.equal(offs, want_offs)
+    ref_out, _ = _oracle(inputs, go, flags)
+    assert _rel(out, ref_out) <= _TOL[torch.float32], _rel(out, ref_out)
+
+
 def test_list_form_predicate(tm):
     inputs, _ = _make(5, 32, 16, 3, 2, torch.float32)
     gate, up, down = _as_lists(inputs, "separate")
@@ -1103,6 +1179,34 @@ def _check_gpu_case(case):
     for name in grads:
         ours, base = _rel(grads[name], ref64_grads[name]), _rel(bf_grads[name], ref64_grads[name])
         assert ours <= 2 * base + eps, (name, ours, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,layout", [(1, 64, 8, "concatenated"), (4, 64, 8, "interleaved"),
+                                          (3, 32, 4, "transposed_bias"), (2, 16, 2, "relu2_bias")])
+def test_gpu_decode_path_matches_oracle(T, E, K, layout, monkeypatch):
+    """bf16 forwards under no_grad at decode sizes take the two-launch path through `moe_experts`:
+    err(ours, fp64) <= 2 err(torch bf16, fp64) + eps, and close to the grouped path's output."""
+    from codegen import triton_moe
+    from codegen.ops import moe_experts
+
+    activation = "relu2" if layout == "relu2_bias" else "swiglu"
+    flags = dict(_FLAGS, activation=activation, interleaved=layout == "interleaved",
+                 transposed=layout == "transposed_bias")
+    inputs, go = _make(T, 512, 256, E, K, torch.bfloat16, activation=activation, transposed=flags["transposed"],
+                       bias=layout.endswith("bias"), seed=T, device="cuda")
+    calls, decode = [], triton_moe.triton_moe_decode
+    monkeypatch.setattr(triton_moe, "triton_moe_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    with torch.no_grad():
+        out = moe_experts(**inputs, **flags)
+        monkeypatch.setattr(triton_moe, "DECODE_MAX_SLOTS", 0)
+        grouped = moe_experts(**inputs, **flags)
+    assert calls == [1]
+    ref64, _ = _oracle(inputs, go, flags)
+    leaves = dict(inputs)
+    bf = torch_moe_experts(**leaves, **flags)
+    assert _rel(out, ref64) <= 2 * _rel(bf, ref64) + 1e-3, (_rel(out, ref64), _rel(bf, ref64))
+    assert _rel(out, grouped) <= 1e-2, _rel(out, grouped)
 
 
 @pytest.mark.gpu
