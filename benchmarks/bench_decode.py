@@ -135,7 +135,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--providers", default="eager,inductor,sonic,sonic-grouped",
-                    help="sonic-grouped: sonic with the decode path off (SONIC_MOE_DECODE_MAX_SLOTS=0)")
+                    help="sonic-grouped: sonic with the decode path off (SONIC_MOE_DECODE_MAX_SLOTS=0); "
+                         "sonic-unfused: sonic with sonic.fuse_router False")
     ap.add_argument("--op-only", action="store_true")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
@@ -150,15 +151,20 @@ def main():
     prompt = torch.randint(0, model.config.vocab_size, (batches[0], args.prompt), generator=g).cuda()
     print(f"\n## decode steps: {args.model}, {args.layers} layers, batch {batches[0]}, prompt {args.prompt}, "
           f"{args.steps} steps, DynamicCache, no CUDA graphs")
+    providers = args.providers.split(",")
     print(f"| provider | median ms / step | min | first-run s | tokens equal to {providers[0]}'s |")
     print("|---|---|---|---|---|")
-    providers = args.providers.split(",")
     first_tokens = None
     for provider in providers:
         torch._dynamo.reset()
         use_path("grouped" if provider == "sonic-grouped" else "auto")
-        fwd = model.forward if provider == "eager" else torch.compile(
-            model.forward, backend="inductor" if provider == "inductor" else "sonic")
+        if provider == "eager":
+            fwd = model.forward
+        elif provider == "inductor":
+            fwd = torch.compile(model.forward)
+        else:  # sonic-unfused: the router kept as the model writes it (sonic.fuse_router False)
+            fwd = torch.compile(model.forward, backend="sonic",
+                                options={"sonic.fuse_router": provider != "sonic-unfused"})
         start = time.perf_counter()
         decode_steps(model, fwd, prompt, args.steps)  # warm-up: compiles, one SDPA plan per KV length
         first = time.perf_counter() - start

@@ -35,6 +35,7 @@ reference (`torch_router_fwd` / `torch_router_bwd`) everywhere else and as the t
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -154,9 +155,14 @@ def _key_kind(logits, compute_dtype, topk_first, n_group, fill, narrow_keys=True
     kernel ranks is exactly a bf16 or fp16, int64 keys otherwise. top-k first ranks the logits as
     they are; score first ranks the scores (plus bias) rounded to compute_dtype, and with groups the
     fill too, which must then be exact in that dtype."""
+    return _key_kind_of(logits.dtype, compute_dtype, topk_first, n_group, fill, narrow_keys)
+
+
+@functools.lru_cache(maxsize=256)  # a few router forms a model; a call's host time matters at decode sizes
+def _key_kind_of(logits_dtype, compute_dtype, topk_first, n_group, fill, narrow_keys) -> int:
     from .kernels import router as kr
 
-    ranked = logits.dtype if topk_first else compute_dtype
+    ranked = logits_dtype if topk_first else compute_dtype
     if not narrow_keys or ranked not in (torch.bfloat16, torch.float16):
         return kr.KEYS_FP32.value
     if not topk_first and n_group > 1 and torch.tensor(fill, dtype=ranked).item() != fill:
@@ -229,6 +235,7 @@ def triton_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, sc
     return grad
 
 
+@functools.lru_cache(maxsize=256)  # a tensor round trip on the host: once per (value, dtype), not per call
 def _in_dtype(value: float, dtype: torch.dtype) -> float:
     """`value` rounded to `dtype`, as torch.clamp(t, min=value) compares a `dtype` tensor with it."""
     return float(torch.tensor(value, dtype=torch.float64).to(dtype))
