@@ -1210,6 +1210,30 @@ def test_gpu_decode_path_matches_oracle(T, E, K, layout, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["separate", "interleaved"])
+def test_gpu_decode_path_list_form(layout, monkeypatch):
+    """bf16 per-expert tensors (an nn.ModuleList's Linears, read through the offset tables) at a decode
+    size under no_grad: the decode path, equal to the grouped path's output to bf16 rounding."""
+    from codegen import triton_moe
+    from codegen.ops import moe_experts_list
+
+    activation, interleaved = _LIST_LAYOUTS[layout]
+    inputs, _ = _make(3, 512, 256, 32, 4, torch.bfloat16, activation=activation, seed=4, device="cuda")
+    gate, up, down = _as_lists(inputs, layout)
+    routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
+    calls, decode = [], triton_moe.triton_moe_decode
+    monkeypatch.setattr(triton_moe, "triton_moe_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    flags = dict(activation=activation, interleaved=interleaved)
+    with torch.no_grad():
+        out = moe_experts_list(*routing, gate, up, down, **flags)
+        monkeypatch.setattr(triton_moe, "DECODE_MAX_SLOTS", 0)
+        grouped = moe_experts_list(*routing, gate, up, down, **flags)
+    assert calls == [1]
+    ref64, _ = _oracle(inputs, torch.zeros_like(inputs["x"]), dict(_FLAGS, **flags))
+    assert _rel(out, ref64) <= 1e-2 and _rel(out, grouped) <= 1e-2, (_rel(out, ref64), _rel(out, grouped))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("programs", [None, 3], ids=["sms", "3ctas"])
 @pytest.mark.parametrize("case", ["moderate", "empty_experts", "one_expert_k1"])
 def test_gpu_persistent_up_equals_per_tile(case, programs, first_config_only, monkeypatch):
