@@ -1228,6 +1228,13 @@ def _decode_blocks(parallel: int, width: int) -> int:
     return block
 
 
+def _check_ids_on_cpu(topk_ids: Tensor, E: int) -> None:
+    """The interpreter runs the kernels on CPU tensors: there a bad id raises IndexError up front
+    (a CPU check costs no sync), as `route` does."""
+    if topk_ids.device.type == "cpu" and not bool(((topk_ids >= 0) & (topk_ids < E)).all()):
+        raise IndexError(f"expert id out of range [0, {E}) in topk_ids")
+
+
 def triton_moe_decode(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, E, activation, interleaved,
                       alpha, limit) -> tuple[Tensor, Tensor, Tensor]:
     """(out [T, d], sorted_rows, offsets) of [T, K] routing through `kernels.decode`: A [TK, n] per
@@ -1237,29 +1244,30 @@ def triton_moe_decode(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, 
     K = topk_ids.shape[1]
     TK = T * K
     gated = GATED[activation]
-    if x.device.type == "cpu":  # the interpreter skips the kernels' device asserts; a CPU check costs no sync
-        if not bool(((topk_ids >= 0) & (topk_ids < E)).all()):
-            raise IndexError(f"expert id out of range [0, {E}) in topk_ids")
+    _check_ids_on_cpu(topk_ids, E)
     sorted_rows = torch.empty(TK, dtype=torch.int32, device=x.device)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=x.device)
+    ok = torch.empty(1, dtype=torch.int32, device=x.device)
     a = x.new_empty(TK, n)
     w1_ptr, w1_table, w1_has_table, w1_align = W1.kernel_args()
     b1c = b1.contiguous() if b1 is not None else x
     block_n = _decode_blocks(TK, n)
     _decode_up_kernel[(TK, triton.cdiv(n, block_n))](
-        x, topk_ids, w1_ptr, w1_table, b1c, a, sorted_rows, offsets, TK, d, n, E, x.stride(0), x.stride(1),
+        x, topk_ids, w1_ptr, w1_table, b1c, a, sorted_rows, offsets, ok, TK, d, n, E, x.stride(0), x.stride(1),
         *W1.strides,
         _w1_out(n, activation) if b1 is not None else 0, 1, float(alpha), float(limit),
         TOP_K=K, ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
         HAS_B1=b1 is not None, W_TABLE=w1_has_table, W_ALIGN=w1_align, BLOCK_N=block_n,
         BLOCK_D=DECODE_CHUNK_UP, BLOCK_S=max(16, triton.next_power_of_2(TK)), BLOCK_E=64, num_warps=DECODE_WARPS,
     )
+    # no host sync: a bad id fails here on the device, as the routing kernels' asserts do
+    torch._assert_async(ok, f"sonic.moe_experts: expert id out of range [0, {E}) in topk_ids")
     out = torch.empty(T, d, dtype=x.dtype, device=x.device)
     w2_ptr, w2_table, w2_has_table, w2_align = W2.kernel_args()
     b2c = b2.contiguous() if b2 is not None else x
     block_d = _decode_blocks(T, d)
     _decode_down_kernel[(T, triton.cdiv(d, block_d))](
-        a, topk_ids, topk_weights, w2_ptr, w2_table, b2c, out, d, n, *W2.strides, d if b2 is not None else 0, 1,
+        a, topk_ids, topk_weights, w2_ptr, w2_table, b2c, out, d, n, E, *W2.strides, d if b2 is not None else 0, 1,
         TOP_K=K, HAS_B2=b2 is not None, W_TABLE=w2_has_table, W_ALIGN=w2_align, BLOCK_D=block_d,
         BLOCK_N=DECODE_CHUNK_DOWN, num_warps=DECODE_WARPS,
     )

@@ -580,6 +580,20 @@ def test_decode_path_ranks_like_route(tm, decode_everywhere, T, E, K, experts):
     assert len(decode_everywhere) == 1
 
 
+@pytest.mark.parametrize("bad_id", [-1, 4])
+def test_decode_path_bad_ids_fail(tm, decode_everywhere, monkeypatch, bad_id):
+    """An id out of [0, E): IndexError up front on the CPU; and the kernel's own check, which is what
+    runs on the GPU (clamped reads, then the device assert on its flag), fails too without it."""
+    inputs, _ = _make(3, 16, 8, 4, 2, torch.float32, seed=1)
+    inputs["topk_ids"][1, 0] = bad_id
+    with pytest.raises(IndexError, match="out of range"):
+        tm.triton_moe_experts_fwd(**inputs, save_h=False, **_FLAGS)
+    monkeypatch.setattr(tm, "_check_ids_on_cpu", lambda ids, E: None)
+    with pytest.raises(RuntimeError, match="out of range"):
+        tm.triton_moe_experts_fwd(**inputs, save_h=False, **_FLAGS)
+    assert len(decode_everywhere) == 2
+
+
 def test_decode_path_rule(tm):
     """Few slots next to the experts, no H kept, [T, K] routing: only then."""
     assert tm.decode_path(32, 128, False, None)
@@ -1207,6 +1221,24 @@ def test_gpu_decode_path_matches_oracle(T, E, K, layout, monkeypatch):
     bf = torch_moe_experts(**leaves, **flags)
     assert _rel(out, ref64) <= 2 * _rel(bf, ref64) + 1e-3, (_rel(out, ref64), _rel(bf, ref64))
     assert _rel(out, grouped) <= 1e-2, _rel(out, grouped)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_path_bad_ids_assert():
+    """An out-of-range id through the decode path: a device-side assert (in a child process: it
+    poisons the CUDA context), never a silent wrong expert or a read past the weights."""
+    code = ("import torch; from codegen import triton_moe; "
+            "w1 = torch.randn(8, 64, 32, device='cuda', dtype=torch.bfloat16); "
+            "w2 = torch.randn(8, 32, 32, device='cuda', dtype=torch.bfloat16); "
+            "x = torch.randn(2, 32, device='cuda', dtype=torch.bfloat16); "
+            "ids = torch.tensor([[0, 8], [1, 2]], device='cuda'); w = torch.ones(2, 2, device='cuda'); "
+            "assert triton_moe.decode_path(4, 8, False, None); "
+            "triton_moe.triton_moe_experts_fwd(x, ids, w, w1, w2, None, None, activation='swiglu', interleaved=False, "
+            "transposed=False, alpha=1.702, limit=7.0, save_h=False); torch.cuda.synchronize()")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    said = child.stderr + child.stdout  # torch._assert_async's CUDA kernel may print its own generic text
+    assert child.returncode != 0 and ("out of range" in said or "device-side assert" in said), child.stderr[-2000:]
 
 
 @pytest.mark.gpu

@@ -26,12 +26,15 @@ from .grouped_gemm import _table_offset
 
 
 @triton.jit
-def _rank_slots(ids_ptr, sorted_rows_ptr, offsets_ptr, TK, E, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+def _rank_slots(ids_ptr, sorted_rows_ptr, offsets_ptr, ok_ptr, TK, E, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
     """`codegen.reference.torch_route` for TK <= BLOCK_S slots: slot s goes to the row counting the
-    slots before it in (expert, slot) order; offsets[e] counts the slots on experts below e."""
+    slots before it in (expert, slot) order; offsets[e] counts the slots on experts below e.
+    ok[0] = 1 when every id is in [0, E), else 0 (the launcher asserts it on the device)."""
     ss = tl.arange(0, BLOCK_S)
     live = ss < TK
     ids = tl.load(ids_ptr + ss, mask=live, other=0).to(tl.int64)
+    bad = tl.sum((((ids < 0) | (ids >= E)) & live).to(tl.int32), axis=0)
+    tl.store(ok_ptr, (bad == 0).to(tl.int32))
     ids = tl.where(live, ids, E)  # past the slots: after every expert, never counted below one
     earlier = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (ss[None, :] < ss[:, None]))
     rank = tl.sum((earlier & live[None, :]).to(tl.int32), axis=1)
@@ -40,6 +43,14 @@ def _rank_slots(ids_ptr, sorted_rows_ptr, offsets_ptr, TK, E, BLOCK_S: tl.conste
         es = e0 + tl.arange(0, BLOCK_E)
         below = tl.sum(((ids[None, :] < es[:, None]) & live[None, :]).to(tl.int32), axis=1)
         tl.store(offsets_ptr + es, below, mask=es <= E)
+
+
+@triton.jit
+def _clamped_expert(ids_ptr, slot, E):
+    """ids[slot] as int64, clamped into [0, E): an id out of range reads a real expert's weights
+    (never memory past them) and fails the launcher's device assert on `ok`."""
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    return tl.minimum(tl.maximum(expert, 0), E - 1)
 
 
 @triton.jit
@@ -52,6 +63,7 @@ def _decode_up_kernel(
     a_ptr,  # [TK, n] x.dtype, contiguous
     sorted_rows_ptr,  # [TK] int32: the slots in expert order (stable), written by program (0, 0)
     offsets_ptr,  # [E + 1] int32: each expert's first row in that order, written by program (0, 0)
+    ok_ptr,  # [1] int32: 1 when every id is in [0, E), written by program (0, 0)
     TK, d, n, E,
     stride_x_t, stride_x_d,
     stride_w1_e, stride_w1_o, stride_w1_i,
@@ -66,9 +78,8 @@ def _decode_up_kernel(
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     if (slot == 0) & (pid_n == 0):
-        _rank_slots(ids_ptr, sorted_rows_ptr, offsets_ptr, TK, E, BLOCK_S, BLOCK_E)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    tl.device_assert((expert >= 0) & (expert < E), "expert id out of range [0, E) in topk_ids")
+        _rank_slots(ids_ptr, sorted_rows_ptr, offsets_ptr, ok_ptr, TK, E, BLOCK_S, BLOCK_E)
+    expert = _clamped_expert(ids_ptr, slot, E)
     token = (slot // TOP_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n
@@ -128,7 +139,7 @@ def _decode_down_kernel(
     w_table_ptr,  # [E] int64 element offsets from w2_ptr, read when W_TABLE
     b2_ptr,  # [E, d], read when HAS_B2
     out_ptr,  # [T, d] out dtype, contiguous
-    d, n,
+    d, n, E,
     stride_w2_e, stride_w2_o, stride_w2_i,
     stride_b2_e, stride_b2_o,
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,
@@ -143,7 +154,7 @@ def _decode_down_kernel(
     out = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         slot = token * TOP_K + k
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        expert = _clamped_expert(ids_ptr, slot, E)
         if W_TABLE:
             base = w2_ptr + _table_offset(w_table_ptr, expert, W_ALIGN)
         else:
