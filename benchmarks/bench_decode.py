@@ -5,7 +5,7 @@
 
 A decode step runs a few tokens through every layer; its MoE layer is bound by the host enqueueing
 launches, not by the GPU. Part 1 times the `sonic::moe_experts` forward alone (no grad) at the
-model's layer sizes: host us a call (calls enqueued back to back behind a GPU sleep, so the host never
+model's layer sizes: host us a call (the median call enqueued behind a GPU sleep, so the host never
 waits) and GPU us a call (CUDA events around a batch of calls), with `--profile` the top functions
 by own time. Part 2 times whole decode steps: each provider's `model.forward` (compiled where it is
 one) is run over the same prompt and the same `--steps` new positions, once to warm up (compiles,
@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
+from bench_route import host_us  # noqa: E402  (the host timing loop, with a GPU sleep ahead)
 from hf_train import REAL, build_model  # noqa: E402
 
 from codegen import triton_moe  # noqa: E402
@@ -73,16 +74,8 @@ def op_host_and_gpu(model_name: str, batches: list[int], calls: int, profile: bo
             return moe_experts_op(x, ids, w, w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, False)
 
         with torch.no_grad():
-            call()
-            torch.cuda.synchronize()
-            host = []
-            for _ in range(5):
-                torch.cuda._sleep(int(2e9))  # the GPU busy well past the calls: the host never waits on it
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                host.append((time.perf_counter() - start) / calls * 1e6)
-                torch.cuda.synchronize()
+            # a GPU sleep ahead of the calls, well past them: the host never waits on the GPU
+            host = host_us(call, calls, ahead_cycles=int(2e9))
             gpu = []
             for _ in range(5):
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -93,7 +86,7 @@ def op_host_and_gpu(model_name: str, batches: list[int], calls: int, profile: bo
                 e.record()
                 torch.cuda.synchronize()
                 gpu.append(s.elapsed_time(e) * 1e3 / calls)
-            print(f"| {T} | {T * K} | {path} | {statistics.median(host):.1f} | {statistics.median(gpu):.1f} |",
+            print(f"| {T} | {T * K} | {path} | {host:.1f} | {statistics.median(gpu):.1f} |",
                   flush=True)
             if profile and path == "decode":
                 prof = cProfile.Profile()

@@ -609,6 +609,16 @@ def route_buckets(E: int, padded: bool = False) -> int:
     return max(2, triton.next_power_of_2(E + padded))
 
 
+def _check_ids_on_cpu(topk_ids: Tensor, E: int, padded: bool = False) -> None:
+    """The interpreter runs the kernels on CPU tensors and skips their device asserts: there an id
+    outside [0, E) (-1 allowed when `padded`) raises IndexError up front (a CPU check costs no sync)."""
+    if topk_ids.device.type != "cpu" or not topk_ids.numel():
+        return
+    valid = (topk_ids >= 0) & (topk_ids < E) | ((topk_ids == -1) if padded else False)
+    if not bool(valid.all()):
+        raise IndexError(f"expert id out of range [0, {E}) in topk_ids")
+
+
 def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tensor]:
     """(sorted_rows int32 [TK], expert_offsets int32 [E+1]) on the device, with no host sync.
 
@@ -620,11 +630,8 @@ def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tenso
     TK = flat.numel()
     buckets = route_buckets(E, padded)
     small = _small_route_block(TK, buckets, flat.device)
-    if (small or buckets <= _PIECES_MAX_BUCKETS) and flat.device.type == "cpu" and TK:
-        # the interpreter skips the kernels' device asserts; a CPU check costs no sync
-        valid = (flat >= 0) & (flat < E) | ((flat == -1) if padded else False)
-        if not bool(valid.all()):
-            raise IndexError(f"expert id out of range [0, {E}) in topk_ids")
+    if small or buckets <= _PIECES_MAX_BUCKETS:
+        _check_ids_on_cpu(flat, E, padded)
     if small:
         sorted_rows = torch.empty(TK, dtype=torch.int32, device=flat.device)
         offsets = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
@@ -1226,13 +1233,6 @@ def _decode_blocks(parallel: int, width: int) -> int:
     while block > 16 and parallel * triton.cdiv(width, block) < 264:
         block //= 2
     return block
-
-
-def _check_ids_on_cpu(topk_ids: Tensor, E: int) -> None:
-    """The interpreter runs the kernels on CPU tensors: there a bad id raises IndexError up front
-    (a CPU check costs no sync), as `route` does."""
-    if topk_ids.device.type == "cpu" and not bool(((topk_ids >= 0) & (topk_ids < E)).all()):
-        raise IndexError(f"expert id out of range [0, {E}) in topk_ids")
 
 
 def triton_moe_decode(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, n, E, activation, interleaved,
