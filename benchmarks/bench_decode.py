@@ -5,9 +5,9 @@
 
 A decode step runs a few tokens through every layer; its MoE layer is bound by the host enqueueing
 launches, not by the GPU. Part 1 times the `sonic::moe_experts` forward alone (no grad) at the
-model's layer sizes: host us a call (the median call enqueued behind a GPU sleep, so the host never
-waits) and GPU us a call (CUDA events around a batch of calls), with `--profile` the top functions
-by own time. Part 2 times whole decode steps: each provider's `model.forward` (compiled where it is
+model's layer sizes, through its default overload and its `nograd` one (codegen/nograd.py): host us
+a call (the median call enqueued behind a GPU sleep, so the host never waits) and GPU us a call
+(CUDA events around a batch of calls), with `--profile` the top functions by own time. Part 2 times whole decode steps: each provider's `model.forward` (compiled where it is
 one) is run over the same prompt and the same `--steps` new positions, once to warm up (compiles,
 cuDNN's plan per KV length) and `--rounds` times timed, step by step; the median step is reported,
 and the tokens each provider picks are compared with the first provider's.
@@ -30,8 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from bench_route import host_us  # noqa: E402  (the host timing loop, with a GPU sleep ahead)
 from hf_train import REAL, build_model  # noqa: E402
 
-from codegen import triton_moe  # noqa: E402
-from codegen.ops import moe_experts_op  # noqa: E402
+from codegen import nograd, triton_moe  # noqa: E402
 
 _PATHS = {  # the op's forward path: (DECODE_MAX_SLOTS, DECODE_SLOTS_PER_EXPERT)
     "decode": (10**6, float("inf")),  # the two-launch decode path at every token count
@@ -59,19 +58,21 @@ def op_host_and_gpu(model_name: str, batches: list[int], calls: int, profile: bo
     w2 = torch.randn(E, d, n, device=dev, generator=g).mul_(n**-0.5).to(dt)
     print(f"## the op alone: {model_name} layer sizes d={d} n={n} E={E} K={K}, bf16, no grad, "
           f"{torch.cuda.get_device_name()}")
-    print("| tokens | slots | path | host us / call | GPU us / call |")
-    print("|---|---|---|---|---|")
-    for T, path in ((T, path) for T in batches for path in ("grouped", "decode")):
+    print("| tokens | slots | path | overload | host us / call | GPU us / call |")
+    print("|---|---|---|---|---|---|")
+    rows = (("grouped", "nograd"), ("decode", "default"), ("decode", "nograd"))
+    for T, (path, overload) in ((T, row) for T in batches for row in rows):
         use_path(path)
         if path == "decode" and not triton_moe.decode_path(T * K, E, False, None):
-            print(f"| {T} | {T * K} | decode: past its slot limit | - | - |")
+            print(f"| {T} | {T * K} | decode: past its slot limit | {overload} | - | - |")
             continue
         x = torch.randn(T, d, device=dev, generator=g).to(dt)
         w, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(K, dim=-1)
         w = w.to(dt)
+        op = getattr(torch.ops.sonic.moe_experts, overload)
 
         def call():
-            return moe_experts_op(x, ids, w, w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, False)
+            return op(x, ids, w, w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, False)
 
         with torch.no_grad():
             # a GPU sleep ahead of the calls, well past them: the host never waits on the GPU
@@ -86,9 +87,9 @@ def op_host_and_gpu(model_name: str, batches: list[int], calls: int, profile: bo
                 e.record()
                 torch.cuda.synchronize()
                 gpu.append(s.elapsed_time(e) * 1e3 / calls)
-            print(f"| {T} | {T * K} | {path} | {host:.1f} | {statistics.median(gpu):.1f} |",
+            print(f"| {T} | {T * K} | {path} | {overload} | {host:.1f} | {statistics.median(gpu):.1f} |",
                   flush=True)
-            if profile and path == "decode":
+            if profile and path == "decode" and overload == "nograd":
                 prof = cProfile.Profile()
                 torch.cuda._sleep(int(2e9))
                 prof.enable()
@@ -99,6 +100,42 @@ def op_host_and_gpu(model_name: str, batches: list[int], calls: int, profile: bo
                 buf = io.StringIO()
                 pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
                 print("```\n" + buf.getvalue()[-6000:] + "\n```", flush=True)
+
+
+def overload_pairs(model_name: str, batches: list[int], calls: int) -> None:
+    """Host us of the op's default and `nograd` overloads, called alternately (one of each per pair,
+    behind a GPU sleep), so that the lent hosts' drift between rows does not enter the difference."""
+    d, n, E, K = _sizes(model_name)
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(1)
+    w1 = torch.randn(E, 2 * n, d, device=dev, generator=g).mul_(d**-0.5).to(dt)
+    w2 = torch.randn(E, d, n, device=dev, generator=g).mul_(n**-0.5).to(dt)
+    print(f"\n## the overloads called alternately: {calls} pairs, host us a call (auto path)")
+    print("| tokens | default | nograd | median of (default - nograd) a pair |")
+    print("|---|---|---|---|")
+    use_path("auto")
+    for T in batches:
+        x = torch.randn(T, d, device=dev, generator=g).to(dt)
+        w, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(K, dim=-1)
+        w = w.to(dt)
+        args = (x, ids, w, w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, False)
+        ops = (torch.ops.sonic.moe_experts.default, torch.ops.sonic.moe_experts.nograd)
+        with torch.no_grad():
+            for _ in range(20):
+                for op in ops:
+                    op(*args)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(4e9))
+            times = ([], [])
+            for _ in range(calls):
+                for i, op in enumerate(ops):
+                    t0 = time.perf_counter()
+                    op(*args)
+                    times[i].append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+        diff = statistics.median(a - b for a, b in zip(*times))
+        print(f"| {T} | {statistics.median(times[0]):.1f} | {statistics.median(times[1]):.1f} | {diff:.1f} |",
+              flush=True)
 
 
 def decode_steps(model, fwd, prompt, steps: int) -> tuple[list[float], torch.Tensor]:
@@ -132,12 +169,14 @@ def main():
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--providers", default="eager,inductor,sonic,sonic-grouped",
                     help="sonic-grouped: sonic with the decode path off (SONIC_MOE_DECODE_MAX_SLOTS=0); "
-                         "sonic-unfused: sonic with sonic.fuse_router False")
+                         "sonic-unfused: sonic with sonic.fuse_router False; sonic-default: sonic with every op "
+                         "call the default overload (codegen.nograd.USE_NOGRAD False)")
     ap.add_argument("--op-only", action="store_true")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     op_host_and_gpu(args.model, batches, args.calls, args.profile)
+    overload_pairs(args.model, batches, 4 * args.calls)
     use_path("auto")
     if args.op_only:
         return
@@ -154,6 +193,7 @@ def main():
     for provider in providers:
         torch._dynamo.reset()
         use_path("grouped" if provider == "sonic-grouped" else "auto")
+        nograd.USE_NOGRAD = provider != "sonic-default"
         if provider == "eager":
             fwd = model.forward
         elif provider == "inductor":

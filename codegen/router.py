@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .nograd import overload, register_nograd
 from .ops import _FORCE_REFERENCE
 
 SCORES = ("softmax", "sigmoid")
@@ -246,8 +247,7 @@ def _use_triton(logits: Tensor, compute_dtype: torch.dtype) -> bool:
             and compute_dtype in _TRITON_DTYPES and logits.shape[1] <= _MAX_TRITON_E)
 
 
-@torch.library.custom_op("sonic::route", mutates_args=())
-def route_op(
+def _route_fwd(
     logits: Tensor,
     bias: Optional[Tensor],
     k: int,
@@ -271,13 +271,19 @@ def route_op(
     return w.contiguous(), ids.contiguous()
 
 
+route_op = torch.library.custom_op("sonic::route", _route_fwd, mutates_args=())
+
+
 @route_op.register_fake
-def _(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill, compute_dtype,
-      renorm_min=0.0):
+def _route_fake(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill, compute_dtype,
+                renorm_min=0.0):
     validate_route_args(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill,
                         compute_dtype, renorm_min)
     T = logits.shape[0]
     return logits.new_empty(T, k, dtype=compute_dtype), logits.new_empty(T, k, dtype=torch.int64)
+
+
+register_nograd("route", _route_fwd, _route_fake)
 
 
 @torch.library.custom_op("sonic::route_backward", mutates_args=())
@@ -351,4 +357,4 @@ def route(
     args = (logits, bias, int(k), score, bool(topk_first), bool(renorm), float(eps), float(scale), int(n_group),
             int(topk_group), float(fill), compute_dtype, float(renorm_min))
     validate_route_args(*args)
-    return route_op(*args)
+    return overload("route", torch.is_grad_enabled() and logits.requires_grad)(*args)

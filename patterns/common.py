@@ -474,6 +474,22 @@ def fake_mode_of(gm: fx.GraphModule):
     return None
 
 
+SAVE_H_ARG = 12  # where sonic::moe_experts and sonic::moe_experts_list take save_h
+
+
+def _grad_flows(match: MoEMatch, *fakes) -> bool:
+    """Whether a gradient can flow through the region: its traced result wants one (Dynamo traced it
+    under the grad mode the region runs in, `no_grad` / `enable_grad` blocks included). Without that
+    fake, the op's inputs and the grad mode at compile time decide (`needs_saved_h`). It decides the
+    op's `save_h` and whether the call is the `nograd` overload."""
+    from codegen.ops import needs_saved_h
+
+    result = example_value(match.anchor)
+    if isinstance(result, torch.Tensor):
+        return result.requires_grad
+    return needs_saved_h(*fakes)
+
+
 def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = None) -> fx.Node:
     """Replace `match.anchor` with one `sonic::moe_experts` call; erase what only the region used.
 
@@ -482,9 +498,11 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     compile time (and the driver restores the graph) rather than in the user's step.
 
     `token_rounding` (a mode; needs `match.router_probs`) routes through `sonic::round_routing_slots`
-    first and calls the op in the slot form.
+    first and calls the op in the slot form. Where no gradient can flow through the region, the call is
+    the op's `nograd` overload (`codegen.nograd`: the same op without its Python autograd layer).
     """
-    from codegen.ops import needs_saved_h, validate_moe_inputs
+    from codegen.nograd import overload
+    from codegen.ops import validate_moe_inputs
     from codegen.token_rounding import M_TILE
 
     graph = gm.graph
@@ -511,6 +529,9 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     def cast(node):  # autocast (`settle_autocast`): the op's tensors in the dtype it computes in
         return node if node is None or dtype_of(node) == match.dtype else to(node, match.dtype)
 
+    def experts(name, args):  # save_h says whether a gradient flows (`_grad_flows`); `nograd` where none does
+        return insert(overload(name, args[SAVE_H_ARG]), args)
+
     x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
     if match.flat_top1:
         ids, weights = insert(torch.unsqueeze, (ids, -1)), insert(torch.unsqueeze, (weights, -1))
@@ -533,25 +554,24 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
 
     if match.w_up is not None:  # two stacked parameters: the list op on their per-expert views
         lists = tuple(_unbound(cast(t), match.shape["E"], insert) for t in (match.w1, match.w_up, match.w2))
-        call = insert(torch.ops.sonic.moe_experts_list.default,
-                      _list_call_args(match, lists, cast(match.b1), cast(match.b2), x, ids, weights, slot_token))
+        call = experts("moe_experts_list",
+                       _list_call_args(match, lists, cast(match.b1), cast(match.b2), x, ids, weights, slot_token))
     elif match.expert_lists is None:
         w1, w2, b1, b2 = (cast(t) for t in (match.w1, match.w2, match.b1, match.b2))
         fakes = [example_value(a) for a in (x, ids, weights, w1, w2, b1, b2)]
         validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed,
                             slot_token=example_value(slot_token))
-        save_h = needs_saved_h(fakes[0], *fakes[2:])
+        save_h = _grad_flows(match, fakes[0], *fakes[2:])
         args = (
             x, ids, weights, w1, w2, b1, b2,
             match.activation, match.interleaved, match.transposed, float(match.alpha), float(match.limit), save_h,
             slot_token,
         )
-        call = insert(torch.ops.sonic.moe_experts.default, args)
+        call = experts("moe_experts", args)
     else:
         lists = tuple([cast(w) for w in group] for group in match.expert_lists)
         b1, b2 = _stacked_list_biases(match.expert_bias_lists, insert)
-        call = insert(torch.ops.sonic.moe_experts_list.default,
-                      _list_call_args(match, lists, cast(b1), cast(b2), x, ids, weights, slot_token))
+        call = experts("moe_experts_list", _list_call_args(match, lists, cast(b1), cast(b2), x, ids, weights, slot_token))
     result = out = insert(operator.getitem, (call, 0))
     if match.input_scaled:  # [T*K, d] rows -> [T, d]
         rows = insert(torch.reshape, (out, (-1, match.shape["K"], match.shape["d"])))
@@ -597,7 +617,7 @@ def _list_call_args(match: MoEMatch, lists, b1: fx.Node | None, b2: fx.Node | No
     """`sonic::moe_experts_list` arguments, validated on the fake values (as the stacked form is);
     `lists`: the (gate, up, down) weight nodes of `match.expert_lists`, cast if autocast needs it;
     b1, b2: the stacked biases (`_stacked_list_biases`)."""
-    from codegen.ops import needs_saved_h, validate_moe_list_inputs
+    from codegen.ops import validate_moe_list_inputs
 
     w_gate, w_up, w_down = (list(group) for group in lists)
     fake = lambda nodes: [example_value(n) for n in nodes]  # noqa: E731
@@ -606,7 +626,7 @@ def _list_call_args(match: MoEMatch, lists, b1: fx.Node | None, b2: fx.Node | No
     validate_moe_list_inputs(x, example_value(ids), fake_weights, fake(w_gate), fake(w_up), fake(w_down), fake_b1,
                              fake_b2, activation=match.activation, interleaved=match.interleaved,
                              slot_token=example_value(slot_token))
-    save_h = needs_saved_h(x, fake_weights, fake_b1, fake_b2, *fake(w_gate), *fake(w_up), *fake(w_down))
+    save_h = _grad_flows(match, x, fake_weights, fake_b1, fake_b2, *fake(w_gate), *fake(w_up), *fake(w_down))
     return (
         rows, ids, weights, w_gate, w_up, w_down, b1, b2,
         match.activation, match.interleaved, float(match.alpha), float(match.limit), save_h, slot_token,

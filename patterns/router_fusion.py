@@ -158,13 +158,17 @@ def _factor_name(factor: fx.Node, ids: fx.Node) -> str:
 def rewrite_router(gm: fx.GraphModule, match: RouterMatch) -> fx.Node:
     """Insert `sonic::route`, point every reader of the router's weights and ids at it, erase the
     router's nodes. Every fallible step (fake values, argument checks) runs before the first edit."""
+    from codegen.nograd import overload
     from codegen.router import route_op  # noqa: F401  (registers sonic::route)
 
     graph = gm.graph
     a = match.args
     args = (match.logits, a["bias"], a["k"], a["score"], a["topk_first"], a["renorm"], a["eps"], a["scale"],
             a["n_group"], a["topk_group"], a["fill"], a["compute_dtype"], a["renorm_min"])
-    op = torch.ops.sonic.route.default
+    # the `nograd` overload where the router's traced weights show that no gradient flows through them (as
+    # `patterns.common._grad_flows` decides for the experts); without that fake, the default overload
+    weights = example_value(match.weights)
+    op = overload("route", not isinstance(weights, torch.Tensor) or weights.requires_grad)
     fake_mode = fake_mode_of(gm)
     fake = None
     if fake_mode is not None:
