@@ -135,7 +135,7 @@ def one(family: str, enabled: bool) -> dict:
     same = loss_rel <= TOLERANCE["loss"] and grad_rel <= TOLERANCE["grad"]
     return dict(status="equal" if same else "DIFFERS", rewritten=len(report.rewritten), loss_rel=loss_rel,
                 grad_rel=grad_rel, routers=sorted({r.details.get("router", "") for r in report.rewritten}),
-                rejected=sorted({r.reason[:100] for r in report.rejected}))
+                rejected=sorted({r.reason[:240] for r in report.rejected}))
 
 
 def _toy(family: str):
