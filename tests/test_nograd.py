@@ -189,3 +189,17 @@ def test_gpu_inference_graph_runs_nograd_kernels():
     assert sorted(set(targets)) == ["sonic.moe_experts.nograd", "sonic.route.nograd"], targets
     ok, why = closeness(got.float(), want.float(), truth, dtype=torch.bfloat16)
     assert ok, why
+
+
+def test_nograd_opcheck():
+    """The overloads' fakes, schemas and AOT dispatch agree with their implementations (no autograd
+    registration to check: they have none by design, and no input here wants a gradient)."""
+    x, ids, w, w1, w2, b1, b2 = _stacked()
+    x, w, w1, w2, b1, b2 = (t.float() for t in (x, w, w1, w2, b1, b2))
+    gate, up, down = _lists(w1, w2)
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.sonic.moe_experts.nograd, (x, ids, w, w1, w2, b1, b2, *FLAGS, False),
+                          test_utils=utils)
+    torch.library.opcheck(torch.ops.sonic.moe_experts_list.nograd,
+                          (x, ids, w, gate, up, down, b1, b2, "swiglu", False, 1.702, 7.0, False), test_utils=utils)
+    torch.library.opcheck(torch.ops.sonic.route.nograd, (torch.randn(9, 6), None, *ROUTE_ARGS), test_utils=utils)
