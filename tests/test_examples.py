@@ -25,12 +25,14 @@ def test_hf_train_tiny(tmp_path):
     assert (tmp_path / "olmoe_tiny.json").exists()
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_hf_generate_tiny(cache):
+@pytest.mark.parametrize("cache,dtype", [("dynamic", "float32"), ("static", "float32"), ("dynamic", "bfloat16")])
+def test_hf_generate_tiny(cache, dtype, capsys):
+    """float32: eager's tokens; bfloat16: the teacher-forced logits as close to float32 as eager's."""
     import hf_generate
 
     assert hf_generate.main(["--model", "mixtral", "--new-tokens", "6", "--device", "cpu", "--sonic-compiler", "aot_eager",
-                             "--cache", cache, "--repeats", "1"]) == 0
+                             "--cache", cache, "--repeats", "1", "--dtype", dtype]) == 0
+    assert ("teacher-forced logits" in capsys.readouterr().out) == (dtype == "bfloat16")
 
 
 def test_sweep_hf_families_runs(capsys):
