@@ -8,9 +8,12 @@ part of a decode step.
 
 The `nograd` overload has the default overload's schema, implementation and fake, registered as a
 CompositeExplicitAutograd kernel: the Autograd key goes to PyTorch's C++ fallback, and the call
-reaches the implementation in one Python call. The rewrite and the eager wrappers pick it where no
-gradient can flow (grad mode off, or no input that wants one), which Dynamo guards on, so a graph
-that holds it never runs where a gradient is wanted. Called there anyway, it raises.
+reaches the implementation in one Python call. The rewrite picks it where the region's traced
+result needs no gradient (`patterns.common._grad_flows`; Dynamo guards the grad mode and the
+inputs' requires_grad it traced under), the eager wrappers where grad mode is off or no input wants
+one. Called where a gradient is wanted anyway, it raises. Without custom_op's wrapper nothing keeps
+Dynamo out of the implementation's frames; none needs to: a compiled graph runs with Dynamo
+disabled, and Dynamo traces a call of the op as one node.
 
 Overload resolution of `torch.ops.sonic.<op>(...)` (the packet) tries `default` first, so a call
 through the packet keeps its gradient.
