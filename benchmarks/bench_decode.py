@@ -50,12 +50,26 @@ def _sizes(model_name: str) -> tuple[int, int, int, int]:
     return cfg["hidden_size"], n, E, cfg["num_experts_per_tok"]
 
 
-def op_host_and_gpu(model_name: str, batches: list[int], calls: int, profile: bool) -> None:
+def _op_args(model_name: str, seed: int):
+    """`args(T)`: `sonic::moe_experts` arguments (no grad, bf16, CUDA) at the model's layer sizes, over
+    one set of random weights, with T new random tokens and their softmax top-k routing each call."""
     d, n, E, K = _sizes(model_name)
     dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
+    g = torch.Generator(device=dev).manual_seed(seed)
     w1 = torch.randn(E, 2 * n, d, device=dev, generator=g).mul_(d**-0.5).to(dt)
     w2 = torch.randn(E, d, n, device=dev, generator=g).mul_(n**-0.5).to(dt)
+
+    def args(T: int) -> tuple:
+        x = torch.randn(T, d, device=dev, generator=g).to(dt)
+        w, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(K, dim=-1)
+        return (x, ids, w.to(dt), w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, False)
+
+    return args
+
+
+def op_host_and_gpu(model_name: str, batches: list[int], calls: int, profile: bool) -> None:
+    d, n, E, K = _sizes(model_name)
+    op_args = _op_args(model_name, seed=0)
     print(f"## the op alone: {model_name} layer sizes d={d} n={n} E={E} K={K}, bf16, no grad, "
           f"{torch.cuda.get_device_name()}")
     print("| tokens | slots | path | overload | host us / call | GPU us / call |")
@@ -66,13 +80,10 @@ def op_host_and_gpu(model_name: str, batches: list[int], calls: int, profile: bo
         if path == "decode" and not triton_moe.decode_path(T * K, E, False, None):
             print(f"| {T} | {T * K} | decode: past its slot limit | {overload} | - | - |")
             continue
-        x = torch.randn(T, d, device=dev, generator=g).to(dt)
-        w, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(K, dim=-1)
-        w = w.to(dt)
-        op = getattr(torch.ops.sonic.moe_experts, overload)
+        op, args = getattr(torch.ops.sonic.moe_experts, overload), op_args(T)
 
         def call():
-            return op(x, ids, w, w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, False)
+            return op(*args)
 
         with torch.no_grad():
             # a GPU sleep ahead of the calls, well past them: the host never waits on the GPU
@@ -105,20 +116,13 @@ def op_host_and_gpu(model_name: str, batches: list[int], calls: int, profile: bo
 def overload_pairs(model_name: str, batches: list[int], calls: int) -> None:
     """Host us of the op's default and `nograd` overloads, called alternately (one of each per pair,
     behind a GPU sleep), so that the lent hosts' drift between rows does not enter the difference."""
-    d, n, E, K = _sizes(model_name)
-    dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(1)
-    w1 = torch.randn(E, 2 * n, d, device=dev, generator=g).mul_(d**-0.5).to(dt)
-    w2 = torch.randn(E, d, n, device=dev, generator=g).mul_(n**-0.5).to(dt)
+    op_args = _op_args(model_name, seed=1)
     print(f"\n## the overloads called alternately: {calls} pairs, host us a call (auto path)")
     print("| tokens | default | nograd | median of (default - nograd) a pair |")
     print("|---|---|---|---|")
     use_path("auto")
     for T in batches:
-        x = torch.randn(T, d, device=dev, generator=g).to(dt)
-        w, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(K, dim=-1)
-        w = w.to(dt)
-        args = (x, ids, w, w1, w2, None, None, "swiglu", False, False, 1.702, 7.0, False)
+        args = op_args(T)
         ops = (torch.ops.sonic.moe_experts.default, torch.ops.sonic.moe_experts.nograd)
         with torch.no_grad():
             for _ in range(20):
