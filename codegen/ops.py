@@ -43,7 +43,7 @@ for separate tensors), b2 [E, d]; the rewrite stacks the per-expert bias vectors
 
 `sonic::moe_experts`, `sonic::moe_experts_list` and `sonic::route` also have a `nograd` overload
 (`codegen.nograd`): the same schema and implementation without the custom op's Python autograd
-layer, 37-84 us less host time a call on the lent H100 hosts. The rewrite and the eager wrappers
+layer, 21-84 us less host time a call on the lent H100 hosts. The rewrite and the eager wrappers
 call it where no gradient can flow (inference); called where one can, it raises.
 
 Implementations: on CUDA the Triton kernels (`codegen.triton_moe`) when they support the call;
