@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .ints import pow2
 from .nograd import overload, register_nograd
 from .ops import _FORCE_REFERENCE
 
@@ -147,10 +148,6 @@ def _tl_dtype(dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _key_kind(logits, compute_dtype, topk_first, n_group, fill, narrow_keys=True) -> int:
     """`_order_keys`' KEYS for a call: 16-bit keys (int32 with the column) where every value the
     kernel ranks is exactly a bf16 or fp16, int64 keys otherwise. top-k first ranks the logits as
@@ -179,12 +176,12 @@ def _blocks(T, E, k, block_t, num_warps, forward=True):
     19.8 us with 8 against 16.3 with 32, so it keeps 4096 on 4. At E = 256, k = 16, every forward
     launch from 8 to 32 scores a thread was within 7% (67-72 us). Below E = 128 the forward takes
     the same 8 a thread, not measured there."""
-    BLOCK_E = _pow2(E)
+    BLOCK_E = pow2(E)
     narrow = forward and BLOCK_E <= 128
     BLOCK_T = block_t or max(1, min(64, (2048 if narrow else 4096) // BLOCK_E))
     if num_warps is None:
         num_warps = max(1, min(8, BLOCK_T * BLOCK_E // 256)) if narrow else 4
-    return BLOCK_T, BLOCK_E, _pow2(k), (T + BLOCK_T - 1) // BLOCK_T, num_warps
+    return BLOCK_T, BLOCK_E, pow2(k), (T + BLOCK_T - 1) // BLOCK_T, num_warps
 
 
 def triton_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill,
@@ -207,7 +204,7 @@ def triton_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_
         _in_dtype(renorm_min, compute_dtype),
         K=k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SOFTMAX=score == "softmax",
         TOPK_FIRST=topk_first, RENORM=renorm, CLAMP=renorm_min != 0.0, HAS_BIAS=bias is not None, N_GROUP=n_group,
-        TOPK_GROUP=topk_group, GROUP_SIZE=E // n_group, BLOCK_G=_pow2(n_group),
+        TOPK_GROUP=topk_group, GROUP_SIZE=E // n_group, BLOCK_G=pow2(n_group),
         COMPUTE=_tl_dtype(compute_dtype), ROUND=compute_dtype != torch.float32,
         KEYS=_key_kind(logits, compute_dtype, topk_first, n_group, fill, NARROW_KEYS if narrow_keys is None else narrow_keys),
         num_warps=num_warps,

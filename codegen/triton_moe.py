@@ -60,6 +60,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activations import ACTIVATIONS, GATED
+from .ints import cdiv, pow2
 from .kernels.backward import _act_grad_kernel, _wgrad_kernel
 from .kernels.combine import _gather_sum_kernel, _gather_sum_product_kernel
 from .kernels.decode import _decode_down_kernel, _decode_up_kernel
@@ -579,7 +580,7 @@ def _route_pieces(flat: Tensor, E: int, padded: bool, buckets: int) -> tuple[Ten
     slots, their prefix over the pieces, each slot's row."""
     TK = flat.numel()
     chunk = _route_chunk(TK, buckets)
-    pieces = triton.cdiv(TK, chunk)
+    pieces = cdiv(TK, chunk)
     counts = torch.empty(2, buckets, pieces, dtype=torch.int32, device=flat.device)  # counts, starts
     sorted_rows = torch.empty(TK, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
@@ -599,14 +600,14 @@ def _route_chunk(TK: int, buckets: int) -> int:
     E=128 TK=196608: 13.6, 13.3, 20.3, 26.4 for 256-2048; E=128 TK=327680: 18.4, 17.4, 26.4, 42.9;
     E=256 TK=524288: 35.9, 29.3, 36.4, 45.6; E=64 TK=163840: 10.5, 11.5, 19.1, 25.6; E=32 TK=81920:
     8.1, 9.6, 14.5, 25.6; 128-slot pieces lost everywhere)."""
-    return min(512, max(256, triton.next_power_of_2(triton.cdiv(TK * buckets, 65536))))
+    return min(512, max(256, pow2(cdiv(TK * buckets, 65536))))
 
 
 def route_buckets(E: int, padded: bool = False) -> int:
     """The routing kernels' bucket count: the experts, and the padding slots' bucket E in the slot
     form, rounded up to a power of two (>= 2). 128 experts take 128 buckets, not 256: the piece
     kernels' work grows with slots x buckets."""
-    return max(2, triton.next_power_of_2(E + padded))
+    return max(2, pow2(E + padded))
 
 
 def _check_ids_on_cpu(topk_ids: Tensor, E: int, padded: bool = False) -> None:
@@ -670,7 +671,7 @@ def _persistent_up(desc, w_desc: int, gated: bool, interleaved: bool) -> bool:
 def _tile_grid(TK: int, E: int, n: int):
     """One program per (M tile, N tile): the M tiles' upper bound cdiv(TK, BLOCK_M) + E (each expert's
     last tile may be partial) times the N tiles of n columns."""
-    return lambda META: ((triton.cdiv(TK, META["BLOCK_M"]) + E) * triton.cdiv(n, META["BLOCK_N"]),)
+    return lambda META: ((cdiv(TK, META["BLOCK_M"]) + E) * cdiv(n, META["BLOCK_N"]),)
 
 
 def _persistent_grid(TK: int, E: int, n: int, device: torch.device):
@@ -795,16 +796,16 @@ def triton_moe_scatter_gemm(inp, w: Bank, w_strides, bias, sorted_rows, offsets,
 def gather_sum_blocks(d: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_D) of the gather-sum over rows of width d."""
     if INTERPRETED:
-        return 2, min(16, triton.next_power_of_2(d))
+        return 2, min(16, pow2(d))
     lowbit = d & -d  # widest power-of-two block that tiles d exactly (no half-empty last block)
-    return 4, min(1024, lowbit if lowbit >= 128 else triton.next_power_of_2(d))
+    return 4, min(1024, lowbit if lowbit >= 128 else pow2(d))
 
 
 def act_grad_blocks(n: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_C) of the activation-gradient pass over rows of n columns: 1024-element tiles
     (4 rows at n >= 256), 213 against 226 us for 2048 at the 7b-256 shape, H100
     (`scripts/probe_memory_passes.py`); 2.85 TB/s, as the gather-sums move theirs."""
-    block_c = min(256, triton.next_power_of_2(n))
+    block_c = min(256, pow2(n))
     if INTERPRETED:
         return 4, min(block_c, 16)
     return max(1, 1024 // block_c), block_c
@@ -821,8 +822,8 @@ class ProductLaunch(NamedTuple):
     product_first: bool  # the dot before the row loads
 
     def grid(self, T: int, d: int, sms: int) -> tuple[int, int]:
-        blocks, cols = triton.cdiv(T, self.block_t), triton.cdiv(d, self.block_d)
-        return (blocks if self.waves == 0 else max(1, min(blocks, triton.cdiv(self.waves * sms, cols))), cols)
+        blocks, cols = cdiv(T, self.block_t), cdiv(d, self.block_d)
+        return (blocks if self.waves == 0 else max(1, min(blocks, cdiv(self.waves * sms, cols))), cols)
 
 
 def gather_sum_product_launch(d: int, J: int) -> ProductLaunch:
@@ -834,10 +835,10 @@ def gather_sum_product_launch(d: int, J: int) -> ProductLaunch:
     us against the gather-sum alone's 236 / 211 / 199 and the unfolded gather-sum, mm and add's
     350 / 312 / 295. Through the row map of a TILE-order dX~ (`--row-map`, 60 launches): still the
     best, 319.9 / - / 273.1 us against 240.1 / - / 203.1 and 352.1 / - / 299.1."""
-    block_j = max(16, min(128, triton.next_power_of_2(J)))
+    block_j = max(16, min(128, pow2(J)))
     if INTERPRETED:
-        return ProductLaunch(16, min(16, triton.next_power_of_2(d)), min(block_j, 16), 4, 0, True)
-    return ProductLaunch(32, max(16, min(256, triton.next_power_of_2(d))), block_j, 8, 4, False)  # tl.dot: N >= 16
+        return ProductLaunch(16, min(16, pow2(d)), min(block_j, 16), 4, 0, True)
+    return ProductLaunch(32, max(16, min(256, pow2(d))), block_j, 8, 4, False)  # tl.dot: N >= 16
 
 
 def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype,
@@ -860,7 +861,7 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
     K = top_k if slots is None else 1
     if product is None:
         block_t, block_d = gather_sum_blocks(d)
-        grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
+        grid = (cdiv(T, block_t), cdiv(d, block_d))
         _gather_sum_kernel[grid](y, _or(s, y), ids, offs, _or(row_map, ids), out, T, d, TOP_K=K,
                                  HAS_WEIGHTS=s is not None, SLOTS=slots is not None, ROW_MAP=row_map is not None,
                                  BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
@@ -876,7 +877,7 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
         rhs.stride(1), TOP_K=K, SLOTS=slots is not None, ROW_MAP=row_map is not None, BLOCK_T=lp.block_t,
         BLOCK_D=lp.block_d, BLOCK_J=lp.block_j,
         R_RESIDENT=J <= lp.block_j, PRODUCT_FIRST=lp.product_first, DOT_PRECISION=_dot_precision(lhs.dtype),
-        K_POW2=max(2, triton.next_power_of_2(K)), PREFETCH=MAP_PREFETCH and row_map is not None and slots is None,
+        K_POW2=max(2, pow2(K)), PREFETCH=MAP_PREFETCH and row_map is not None and slots is None,
         num_warps=lp.warps,
     )
     return out
@@ -925,7 +926,7 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     # A' overwrites dA' in place (the kernel's barrier orders each tile's loads before its stores),
     # and dA' is not needed afterwards: one [TK, n] buffer less while dH and A' are live
     a_scaled = da
-    _act_grad_kernel[(triton.cdiv(TK, block_r),)](
+    _act_grad_kernel[(cdiv(TK, block_r),)](
         da, h, s_flat, sorted_rows, offsets, dh, a_scaled, ds,
         TK, n, E, float(alpha), float(limit),
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
@@ -944,7 +945,7 @@ def triton_moe_wgrad(lhs, rhs, *, gather_lhs, gather_rhs, sorted_rows, offsets, 
     P, Q = lhs.shape[1], rhs.shape[1]
     E = offsets.numel() - 1
     TK = sorted_rows.numel()
-    grid = lambda META: (E * triton.cdiv(P, META["BLOCK_P"]) * triton.cdiv(Q, META["BLOCK_Q"]),)
+    grid = lambda META: (E * cdiv(P, META["BLOCK_P"]) * cdiv(Q, META["BLOCK_Q"]),)
     # the expert-ordered operand (never the gathered one) through TMA when it can be
     lhs_d = None if gather_lhs else _tma_operand(lhs, tuple(lhs.shape), tuple(lhs.stride()))
     rhs_d = None if gather_rhs else _tma_operand(rhs, tuple(rhs.shape), tuple(rhs.stride()))
@@ -1124,7 +1125,7 @@ def _slot_routing(topk_ids, slot_token, T, check=True):
     if check and slot_token.numel():
         ok = torch.ones(1, dtype=torch.int32, device=slot_token.device)
         S = slot_token.numel()
-        _slot_check_kernel[(triton.cdiv(S, 1024),)](topk_ids.reshape(-1), slot_token.reshape(-1), ok, S, T, PAD=PAD,
+        _slot_check_kernel[(cdiv(S, 1024),)](topk_ids.reshape(-1), slot_token.reshape(-1), ok, S, T, PAD=PAD,
                                                     BLOCK=1024, num_warps=4)
         torch._assert_async(ok, "sonic.moe_experts: slot_token must be nondecreasing with real slots' tokens in "
                             "[0, T)")
@@ -1230,7 +1231,7 @@ def _w1_out(n: int, activation: str) -> int:
 def _decode_blocks(parallel: int, width: int) -> int:
     """The widest block of `width` columns (16..64) that still gives ~2 programs per SM."""
     block = 64
-    while block > 16 and parallel * triton.cdiv(width, block) < 264:
+    while block > 16 and parallel * cdiv(width, block) < 264:
         block //= 2
     return block
 
@@ -1252,13 +1253,13 @@ def triton_moe_decode(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, 
     w1_ptr, w1_table, w1_has_table, w1_align = W1.kernel_args()
     b1c = b1.contiguous() if b1 is not None else x
     block_n = _decode_blocks(TK, n)
-    _decode_up_kernel[(TK, triton.cdiv(n, block_n))](
+    _decode_up_kernel[(TK, cdiv(n, block_n))](
         x, topk_ids, w1_ptr, w1_table, b1c, a, sorted_rows, offsets, ok, TK, d, n, E, x.stride(0), x.stride(1),
         *W1.strides,
         _w1_out(n, activation) if b1 is not None else 0, 1, float(alpha), float(limit),
         TOP_K=K, ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),
         HAS_B1=b1 is not None, W_TABLE=w1_has_table, W_ALIGN=w1_align, BLOCK_N=block_n,
-        BLOCK_D=DECODE_CHUNK_UP, BLOCK_S=max(16, triton.next_power_of_2(TK)), BLOCK_E=64, num_warps=DECODE_WARPS,
+        BLOCK_D=DECODE_CHUNK_UP, BLOCK_S=max(16, pow2(TK)), BLOCK_E=64, num_warps=DECODE_WARPS,
     )
     # no host sync: a bad id fails here on the device, as the routing kernels' asserts do
     torch._assert_async(ok, f"sonic.moe_experts: expert id out of range [0, {E}) in topk_ids")
@@ -1266,7 +1267,7 @@ def triton_moe_decode(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, 
     w2_ptr, w2_table, w2_has_table, w2_align = W2.kernel_args()
     b2c = b2.contiguous() if b2 is not None else x
     block_d = _decode_blocks(T, d)
-    _decode_down_kernel[(T, triton.cdiv(d, block_d))](
+    _decode_down_kernel[(T, cdiv(d, block_d))](
         a, topk_ids, topk_weights, w2_ptr, w2_table, b2c, out, d, n, E, *W2.strides, d if b2 is not None else 0, 1,
         TOP_K=K, HAS_B2=b2 is not None, W_TABLE=w2_has_table, W_ALIGN=w2_align, BLOCK_D=block_d,
         BLOCK_N=DECODE_CHUNK_DOWN, num_warps=DECODE_WARPS,

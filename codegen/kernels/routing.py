@@ -12,10 +12,12 @@ size, and nothing for the host to wait on.
 import triton
 import triton.language as tl
 
+from ..ints import pow2
+
 
 def e_pow2(E: int) -> int:
     """E_POW2, the width of the schedule's per-expert vectors: E rounded up to a power of two (>= 2)."""
-    return max(2, triton.next_power_of_2(E))
+    return max(2, pow2(E))
 
 
 @triton.jit
