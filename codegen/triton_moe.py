@@ -826,19 +826,24 @@ class ProductLaunch(NamedTuple):
         return (blocks if self.waves == 0 else max(1, min(blocks, cdiv(self.waves * sms, cols))), cols)
 
 
-def gather_sum_product_launch(d: int, J: int) -> ProductLaunch:
-    """The product gather-sum's launch at row width d and inner size J: tl.dot wants BLOCK_T and
-    BLOCK_J of at least 16, so the token side is taller and the column side narrower than the
-    plain gather-sum's. R resident up to J = 128, 8 warps, 4 programs' worth per SM walking the token
-    blocks, the rows loaded before the dot: the best or within 2% of it at 7b-256, Qwen3 and
-    1.4b-256 of 144 launches measured on the H100 (`scripts/probe_memory_passes.py`): 281 / 246 / 239
-    us against the gather-sum alone's 236 / 211 / 199 and the unfolded gather-sum, mm and add's
-    350 / 312 / 295. Through the row map of a TILE-order dX~ (`--row-map`, 60 launches): still the
-    best, 319.9 / - / 273.1 us against 240.1 / - / 203.1 and 352.1 / - / 299.1."""
+def gather_sum_product_launch(d: int, J: int, K: int) -> ProductLaunch:
+    """The product gather-sum's launch at row width d, inner size J and K rows a token (8 warps, R
+    resident up to J = 128, the rows loaded before the dot). A token block's K rows arrive in one
+    [K * BLOCK_T, BLOCK_D] load, so the block's shape follows K. Measured on the H100 through a
+    TILE-order row map (`scripts/probe_memory_passes.py --passes "dx + router" --row-map`), the
+    best of 12 launches at each K (us, against the gather-sum alone):
+    K = 2, 7b-1024: (32, 128, 4 waves) 86.8 / 84.2;  K = 4, 7b-512: (16, 128, 4 waves) 136.9 / 135.8;
+    K = 8, 7b-256 / 1.4b-256 / Qwen3 / 30b-512: (16, 256, 4 waves) 250.6 / 214.5 / 223.7 / 838.1
+    against 239.0 / 202.9 / 212.0 / 812.9;  K = 16, 30b-256: (32, 128, one block a program) 1797.5
+    / 1549.8."""
     block_j = max(16, min(128, pow2(J)))
     if INTERPRETED:
         return ProductLaunch(16, min(16, pow2(d)), min(block_j, 16), 4, 0, True)
-    return ProductLaunch(32, max(16, min(256, pow2(d))), block_j, 8, 4, False)  # tl.dot: N >= 16
+    k_pow2 = max(2, pow2(K))
+    # past K = 16 (not measured), the block keeps K = 16's 64 Ki elements of rows
+    block_t, block_d, waves = {2: (32, 128, 4), 4: (16, 128, 4), 8: (16, 256, 4), 16: (32, 128, 0)}.get(
+        k_pow2, (16, max(16, 4096 // k_pow2), 0))
+    return ProductLaunch(block_t, max(16, min(block_d, pow2(d))), block_j, 8, waves, False)  # tl.dot: N >= 16
 
 
 def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype,
@@ -871,7 +876,7 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
     if s is not None or lhs.shape != (T, J) or rhs.shape != (J, d) or lhs.dtype != rhs.dtype:
         raise ValueError(f"gather-sum product: L {tuple(lhs.shape)} {lhs.dtype} and R {tuple(rhs.shape)} {rhs.dtype} "
                          f"do not make a [{T}, {d}] term (or weights were given)")
-    lp = launch or gather_sum_product_launch(d, J)
+    lp = launch or gather_sum_product_launch(d, J, K)
     _gather_sum_product_kernel[lp.grid(T, d, _programs(y.device))](
         y, ids, offs, _or(row_map, ids), lhs, rhs, out, T, d, J, lhs.stride(0), lhs.stride(1), rhs.stride(0),
         rhs.stride(1), TOP_K=K, SLOTS=slots is not None, ROW_MAP=row_map is not None, BLOCK_T=lp.block_t,

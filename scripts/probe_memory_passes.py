@@ -84,10 +84,11 @@ def dx_with_router_term(T, d, E, K, rep, row_map=False, block_j=(64, 128), block
     plain = functools.partial(triton_moe.triton_moe_gather_sum, y_read, None, T, K, **rows_kw)
     rows = [(_time(lambda: plain(torch.bfloat16) + lhs @ rhs, rep), "unfolded: gather-sum, mm, add", nbytes)]
     rows.append((_time(lambda: plain(torch.bfloat16), rep), "the gather-sum alone", nbytes - T * E * 2))
-    current = triton_moe.gather_sum_product_launch(d, E)
+    current = triton_moe.gather_sum_product_launch(d, E, K)
     for bt, bd, bj, warps, waves, first in itertools.product((16, 32, 64), block_d, block_j, (4, 8),
                                                              (0, 4, 8), (True, False)):
-        if bd > triton.next_power_of_2(d) or bt * bd > 8192 or bj > max(16, triton.next_power_of_2(E)):
+        rows_tile = max(2, triton.next_power_of_2(K)) * bt * bd  # elements of the [K * BLOCK_T, BLOCK_D] row load
+        if bd > triton.next_power_of_2(d) or rows_tile > 65536 or bj > max(16, triton.next_power_of_2(E)):
             continue
         launch = triton_moe.ProductLaunch(bt, bd, bj, warps, waves, first)
         us = _time(lambda: plain(torch.bfloat16, product=(lhs, rhs), launch=launch), rep)

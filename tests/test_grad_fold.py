@@ -247,15 +247,17 @@ def test_gpu_fold_bf16_list_form(bias, caplog):
 @pytest.mark.gpu
 @pytest.mark.parametrize("slots,mapped", [(False, False), (True, False), (False, True), (True, True)],
                          ids=["dense", "slots", "dense-row-map", "slots-row-map"])
-@pytest.mark.parametrize("d,J", [(1536, 128), (768, 64), (200, 300)])
-def test_gpu_gather_sum_product_kernel(slots, mapped, d, J):
-    # the launcher's default launch in bf16: R resident (J <= 128) or in chunks (J = 300), d not a
-    # multiple of the block; against float32 sums of the same bf16 rows. mapped: each slot's row
-    # read through a row map (a random permutation into a larger buffer whose other rows are NaN),
-    # as the TILE-order dX~ is read (with [T, K] routing the kernel loads the map a block ahead)
+@pytest.mark.parametrize("d,J,K", [(1536, 128, 4), (768, 64, 4), (200, 300, 4), (1536, 32, 2), (640, 64, 3),
+                                   (1536, 128, 8), (1000, 256, 16), (512, 64, 32)])
+def test_gpu_gather_sum_product_kernel(slots, mapped, d, J, K):
+    # the launcher's default launch in bf16: R resident (J <= 128) or in chunks (J > 128), d not a
+    # multiple of the block, each K of the launch table (K = 3: a token block's row tile padded to
+    # 4); against float32 sums of the same bf16 rows. mapped: each slot's row read through a row map
+    # (a random permutation into a larger buffer whose other rows are NaN), as the TILE-order dX~ is
+    # read (with [T, K] routing the kernel loads the map a block ahead)
     from codegen import triton_moe
 
-    T, K = 3000, 4
+    T = 3000
     gen = torch.Generator(device="cuda").manual_seed(0)
     y = torch.randn(T * K, d, device="cuda", generator=gen).bfloat16()
     lhs = torch.randn(T, J, device="cuda", generator=gen).bfloat16()

@@ -649,10 +649,12 @@ def test_backward_parts_equal_the_one_op(tm, case):
 @pytest.mark.parametrize("slots", [False, True])
 @pytest.mark.parametrize("launch", [None, (16, 16, 16, 4, 1, False), (16, 32, 32, 4, 0, True)],
                          ids=["default", "walking-programs-chunked-R", "resident-R"])
-def test_gather_sum_with_a_product_term(tm, dtype, slots, launch):
+@pytest.mark.parametrize("K", [1, 3, 8])
+def test_gather_sum_with_a_product_term(tm, dtype, slots, launch, K):
     # out[t] = sum of token t's rows + L[t] @ R, T, d and J none a multiple of the blocks; programs
-    # that walk several token blocks, R in chunks or resident, the dot before or after the rows
-    T, K, d, J = 37, 3, 40, 23
+    # that walk several token blocks, R in chunks or resident, the dot before or after the rows;
+    # K rows a token that fill the [K_POW2 * BLOCK_T] row tile, leave half of it padding, or one row
+    T, d, J = 37, 40, 23
     gen = torch.Generator().manual_seed(9)
     y = torch.randn(T * K, d, generator=gen).to(dtype)
     lhs, rhs = torch.randn(T, J, generator=gen).to(dtype), torch.randn(J, d, generator=gen).to(dtype)
