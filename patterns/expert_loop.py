@@ -13,6 +13,18 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
         out.index_add_(0, tok, y.to(x.dtype))                     # or out = out.index_add(0, tok, y),
                                                                   #    out[tok] += y, out[tok] = out[tok] + y
 
+or a loop over the ids' columns around (or inside) the loop over experts, each expert called once
+per column on the rows that picked it there:
+
+    for k in range(K):
+        for e in range(E):
+            tok = torch.where(ids[:, k] == e)[0]                  # or the boolean mask ids[:, k] == e itself
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, k, None])   # or w[tok, k:k+1]; out[tok] += ...
+
+(every (e, k) pair once, expert e on the same weights for every k, the weights' column k as its
+mask's: the sum over all (token, k) slots, as the op sums them; K = 1 of `max(keepdim=True)`
+reads `ids[:, 0]` and `p[:, 0]` so),
+
 or top-1 (Switch Transformer): `p, ids = probs.max(dim=-1)` ([T] ids and weights), `tok, =
 torch.where(ids == e)` (or `.nonzero(as_tuple=True)`, or the boolean mask `m = ids == e` itself:
 `x[m]`, `p[m]`, `out[m]`), `y * p[tok, None]`, and `out[tok] = y` as well as the adds (with one
@@ -163,14 +175,28 @@ def _rows_of_mask(add: fx.Node) -> bool:
 
 
 def _expert_mask_shaped(mask) -> bool:
-    """`ids == e` with a constant int e, or `m[e]` of a permuted one_hot, where ids are a router's:
-    the indices output of a topk or a max."""
+    """`ids == e` (or `ids[:, k] == e`) with constant ints, or `m[e]` of a permuted one_hot, where
+    ids are a router's: the indices output of a topk or a max."""
     if is_call(mask, "eq", "__eq__") and len(mask.args) == 2:
         ids = [a for a in mask.args if isinstance(a, fx.Node)]
-        return (len(ids) == 1 and any(isinstance(a, int) and not isinstance(a, bool) for a in mask.args)
+        if len(ids) == 1 and _column(ids[0]) is not None:
+            ids = [_column(ids[0])[0]]
+        return (len(ids) == 1 and any(_is_int(a) for a in mask.args)
                 and is_call(getitem_of(ids[0], 1), "topk", "max"))
     one_hot = mask.args[0].args[0] if _is_index(mask) and is_call(mask.args[0], "permute") else None
     return is_call(one_hot, "one_hot") and is_call(getitem_of(one_hot.args[0], 1), "topk", "max")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _column(node) -> tuple[fx.Node, int] | None:
+    """(ids, k) when `node` is `ids[:, k]` with a constant int k."""
+    if not _is_index(node) or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2:
+        return None
+    rows, k = node.args[1]
+    return (node.args[0], k) if rows == slice(None) and _is_int(k) else None
 
 
 def _is_bool_mask(node) -> bool:
@@ -222,11 +248,19 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
     inplace = _check_accumulator(acc, chain, walk)
 
     experts: dict[int, ExpertMLP] = {}
+    columns: dict[int, list[int]] = {}  # per-k masks: the columns k each expert was added for
     xs, ids_nodes, weights_nodes, classes, extra = set(), set(), set(), set(), []
     for add in chain:
-        e, expert, x, ids, weights, num_classes, asserts = _check_expert_add(add, walk)
-        expect(e not in experts, f"expert {e} is added twice")
-        experts[e] = expert
+        e, k, expert, x, ids, weights, num_classes, asserts = _check_expert_add(add, walk)
+        if k is None:
+            expect(e not in experts, f"expert {e} is added twice")
+            experts[e] = expert
+        else:
+            expect(k not in columns.setdefault(e, []), f"expert {e} is added twice for column {k} of the ids")
+            expect(e not in experts or _same_weights(experts[e], expert),
+                   f"expert {e} runs on different weights for different columns of the ids")
+            experts.setdefault(e, expert)
+            columns[e].append(k)
         xs.add(x)
         ids_nodes.add(ids)
         weights_nodes.add(weights)
@@ -238,6 +272,11 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
     (x,), (topk_ids,), (topk_weights,) = xs, ids_nodes, weights_nodes
 
     E, K, flat = _loop_routing(topk_ids, walk)
+    expect(not columns or len(columns) == len(experts), "the loop mixes per-column masks (ids[:, k] == e) with others")
+    for e, ks in columns.items():
+        # sum over k and e of the rows where ids[:, k] == e: every (token, k) slot once, as the op sums them
+        expect(sorted(ks) == list(range(K)), f"expert {e} is added for the ids' columns {sorted(ks)}, not each of "
+               f"the K={K} columns")
     assigned = [add.name for add in chain if _parts(add).kind == "assign"]
     expect(not assigned or K == 1, f"{assigned[0] if assigned else ''} assigns its expert's rows (out[tok] = y) while "
            f"each token has K={K} experts: the last expert's rows would win, not their sum")
@@ -256,6 +295,17 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
     )
     match.flat_top1 = flat
     return match
+
+
+def _same_weights(a: ExpertMLP, b: ExpertMLP) -> bool:
+    """Two calls of one expert: the same projections (the same graph inputs, or the same slices W[e]
+    of the same stacked parameters), biases and activation."""
+    def key(node):
+        if isinstance(node, fx.Node) and _is_index(node) and _is_int(node.args[1]):
+            return node.args[0], node.args[1]  # W[e], a slice node of its own at each call
+        return node
+    parts = lambda ex: [key(n) for n in (ex.w_gate, ex.w_up, ex.w_down, *ex.biases)]  # noqa: E731
+    return parts(a) == parts(b) and a.slices == b.slices and a.act == b.act
 
 
 def _loop_routing(ids: fx.Node, walk: RegionWalk) -> tuple[int, int, bool]:
@@ -313,17 +363,18 @@ def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> 
 
 
 def _check_expert_add(add: fx.Node, walk: RegionWalk):
-    """(e, expert, x, ids, weights, one_hot num_classes, assert nodes) of
-    `out.index_add_(0, tok, experts[e](x[tok]) * w[tok, k, None])`."""
+    """(e, k, expert, x, ids, weights, one_hot num_classes, assert nodes) of
+    `out.index_add_(0, tok, experts[e](x[tok]) * w[tok, k, None])` (k: the column of a per-k mask
+    `ids[:, k] == e`, else None)."""
     tok, source = _parts(add)[:2]
-    if _is_bool_mask(tok):  # out[m] = ... with m = ids == e of top-1 [T] ids: the rows are those m selects
+    if _is_bool_mask(tok):  # out[m] = ... with m = ids == e of top-1 [T] ids (or ids[:, k] == e): the rows m selects
         where = tok
-        e, ids, tok_pos, num_classes = _expert_of_mask(tok, walk)
-        expect(len(shape_of(ids)) == 1, f"{add.name} indexes rows by a boolean mask of [T, K] ids")
+        e, ids, tok_pos, num_classes, k = _expert_of_mask(tok, walk)
+        expect(len(shape_of(ids)) == 1 or k is not None, f"{add.name} indexes rows by a boolean mask of [T, K] ids")
     else:
         where = tok.args[0] if _is_index(tok) else None
         expect(_is_where(where), f"{add.name} adds at rows that are not torch.where/nonzero indices")
-        e, ids, tok_pos, num_classes = _expert_of_mask(where.args[0], walk)
+        e, ids, tok_pos, num_classes, k = _expert_of_mask(where.args[0], walk)
         expect(tok.args[1] == tok_pos, f"{add.name} adds at the K positions of the mask, not its token positions")
         walk.mark(tok, where)
 
@@ -332,18 +383,19 @@ def _check_expert_add(add: fx.Node, walk: RegionWalk):
     expect(is_call(mul, "mul", "__mul__") and len(mul.args) == 2, f"expert {e}'s output is not scaled by the routing weights")
     scaled = None
     for y, scale in (mul.args, mul.args[::-1]):
-        weights = _routing_weight(scale, where, tok_pos, walk)
+        weights = _routing_weight(scale, where, tok_pos, walk, k)
         y = through_float_casts(y, walk) if weights is not None else None
         if is_call(y, "linear", "matmul", "mm", "__matmul__"):
             scaled = y, weights
             break
-    expect(scaled is not None, f"expert {e}'s output is not scaled by its top-k weights w[tok, k]")
+    expect(scaled is not None, f"expert {e}'s output is not scaled by its top-k weights w[tok, k]"
+           + (f" (the weights' column {k}, as its mask's)" if k is not None else ""))
     walk.mark(mul)
     y, weights = scaled
     expert = expert_mlp(y, walk, e, stacked=True)
     x = _rows_read(through_float_casts(expert.rows, walk), where, tok_pos, walk)
     expect(x is not None, f"expert {e} does not read the rows x[tok] of its tokens")
-    return e, expert, x, ids, weights, num_classes, _size_asserts(where, walk)
+    return e, k, expert, x, ids, weights, num_classes, _size_asserts(where, walk)
 
 
 def _rows_read(rows: fx.Node, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx.Node | None:
@@ -378,18 +430,28 @@ def _is_index(node, of=None, pos=None) -> bool:
     return of is None or (node.args[0] is of and node.args[1] == pos)
 
 
-def _expert_of_mask(mask_e, walk: RegionWalk) -> tuple[int, fx.Node, int, int | None]:
-    """(e, ids, which output of torch.where is the token, one_hot's num_classes) for the mask of
-    one expert: `mask[e]` with mask = one_hot(ids, E).permute(2, 1, 0) (or (2, 0, 1)), or `ids == e`."""
+def _expert_of_mask(mask_e, walk: RegionWalk) -> tuple[int, fx.Node, int, int | None, int | None]:
+    """(e, ids, which output of torch.where is the token, one_hot's num_classes, k) for the mask of
+    one expert: `mask[e]` with mask = one_hot(ids, E).permute(2, 1, 0) (or (2, 0, 1)), `ids == e`,
+    or `ids[:, k] == e` (a loop over k around the loop over experts: k is the column it selects,
+    None for the other masks)."""
     if is_call(mask_e, "eq", "__eq__"):  # ids == e: [T, K] -> (tok, k)
         ids, e = mask_e.args
         if isinstance(ids, int):
             ids, e = e, ids
-        expect(isinstance(e, int) and not isinstance(e, bool), "experts are selected by ids == <not a constant>")
+        expect(_is_int(e), "experts are selected by ids == <not a constant>")
+        column = _column(ids)
+        if column is not None:  # ids[:, k] == e: [T] -> (tok,)
+            walk.mark(ids)
+            ids, k = column
+            expect(len(shape_of(ids)) == 2 and 0 <= k < shape_of(ids)[1],
+                   f"experts are selected from column {k} of something that is not [T, K] ids")
+        else:
+            k = None
         expect(len(shape_of(ids)) in (1, 2) and not dtype_of(ids).is_floating_point,
                "experts are selected from something that is not [T, K] (or top-1 [T]) ids")
         walk.mark(mask_e)
-        return e, ids, 0, None
+        return e, ids, 0, None, k
     permuted = mask_e.args[0] if _is_index(mask_e) else None
     e = mask_e.args[1] if permuted is not None else None
     expect(is_call(permuted, "permute") and isinstance(e, int), "rows are not selected by mask[e] or ids == e")
@@ -402,19 +464,32 @@ def _expert_of_mask(mask_e, walk: RegionWalk) -> tuple[int, fx.Node, int, int | 
     expect(isinstance(num_classes, int) and num_classes > 0, "one_hot has no explicit num_classes")
     walk.mark(mask_e, permuted, one_hot)
     # [E, K, T] -> torch.where gives (k, tok); [E, T, K] -> (tok, k)
-    return e, one_hot.args[0], 1 if dims == (2, 1, 0) else 0, num_classes
+    return e, one_hot.args[0], 1 if dims == (2, 1, 0) else 0, num_classes, None
 
 
-def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx.Node | None:
+def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk, column: int | None = None) -> fx.Node | None:
     """The [T, K] weights w when `scale` is w[tok, k, None], w[tok, k].unsqueeze(-1) or
-    w[tok, k][:, None] (casts anywhere), with (tok, k) this expert's torch.where outputs."""
+    w[tok, k][:, None] (casts anywhere), with (tok, k) this expert's torch.where outputs. With a
+    per-k mask (`column`: ids[:, column] == e), k is that constant column, and w[tok, k:k+1]
+    is also taken, as is v[tok, None] of the column v = w[:, k] (top-1 `max(keepdim=True)`
+    values and ids, each taken at column 0)."""
     # torch.where of top-1 [T] ids: (tok,), or a boolean mask of them; weights w [T]
-    flat = _is_bool_mask(where) or len(example_value(where)) == 1
+    flat = column is None and (_is_bool_mask(where) or len(example_value(where)) == 1)
 
     def picks_rows(node, extra=()):
         if not _is_index(node):
             return False
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if column is not None:  # w[tok, k] (then broadcast), w[tok, k, None] or w[tok, k:k+1], k the mask's column
+            if _column(node.args[0]) is not None and _column(node.args[0])[1] == column:  # w[:, k][tok, None]
+                return len(index) == 1 + len(extra) and _selects(index[0], where, 0) and tuple(index[1:]) == extra
+            if len(index) != 2 + len(extra) and not (extra == (None,) and len(index) == 2):
+                return False
+            if not _selects(index[0], where, 0):
+                return False
+            if extra == (None,) and len(index) == 2:
+                return index[1] == slice(column, column + 1, None)
+            return _is_int(index[1]) and index[1] == column and tuple(index[2:]) == extra
         if flat:  # w[tok] (then broadcast) or w[tok, None]
             return len(index) == 1 + len(extra) and _selects(index[0], where, 0) and tuple(index[1:]) == extra
         if len(index) != 2 + len(extra):
@@ -434,10 +509,13 @@ def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx
             return None
         nodes.append(scale)
     w = scale.args[0]  # as the loop reads it, casts included
+    if column is not None and _column(w) is not None:  # the column w[:, k] of [T, K] weights
+        nodes.append(w)
+        w = _column(w)[0]
     if len(shape_of(w)) != (1 if flat else 2) or dtype_of(w) is None or not dtype_of(w).is_floating_point:
         return None
     index = scale.args[1] if isinstance(scale.args[1], tuple) else (scale.args[1],)
-    walk.mark(*nodes, *(i for i in index[:1 if flat else 2] if i is not where))
+    walk.mark(*nodes, *(i for i in index[:1 if flat or column is not None else 2] if i is not where))
     return w
 
 

@@ -266,6 +266,61 @@ class SplitLoopMoE(LoopMoE):
         return out
 
 
+class PerKLoopMoE(Router):
+    """A loop over the ids' columns around the loop over experts (or inside it): the rows where
+    `ids[:, k] == e`, expert e on them, scaled by column k of the weights, added to the output.
+
+    order:   "k_outer" (for k: for e) or "e_outer" (for e: for k)
+    where:   "where" (tok = torch.where(ids[:, k] == e)[0]), "nonzero" (.nonzero(as_tuple=True)[0]),
+             "mask" (the boolean mask itself: x[m], w[m, k, None]; with combine="setitem_iadd")
+    scale:   "index_none" (w[tok, k, None]), "slice" (w[tok, k:k+1]), "unsqueeze" (w[tok, k].unsqueeze(-1))
+    combine: "inplace" (out.index_add_) or "setitem_iadd" (out[tok] += y)
+    columns: the columns k visited (default all K); weight_shift: scale by column (k + shift) % K;
+    twin_for: the column k whose experts are another ModuleList (other weights, same shapes)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, experts="gated", order="k_outer", where="where", scale="index_none",
+                 combine="inplace", columns=None, weight_shift=0, twin_for=None, bias=False):
+        super().__init__(d, E, K)
+        self.experts = make_experts(experts, d, n, E, bias=bias)
+        self.twins = make_experts(experts, d, n, E, bias=bias) if twin_for is not None else None
+        self.order, self.where, self.scale, self.combine = order, where, scale, combine
+        self.columns = list(range(K)) if columns is None else columns
+        self.weight_shift, self.twin_for = weight_shift, twin_for
+
+    def _add(self, out, x, w, ids, k, e):
+        m = ids[:, k] == e
+        if self.where == "mask":
+            tok = m
+        elif self.where == "nonzero":
+            tok = m.nonzero(as_tuple=True)[0]
+        else:
+            tok = torch.where(m)[0]
+        experts = self.twins if k == self.twin_for else self.experts
+        y = experts[e](x[tok])
+        c = (k + self.weight_shift) % self.K
+        if self.scale == "slice":
+            y = y * w[tok, c:c + 1]
+        elif self.scale == "unsqueeze":
+            y = y * w[tok, c].unsqueeze(-1)
+        else:
+            y = y * w[tok, c, None]
+        if self.combine == "setitem_iadd":
+            out[tok] += y
+        else:
+            out.index_add_(0, tok, y)
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        pairs = [(k, e) for k in self.columns for e in range(self.E)]
+        if self.order == "e_outer":
+            pairs = [(k, e) for e in range(self.E) for k in self.columns]
+        for k, e in pairs:
+            self._add(out, x, w, ids, k, e)
+        return out
+
+
 class SwitchLoopMoE(Router):
     """Top-1 routing by max (Switch Transformer): `p, ids = probs.max(dim=-1)`, then the loop of
     `LoopMoE` over [T] ids.

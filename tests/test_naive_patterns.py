@@ -21,8 +21,8 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import (BmmMoE, DeepSeekRefMoE, DenseMoE, LoopMoE, RepeatLoopMoE, SplitLoopMoE, StackedLoopMoE,
-                           SwitchLoopMoE)
+from .naive_models import (BmmMoE, DeepSeekRefMoE, DenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
+                           StackedLoopMoE, SwitchLoopMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -132,6 +132,22 @@ def test_expert_loop_matches_eager(variant):
     assert layout.startswith("per-expert list"), layout
 
 
+PER_K_VARIANTS = {
+    "k_outer-where-index_none": dict(),
+    "e_outer-nonzero-slice-setitem_iadd": dict(order="e_outer", where="nonzero", scale="slice", combine="setitem_iadd"),
+    "mask-unsqueeze-top3": dict(where="mask", scale="unsqueeze", combine="setitem_iadd", K=3),
+    "mask-setitem_iadd-fused-bias": dict(where="mask", combine="setitem_iadd", experts="fused", bias=True),
+    "non-gated-e_outer-where": dict(experts="plain", order="e_outer"),
+}
+
+
+@pytest.mark.parametrize("variant", PER_K_VARIANTS)
+def test_expert_loop_per_column_matches_eager(variant):
+    # for k in range(K): for e in range(E): rows where ids[:, k] == e, scaled by w[:, k]: every
+    # (token, k) slot once, the op's sum
+    _check_rewrite(PerKLoopMoE(**PER_K_VARIANTS[variant]), "expert_loop")
+
+
 REPEAT_VARIANTS = {
     "deepseek-moe": dict(),  # its modeling code's training path, as published
     "function-shared-mask-zeros": dict(spelling="function"),
@@ -194,6 +210,9 @@ SWITCH_VARIANTS = {
     "assign_slice-nonzero-rows_slice": dict(combine="assign_slice", where="nonzero", rows="slice"),
     "iadd-unsqueeze-gated": dict(combine="iadd", scale="unsqueeze", experts="gated"),
     "index_add-fused-no_bias": dict(combine="index_add", experts="fused", bias=False),
+    # max(keepdim=True) then ids[:, 0] and p[:, 0]: the per-column form of a top-1 (K = 1)
+    "keepdim-column-eq": dict(keepdim=True),
+    "keepdim-column-mask-iadd": dict(keepdim=True, where="mask", combine="iadd"),
 }
 
 
@@ -508,6 +527,10 @@ NEGATIVE = {
     "bmm-ungated": (lambda: BmmMoE(gate_on="none"), "the experts are not gated"),
     "bmm-gated-twice": (lambda: BmmMoE(gate_on="both"), "gated on both"),
     # zeros_like: the rows of the expert left out stay defined in eager
+    "per-k-weight-column-shifted": (lambda: PerKLoopMoE(weight_shift=1), "(the weights' column 0, as its mask's)"),
+    "per-k-column-missing": (lambda: PerKLoopMoE(K=3, columns=[0, 2]), "not each of the K=3 columns"),
+    "per-k-column-twice": (lambda: PerKLoopMoE(columns=[0, 1, 1]), "added twice for column 1"),
+    "per-k-other-experts-for-a-column": (lambda: PerKLoopMoE(twin_for=1), "runs on different weights for different columns"),
     "repeat-subset": (lambda: RepeatLoopMoE(spelling="function", experts_used=[0, 1, 3]), "not every expert"),
     "repeat-reads-other-rows": (lambda: RepeatLoopMoE(read_flipped=True), "does not read the repeated rows"),
     "repeat-rows-returned": (lambda: RepeatLoopMoE(y_read=True), "read 2 times besides the loop's writes"),
@@ -550,15 +573,10 @@ class _TokenSetitem(torch.nn.Module):
         return e
 
 
-@pytest.mark.parametrize("case", ["embedding-setitem", "top1-max-keepdim-column"])
-def test_setitem_off_a_routers_ids_is_no_candidate(case):
+def test_setitem_off_a_routers_ids_is_no_candidate():
     # the setitem spellings of the loop are candidates only on the indices output of a topk or a
-    # max: a token-id setitem outside any MoE, and a top-1 loop over max(keepdim=True)[:, 0], are
-    # left as they are with nothing reported
-    if case == "embedding-setitem":
-        model, inputs = _TokenSetitem(), (torch.tensor([1, 3, 4, 3, 2, 4]), torch.randn(2, D))
-    else:
-        model, inputs = SwitchLoopMoE(keepdim=True), _inputs()[:1]
+    # max (or a column of them): a token-id setitem outside any MoE is left as it is, nothing reported
+    model, inputs = _TokenSetitem(), (torch.tensor([1, 3, 4, 3, 2, 4]), torch.randn(2, D))
     with torch._dynamo.config.patch(**{FLAG: True}), torch.no_grad(), moe_compiler.capture() as report:
         got = _compile(model)(*inputs)
         want = model(*inputs)
