@@ -5,7 +5,9 @@ Question: what does `backend="sonic"` buy a user who wrote their MoE as a Mixtra
 
     python benchmarks/bench_naive.py --shapes mixtral,olmoe --out out/naive
     python benchmarks/bench_naive.py --spelling gathered --shapes gpt-oss-20b-64,gpt-oss-20b-256
+    python benchmarks/bench_naive.py --spelling per-column --shapes olmoe
 
+`--spelling per-column` loops over the top-k columns around the experts loop (K times E expert calls).
 `--spelling gathered` times gpt-oss's reference `MLPBlock` instead (stacked weights and biases
 gathered per token, `W1[ids, ...]`, and contracted by einsum; interleaved gate/up, clamped SwiGLU):
 eager copies T K (3 n d) weight elements a step, and a step that does not fit is reported as OOM.
@@ -81,6 +83,21 @@ class NaiveMoE(nn.Module):
         return out
 
 
+class PerColumnMoE(NaiveMoE):
+    """The same experts looped once per top-k column: `for k: for e: tok = torch.where(ids[:, k] == e)`."""
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        w, ids = torch.topk(probs, self.K, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for k in range(self.K):
+            for e in range(self.E):
+                tok = torch.where(ids[:, k] == e)[0]
+                out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
+        return out
+
+
 class GatheredMoE(nn.Module):
     """gpt-oss's reference `MLPBlock` (openai/gpt-oss, torch/model.py), without its norm and residual."""
 
@@ -104,7 +121,7 @@ class GatheredMoE(nn.Module):
         return torch.einsum("bec,be->bc", t, weights)
 
 
-SPELLINGS = {"loop": NaiveMoE, "gathered": GatheredMoE}
+SPELLINGS = {"loop": NaiveMoE, "per-column": PerColumnMoE, "gathered": GatheredMoE}
 
 
 def build(name, model):

@@ -775,6 +775,19 @@ def test_expert_loop_top1_max_gpu_bf16(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["k_outer-where-index_none", "e_outer-nonzero-slice-setitem_iadd",
+                                     "mask-setitem_iadd-fused-bias"])
+def test_expert_loop_per_column_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: PerKLoopMoE(**PER_K_VARIANTS[variant]), "expert_loop")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["keepdim-column-eq"])
+def test_expert_loop_top1_keepdim_column_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: SwitchLoopMoE(**SWITCH_VARIANTS[variant]), "expert_loop")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices", "softmax_neg_inf-stack_sum",
                                      "bias-scatter-stack_sum"])
 def test_dense_experts_gpu_bf16(variant):
