@@ -249,12 +249,14 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
 
     experts: dict[int, ExpertMLP] = {}
     columns: dict[int, list[int]] = {}  # per-k masks: the columns k each expert was added for
+    whole: set[int] = set()  # experts added once, with a mask over all their slots
     xs, ids_nodes, weights_nodes, classes, extra = set(), set(), set(), set(), []
     for add in chain:
         e, k, expert, x, ids, weights, num_classes, asserts = _check_expert_add(add, walk)
         if k is None:
             expect(e not in experts, f"expert {e} is added twice")
             experts[e] = expert
+            whole.add(e)
         else:
             expect(k not in columns.setdefault(e, []), f"expert {e} is added twice for column {k} of the ids")
             expect(e not in experts or _same_weights(experts[e], expert),
@@ -272,7 +274,7 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
     (x,), (topk_ids,), (topk_weights,) = xs, ids_nodes, weights_nodes
 
     E, K, flat = _loop_routing(topk_ids, walk)
-    expect(not columns or len(columns) == len(experts), "the loop mixes per-column masks (ids[:, k] == e) with others")
+    expect(not columns or not whole, "the loop mixes per-column masks (ids[:, k] == e) with masks over all the ids")
     for e, ks in columns.items():
         # sum over k and e of the rows where ids[:, k] == e: every (token, k) slot once, as the op sums them
         expect(sorted(ks) == list(range(K)), f"expert {e} is added for the ids' columns {sorted(ks)}, not each of "

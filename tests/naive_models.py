@@ -276,17 +276,18 @@ class PerKLoopMoE(Router):
     scale:   "index_none" (w[tok, k, None]), "slice" (w[tok, k:k+1]), "unsqueeze" (w[tok, k].unsqueeze(-1))
     combine: "inplace" (out.index_add_) or "setitem_iadd" (out[tok] += y)
     columns: the columns k visited (default all K); weight_shift: scale by column (k + shift) % K;
-    twin_for: the column k whose experts are another ModuleList (other weights, same shapes)
+    twin_for: the column k whose experts are another ModuleList (other weights, same shapes);
+    whole_too: an expert also added once over all its slots (`torch.where(ids == e)`), before the loops
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", order="k_outer", where="where", scale="index_none",
-                 combine="inplace", columns=None, weight_shift=0, twin_for=None, bias=False):
+                 combine="inplace", columns=None, weight_shift=0, twin_for=None, bias=False, whole_too=None):
         super().__init__(d, E, K)
         self.experts = make_experts(experts, d, n, E, bias=bias)
         self.twins = make_experts(experts, d, n, E, bias=bias) if twin_for is not None else None
         self.order, self.where, self.scale, self.combine = order, where, scale, combine
         self.columns = list(range(K)) if columns is None else columns
-        self.weight_shift, self.twin_for = weight_shift, twin_for
+        self.weight_shift, self.twin_for, self.whole_too = weight_shift, twin_for, whole_too
 
     def _add(self, out, x, w, ids, k, e):
         m = ids[:, k] == e
@@ -316,6 +317,9 @@ class PerKLoopMoE(Router):
         pairs = [(k, e) for k in self.columns for e in range(self.E)]
         if self.order == "e_outer":
             pairs = [(k, e) for e in range(self.E) for k in self.columns]
+        if self.whole_too is not None:
+            tok, k = torch.where(ids == self.whole_too)
+            out.index_add_(0, tok, self.experts[self.whole_too](x[tok]) * w[tok, k, None])
         for k, e in pairs:
             self._add(out, x, w, ids, k, e)
         return out

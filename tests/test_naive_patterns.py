@@ -530,6 +530,7 @@ NEGATIVE = {
     "per-k-weight-column-shifted": (lambda: PerKLoopMoE(weight_shift=1), "(the weights' column 0, as its mask's)"),
     "per-k-column-missing": (lambda: PerKLoopMoE(K=3, columns=[0, 2]), "not each of the K=3 columns"),
     "per-k-column-twice": (lambda: PerKLoopMoE(columns=[0, 1, 1]), "added twice for column 1"),
+    "per-k-and-whole-mask": (lambda: PerKLoopMoE(whole_too=0), "mixes per-column masks"),
     "per-k-other-experts-for-a-column": (lambda: PerKLoopMoE(twin_for=1), "runs on different weights for different columns"),
     "repeat-subset": (lambda: RepeatLoopMoE(spelling="function", experts_used=[0, 1, 3]), "not every expert"),
     "repeat-reads-other-rows": (lambda: RepeatLoopMoE(read_flipped=True), "does not read the repeated rows"),
