@@ -830,8 +830,9 @@ def gather_sum_product_launch(d: int, J: int, K: int) -> ProductLaunch:
     """The product gather-sum's launch at row width d, inner size J and K rows a token (8 warps, R
     resident up to J = 128, the rows loaded before the dot). A token block's K rows arrive in one
     [K * BLOCK_T, BLOCK_D] load, so the block's shape follows K. Measured on the H100 through a
-    TILE-order row map (`scripts/probe_memory_passes.py --passes "dx + router" --row-map`), the
-    best of 12 launches at each K (us, against the gather-sum alone):
+    TILE-order row map (docs/BENCHMARKS.md, thirty-second session; `scripts/probe_memory_passes.py
+    --passes "dx + router" --row-map` sweeps the same launches), the best of 12 launches at each
+    shape but OLMoE (J = 64: 211.8 us at BLOCK_D 128, 217.5 at 256) (us, against the gather-sum alone):
     K = 2, 7b-1024: (32, 128, 4 waves) 86.8 / 84.2;  K = 4, 7b-512: (16, 128, 4 waves) 136.9 / 135.8;
     K = 8, 7b-256 / 1.4b-256 / Qwen3 / 30b-512: (16, 256, 4 waves) 250.6 / 214.5 / 223.7 / 838.1
     against 239.0 / 202.9 / 212.0 / 812.9;  K = 16, 30b-256: (32, 128, one block a program) 1797.5
