@@ -175,12 +175,18 @@ def _blocks(T, E, k, block_t, num_warps, forward=True):
     took 11.4 us with 8 scores a thread against 17.2 with 32 (4096 on 4 warps); the backward took
     19.8 us with 8 against 16.3 with 32, so it keeps 4096 on 4. At E = 256, k = 16, every forward
     launch from 8 to 32 scores a thread was within 7% (67-72 us). Below E = 128 the forward takes
-    the same 8 a thread, not measured there."""
+    the same 8 a thread, not measured there. The backward reads the k selected logits by their ids
+    (softmax first aside) and is a memory pass: up to E = 128, 2048 scores a program on 2 warps, 6.6
+    and 10.2 us at T = 24576 and 40960 (k = 8, top-k first) against 7.7 and 11.6 with 4096 on 4, the
+    best of BLOCK_T 16-128 x 2-8 warps (`bench_router.py --blocks 16,32,64,128 --warps 2,4,8`)."""
     BLOCK_E = pow2(E)
-    narrow = forward and BLOCK_E <= 128
+    narrow = BLOCK_E <= 128
     BLOCK_T = block_t or max(1, min(64, (2048 if narrow else 4096) // BLOCK_E))
     if num_warps is None:
-        num_warps = max(1, min(8, BLOCK_T * BLOCK_E // 256)) if narrow else 4
+        if not narrow:
+            num_warps = 4
+        else:
+            num_warps = max(1, min(8, BLOCK_T * BLOCK_E // 256)) if forward else 2
     return BLOCK_T, BLOCK_E, pow2(k), (T + BLOCK_T - 1) // BLOCK_T, num_warps
 
 

@@ -228,6 +228,32 @@ def test_interpreted_kernel_ranks_special_values_as_torch_topk(kernels, dtype):
     torch.testing.assert_close(got_w, ref_w, equal_nan=True)
 
 
+@pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
+def test_interpreted_backward_with_nan_logits_as_reference(kernels, name, k, kw, bias):
+    """NaN logits, one a row (selected: top-k ranks NaN above every number) and five in a row (more than
+    k: some left out; sigmoid(NaN) and a softmax over a NaN are NaN): the backward's every
+    column (the unselected ones, stored first, and the k selected ones over them) equals the
+    reference's, NaN where its is NaN; where the unselected columns' gradient is 0 by the formula (top-k
+    first, sigmoid), a zero where its is a zero (after softmax -> top-k with renorm, it is -p times a
+    sum that is 0 up to rounding, which two summation orders round differently)."""
+    torch.manual_seed(11)
+    E = 6
+    k = E if name == "k=E" else k
+    logits = torch.randn(9, E)
+    logits[1, 4] = float("nan")
+    logits[6, 0] = float("nan")
+    logits[3, 1:] = float("nan")  # more NaNs than k: top-k ranks them first, and leaves some out
+    args = _args(E, k, kw, bias, torch.float32)
+    _, ids = torch_router_fwd(logits, *args)
+    g = torch.randn(9, k)
+    want = torch_router_bwd(g, logits, ids, *_bwd_args(args))
+    got = kernels.triton_router_bwd(g, logits, ids, *_bwd_args(args), block_t=4)
+    assert torch.equal(got.isnan(), want.isnan())
+    if kw.get("topk_first") or kw.get("score") == "sigmoid":
+        assert torch.equal(got == 0, want == 0)
+    torch.testing.assert_close(got, want, equal_nan=True, **_KTOL[torch.float32])
+
+
 @triton.jit
 def _keys_kernel(x_ptr, y_ptr, key_ptr, N: tl.constexpr, KEYS: tl.constexpr):
     """For a row of N floats: key = `_order_keys(x)`, y = `_key_value(key)`."""

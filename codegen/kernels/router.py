@@ -229,7 +229,7 @@ def _route_fwd_kernel(
 def _route_bwd_kernel(
     grad_w_ptr,  # [T, K] any float: d loss / d topk_weights
     logits_ptr,  # [T, E] fp32/fp16/bf16, rows contiguous (the forward's input)
-    ids_ptr,  # [T, K] int64: the forward's topk_ids
+    ids_ptr,  # [T, K] int64: the forward's topk_ids (K distinct experts a row)
     dlogits_ptr,  # [T, E] logits dtype: d loss / d logits
     T, E,
     stride_g_t, stride_l_t, stride_i_t, stride_d_t,
@@ -242,10 +242,17 @@ def _route_bwd_kernel(
         g_b = c g                                    (scale c)
         renorm, S = sum(b) + eps, w = b / S:  g_b = (g_b - <g_b, w>) / S
         CLAMP, S = max(sum(b) + eps, m):     g_b = (g_b - [sum(b) + eps >= m] <g_b, w>) / S
-        softmax -> topk: G = scatter(g_b) [E],  dl = p * (G - <G, p>)
+        softmax -> topk: G = scatter(g_b) [E],  dl = p * (G - <G, p>) = p * (G - <g_b, b>)
         sigmoid -> topk: G = scatter(g_b),      dl = G * s * (1 - s)
         topk -> softmax: dv = b * (g_b - <g_b, b>), dl = scatter(dv)
-    """
+
+    Everything but softmax -> topk's p is a [BLOCK_T, K] tile: the K selected logits are gathered
+    by their ids (b_j is the score at column ids[j], computed as the forward computes it there), so
+    no reduction runs over E to find them. The [BLOCK_T, E] result is stored in two passes: every
+    column's value for an unselected expert (0, -p <g_b, b> after softmax -> topk, NaN where sigmoid
+    -> topk has a NaN logit), then, after a barrier that orders the two stores of one address, the K
+    selected columns' own values. (Before, a reduction over E per pick found each b_j and another
+    scattered g_b: 18.4 us of a 7b-256 step on the H100, T = 24576, E = 128, K = 8.)"""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     kcols = tl.arange(0, BLOCK_K)
@@ -253,23 +260,24 @@ def _route_bwd_kernel(
     rows64 = rows.to(tl.int64)
     full = rmask[:, None] & cmask[None, :]
     tile_k = rmask[:, None] & kmask[None, :]
-    x = _rnd(tl.load(logits_ptr + rows64[:, None] * stride_l_t + cols[None, :], mask=full, other=0.0).to(tl.float32),
-             COMPUTE, ROUND)
-    ids = tl.load(ids_ptr + rows64[:, None] * stride_i_t + kcols[None, :], mask=tile_k, other=-1)
+    ids = tl.load(ids_ptr + rows64[:, None] * stride_i_t + kcols[None, :], mask=tile_k, other=0)
+    l_rows = logits_ptr + rows64[:, None] * stride_l_t
+    x_sel = _rnd(tl.load(l_rows + ids, mask=tile_k, other=0.0).to(tl.float32), COMPUTE, ROUND)
     g = tl.load(grad_w_ptr + rows64[:, None] * stride_g_t + kcols[None, :], mask=tile_k, other=0.0).to(tl.float32)
     if TOPK_FIRST:
-        s = x
-    else:
-        s = _scores(x, cmask, COMPUTE, ROUND, SOFTMAX)
-    b = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-    for j in range(K):
-        id_j = tl.sum(tl.where(kcols[None, :] == j, ids, 0), 1)
-        b_j = tl.sum(tl.where(cols[None, :] == id_j[:, None], s, 0.0), 1)
-        b = tl.where(kcols[None, :] == j, b_j[:, None], b)
-    if TOPK_FIRST:
-        v = tl.where(kmask[None, :], b, float("-inf"))
+        v = tl.where(kmask[None, :], x_sel, float("-inf"))
         ev = tl.exp(v - tl.max(v, 1)[:, None])
         b = _rnd(ev / tl.sum(ev, 1)[:, None], COMPUTE, ROUND)
+    elif SOFTMAX:  # the whole row's softmax: p at every column, its max and sum for the selected ones
+        x = _rnd(tl.load(l_rows + cols[None, :], mask=full, other=0.0).to(tl.float32), COMPUTE, ROUND)
+        xm = tl.where(cmask[None, :], x, float("-inf"))
+        row_max = tl.max(xm, 1)
+        ex = tl.exp(xm - row_max[:, None])
+        row_sum = tl.sum(ex, 1)
+        p = _rnd(ex / row_sum[:, None], COMPUTE, ROUND)
+        b = _rnd(tl.exp(x_sel - row_max[:, None]) / row_sum[:, None], COMPUTE, ROUND)  # p at the ids, as computed there
+    else:
+        b = _rnd(tl.sigmoid(x_sel), COMPUTE, ROUND)
     b = tl.where(kmask[None, :], b, 0.0)
     g = g * scale
     if RENORM:
@@ -282,18 +290,19 @@ def _route_bwd_kernel(
         else:
             w = b / den[:, None]
             g = (g - tl.sum(g * w, 1)[:, None]) / den[:, None]
+    out_dtype = dlogits_ptr.dtype.element_ty
+    d_rows = dlogits_ptr + rows64[:, None] * stride_d_t
     if TOPK_FIRST:
-        g = b * (g - tl.sum(g * b, 1)[:, None])
-    grad = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for j in range(K):
-        id_j = tl.sum(tl.where(kcols[None, :] == j, ids, 0), 1)
-        g_j = tl.sum(tl.where(kcols[None, :] == j, g, 0.0), 1)
-        grad += tl.where(cols[None, :] == id_j[:, None], g_j[:, None], 0.0)
-    if not TOPK_FIRST:
-        if SOFTMAX:
-            grad = s * (grad - tl.sum(grad * s, 1)[:, None])
-        else:
-            grad = grad * s * (1.0 - s)
-    grad = _rnd(grad, COMPUTE, ROUND)
-    tl.store(dlogits_ptr + rows64[:, None] * stride_d_t + cols[None, :], grad.to(dlogits_ptr.dtype.element_ty),
-             mask=full)
+        sel = b * (g - tl.sum(g * b, 1)[:, None])
+        rest = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    elif SOFTMAX:
+        dot = tl.sum(tl.where(kmask[None, :], g * b, 0.0), 1)[:, None]  # <G, p>: G is g_b at the ids, 0 elsewhere
+        sel = b * (g - dot)
+        rest = p * (0.0 - dot)
+    else:  # 0 * s (1 - s) at an unselected column: 0, or NaN where its logit is NaN, as eager gives
+        sel = g * b * (1.0 - b)
+        x = tl.load(l_rows + cols[None, :], mask=full, other=0.0)
+        rest = tl.where(x != x, float("nan"), 0.0)
+    tl.store(d_rows + cols[None, :], _rnd(rest, COMPUTE, ROUND).to(out_dtype), mask=full)
+    tl.debug_barrier()  # this program's stores of the unselected values land before the selected ones
+    tl.store(d_rows + ids, _rnd(sel, COMPUTE, ROUND).to(out_dtype), mask=tile_k)
