@@ -890,12 +890,16 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
 
 
 def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, top_k, activation, interleaved,
-                    alpha, limit, row_token=None, **_):
-    """(dH [TK, w1_out], A' = s A [TK, n], dS float32 [TK] in slot order) from dA' = gather(dO) W2."""
+                    alpha, limit, row_token=None, ds_dtype=torch.float32, **_):
+    """(dH [TK, w1_out], A' = s A [TK, n], dS [TK] in slot order) from dA' = gather(dO) W2.
+
+    dS is summed in float32 and stored in `ds_dtype`, rounded once: the router weights' own dtype
+    where nothing is added to it, which spares the backward a cast of [TK] (and its launch)."""
     T, d = grad_out.shape
     E = offsets.numel() - 1
     TK = sorted_rows.numel()
-    ds = torch.zeros(TK, dtype=torch.float32, device=h.device)  # padding slots (slot form) stay 0
+    # every slot of [T, K] routing is some expert's row; the slot form's padding slots are not, and stay 0
+    ds = (torch.zeros if row_token is not None else torch.empty)(TK, dtype=ds_dtype, device=h.device)
     if TK == 0:
         return torch.empty_like(h), h.new_empty(TK, n), ds
     # dA' [TK, n] = gather(dO) @ W2[e]: the up-projection kernel with W2 read as (e, out=n, in=d)
@@ -1301,11 +1305,14 @@ def _bwd_routing(x, topk_ids, topk_weights, sorted_rows, expert_offsets, slot_to
 
 
 def _bwd_act(r: _BwdRouting, grad_out, x, W1: Bank, W2: Bank, b1, b2, h, *, n, **flags):
-    """(dH [TK, w1_out], A' = s A [TK, n], dS float32 [TK] in slot order, <dO, b2> included)."""
+    """(dH [TK, w1_out], A' = s A [TK, n], dS [TK] in slot order, <dO, b2> included): dS in the router
+    weights' dtype, or float32 where <dO, b2> is added to it."""
     T, E = x.shape[0], r.kernel_args["offsets"].numel() - 1
     if h.numel() == 0 and r.topk_ids.numel() > 0:  # the forward ran without save_h: recompute H (A is not needed)
         h, _ = triton_moe_up(x, W1, b1, n=n, store_a=False, **r.kernel_args, **flags)
-    dh, a_scaled, ds = triton_moe_dact(grad_out, W2, h, r.topk_weights.reshape(-1), n=n, **r.kernel_args, **flags)
+    ds_dtype = r.topk_weights.dtype if b2 is None else torch.float32
+    dh, a_scaled, ds = triton_moe_dact(grad_out, W2, h, r.topk_weights.reshape(-1), n=n, ds_dtype=ds_dtype,
+                                       **r.kernel_args, **flags)
     if b2 is not None:  # dS also gets <dO[t], b2[e]>: one [T, E] product, read at each slot's (token, expert)
         dob2 = (grad_out.float() @ b2.float().t()).reshape(-1)
         tok = tokens_of_slots(r.topk_ids, r.slot_token).clamp(max=T - 1)  # padding slots may carry T

@@ -489,6 +489,28 @@ def test_slot_form_padding_anywhere(tm):
     assert torch.equal(dw[[1, 6, 7, 12]], torch.zeros(4))
 
 
+@pytest.mark.parametrize("form", ["topk", "slots"])
+def test_router_weight_grad_stored_in_its_dtype(tm, form):
+    """The activation-gradient pass sums dS in float32 and stores it in the dtype asked for (the
+    router weights', where no bias term is added after): equal to the float32 dS rounded once, as a
+    cast after it gave; the slot form's padding slots 0 (they are not written, so the buffer starts
+    at 0 there, and only there)."""
+    inputs, go = _make(9, 32, 16, 4, 2, torch.float16, seed=3)
+    if form == "slots":
+        inputs = _slot_form(inputs, drop=(1, 6, 7))
+    _, h, rows, offs = tm.triton_moe_experts_fwd(**inputs, save_h=True, **_FLAGS)
+    r = tm._bwd_routing(inputs["x"], inputs["topk_ids"], inputs["topk_weights"], rows, offs,
+                        inputs.get("slot_token"))
+    _, W2 = tm._stacked_banks(inputs["w1"], inputs["w2"], False)
+    ds = {dtype: tm.triton_moe_dact(go, W2, h, r.topk_weights.reshape(-1), n=16, ds_dtype=dtype, **r.kernel_args,
+                                    **_FLAGS)[2] for dtype in (torch.float16, torch.float32)}
+    assert ds[torch.float16].dtype == torch.float16 and ds[torch.float32].dtype == torch.float32
+    assert torch.equal(ds[torch.float16], ds[torch.float32].to(torch.float16))
+    if form == "slots":
+        assert torch.equal(ds[torch.float32][[1, 6, 7]], torch.zeros(3))
+    assert bool((ds[torch.float32] != 0).sum() >= ds[torch.float32].numel() - 3)
+
+
 @pytest.mark.parametrize("bad", ["unsorted", "out_of_range"])
 def test_slot_form_bad_tokens_raise(tm, bad):
     """The kernels rely on sorted, in-range slot tokens: a device-side assert, never a wrong answer."""

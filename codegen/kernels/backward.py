@@ -26,7 +26,7 @@ def _act_grad_kernel(
     offsets_ptr,  # [E+1] int32; rows from offsets[E] on are padding (slot form) and are skipped
     dh_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order, H's gate/up layout
     a_scaled_ptr,  # [TK, n] x.dtype, contiguous, expert order: A' = s * A (may be da_ptr: written in place)
-    ds_ptr,  # [TK] float32, slot order: dS = <dA', A> (padding slots are not written)
+    ds_ptr,  # [TK] float, slot order: dS = <dA', A>, summed in float32 (padding slots are not written)
     TK, n, E,
     alpha, limit,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -86,7 +86,7 @@ def _act_grad_kernel(
             if GATED:
                 tl.store(dh_ptr + rows64[:, None] * w1_out + up_cols[None, :], du.to(out_dtype), mask=mask)
         tl.store(a_scaled_ptr + rows64[:, None] * n + cols[None, :], (a * s[:, None]).to(out_dtype), mask=mask)
-    tl.store(ds_ptr + slots, ds, mask=row_mask)
+    tl.store(ds_ptr + slots, ds.to(ds_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
