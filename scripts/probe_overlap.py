@@ -1,10 +1,18 @@
 """Would the backward gain from running its memory-bound dX gather-sum on a second stream beside a
-weight-gradient GEMM (GPU)? Times, at each shape, the gather-sum of dX~ alone, dW1 and dW2 alone,
-each pair one after the other, and each pair with the gather-sum on a side stream (joined by
-events, no host sync); then the Gluon weight gradients on fewer SMs than the GPU has, alone and
-with the gather-sum beside them. Median us, triton.testing.do_bench.
+weight-gradient GEMM (GPU)? The gather-sum is the one the compiled backward runs: TILE-order dX~ rows
+through their row map, with the router's term (dL @ Wr, `grad_fold`) folded in. Times, at each
+shape, that gather-sum alone (its launch, and one token block a program), dW1 and dW2 alone (the
+measured choices), the gather-sum then dW1 (and dW1 + dW2) one after the other, and beside them on
+a side stream (joined by events, no host sync); then the Gluon weight gradients on 0-24 fewer SMs
+than the GPU has, alone and with the gather-sum beside them. Median us, triton.testing.do_bench.
 
-    PYTHONPATH=. python scripts/probe_overlap.py --shapes 7b-256,1.4b-256,30b-256,qwen3
+    PYTHONPATH=. python scripts/probe_overlap.py --shapes 7b-256,1.4b-256
+
+H100, thirty-third session (docs/BENCHMARKS.md): beside dW1 alone, or beside a Gluon GEMM on fewer
+SMs, nothing was gained (-50 to +13 us; the GEMM slows as much as the overlap hides, as the
+seventeenth session found with the plain gather-sum). Beside dW1 then dW2 on all SMs, 7b-256 saved
+43.7 us (1148.6 -> 1104.9) and 1.4b-256 nothing (-3.2): not wired in (the backward would have to
+hold dX~'s rows through both weight gradients).
 """
 from __future__ import annotations
 
@@ -43,10 +51,16 @@ def probe(shape, rep):
     s_flat = w.reshape(-1)
     routing = dict(sorted_rows=sorted_rows, offsets=offsets, top_k=K, row_token=None)
     dh, a_scaled, _ = tm.triton_moe_dact(dy, W2, h, s_flat, n=n, **routing, **flags)
-    dx_rows = tm.triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, offsets, n_dim=d, split=W1.split)
+    # dX as the compiled backward runs it: TILE-order dX~ rows, the router's term (dL @ Wr) folded in
+    dx_rows, rows = tm.triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, offsets, n_dim=d,
+                                               split=W1.split, row_map=True)
+    product = (torch.randn(T, E, device=dev, dtype=dt) * 1e-3, torch.randn(E, d, device=dev, dtype=dt))
+    base = tm.gather_sum_product_launch(d, E, K)
+    launches = {"": base, " (block a program)": base._replace(waves=0)}
 
-    def gs():
-        return tm.triton_moe_gather_sum(dx_rows, None, T, K, dt)
+    def gs(launch=base):
+        return lambda: tm.triton_moe_gather_sum(dx_rows, None, T, K, dt, product=product, launch=launch,
+                                                row_map=rows)
 
     def dw1():
         return tm._weight_grad(dh, x, tm.GradBuffer(w1, False), gather_lhs=False, gather_rhs=True, db=None, **routing)
@@ -55,12 +69,9 @@ def probe(shape, rep):
         return tm._weight_grad(dy, a_scaled, tm.GradBuffer(w2, False), gather_lhs=True, gather_rhs=False, db=None,
                                s_flat=s_flat, **routing)
 
-    def dxgemm():
-        return tm.triton_moe_scatter_gemm(dh, W1, W1.strides, None, sorted_rows, offsets, n_dim=d, split=W1.split)
-
     side = torch.cuda.Stream()
 
-    def overlapped(*gemms, gemm_first=False):
+    def overlapped(sum_fn, *gemms, gemm_first=False):
         """The gather-sum on `side` beside `gemms` on the current stream, both from the same point of
         it; `gemm_first`: the GEMMs are enqueued before the gather-sum."""
         def fn():
@@ -70,7 +81,7 @@ def probe(shape, rep):
                 for g in gemms:
                     g()
             with torch.cuda.stream(side):
-                out = gs()
+                out = sum_fn()
             if not gemm_first:
                 for g in gemms:
                     g()
@@ -78,29 +89,28 @@ def probe(shape, rep):
             out.record_stream(main)
         return fn
 
-    def serial(*gemms):
+    def serial(*fns):
         def fn():
-            gs()
-            for g in gemms:
-                g()
+            for f in fns:
+                f()
         return fn
 
     dw1(), dw2()  # the measured choices, before timing
     torch.cuda.synchronize()
-    ref = gs()
+    ref = gs()()
     with torch.cuda.stream(side):
         side.wait_stream(torch.cuda.current_stream())
-        again = gs()
+        again = gs()()
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(ref, again)
-    rows = {"gather-sum dX": _time(gs, rep), "dW1": _time(dw1, rep), "dW2": _time(dw2, rep),
-            "dX~ GEMM": _time(dxgemm, rep)}
-    for name, gemms in (("dW1", (dw1,)), ("dW2", (dw2,)), ("dW1+dW2", (dw1, dw2))):
-        rows[f"gs ; {name}"] = _time(serial(*gemms), rep)
-        rows[f"gs || {name}"] = _time(overlapped(*gemms), rep)
+    rows_us = {f"gather-sum dX{k}": _time(gs(v), rep) for k, v in launches.items()}
+    rows_us.update({"dW1": _time(dw1, rep), "dW2": _time(dw2, rep)})
+    for name, gemms in (("dW1", (dw1,)), ("dW1+dW2", (dw1, dw2))):
+        rows_us[f"gs ; {name}"] = _time(serial(gs(), *gemms), rep)
+        rows_us[f"gs || {name}"] = _time(overlapped(gs(), *gemms), rep)
     gluon = tm._gluon_module("gluon_wgrad", x)
     if gluon is None:
-        return rows
+        return rows_us
     sms = tm._programs(x.device)
 
     def gluon_dw(which, programs):
@@ -117,12 +127,14 @@ def probe(shape, rep):
                                      dw_strides=strides, num_programs=programs)
         return fn
 
-    for which in ("dW1", "dW2"):
-        for free in (0, 4, 8, 16, 24, 32):
-            g = gluon_dw(which, sms - free)
-            rows[f"gluon {which} on {sms - free} SMs"] = _time(g, rep)
-            rows[f"gs || gluon {which}/{sms - free}"] = _time(overlapped(g, gemm_first=True), rep)
-    return rows
+    for free in (0, 4, 8, 12, 16, 24):
+        g1, g2 = gluon_dw("dW1", sms - free), gluon_dw("dW2", sms - free)
+        rows_us[f"gluon dW1 on {sms - free} SMs"] = _time(g1, rep)
+        rows_us[f"gluon dW2 on {sms - free} SMs"] = _time(g2, rep)
+        for k, v in launches.items():
+            rows_us[f"gs{k} || gluon dW1/{sms - free}"] = _time(overlapped(gs(v), g1, gemm_first=True), rep)
+            rows_us[f"gs{k} || gluon dW1+dW2/{sms - free}"] = _time(overlapped(gs(v), g1, g2, gemm_first=True), rep)
+    return rows_us
 
 
 def main():
@@ -134,15 +146,14 @@ def main():
         rows = probe(SHAPES[name], args.rep)
         print(f"{name} {SHAPES[name]}", flush=True)
         for k, us in rows.items():
-            print(f"  {k:16s} {us:9.1f} us", flush=True)
-        for g in ("dW1", "dW2", "dW1+dW2"):
+            print(f"  {k:40s} {us:9.1f} us", flush=True)
+        for g in ("dW1", "dW1+dW2"):
             s, o = rows[f"gs ; {g}"], rows[f"gs || {g}"]
-            print(f"  overlap with {g}: saves {s - o:.1f} us of the gather-sum's {rows['gather-sum dX']:.1f}",
-                  flush=True)
-        for k in [k for k in rows if k.startswith("gs || gluon")]:
-            which = k.split()[3].split("/")[0]
-            print(f"  {k}: saves {rows['gather-sum dX'] + rows[which] - rows[k]:.1f} us against gs ; {which}",
-                  flush=True)
+            print(f"  overlap with {g} (the choice, all SMs): saves {s - o:.1f} us", flush=True)
+        serial = {"dW1": rows["gs ; dW1"], "dW1+dW2": rows["gs ; dW1+dW2"]}
+        for k in [k for k in rows if " || gluon" in k]:
+            which = k.split(" || gluon ")[1].split("/")[0]
+            print(f"  {k}: saves {serial[which] - rows[k]:.1f} us against gs ; {which} (the choice)", flush=True)
 
 
 if __name__ == "__main__":
