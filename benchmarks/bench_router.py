@@ -47,7 +47,8 @@ def run_case(name, blocks, warps, rep):
     print(f"{name}: T={T} E={E} k={k} {kw} compute {compute}; keys {'int32' if narrow_kind else 'int64'}", flush=True)
     g = torch.randn(T, k, device="cuda", generator=gen).to(compute)
     ids = triton_router_fwd(logits, *args)[1]
-    default = _blocks(T, E, k, None, None), _blocks(T, E, k, None, None, forward=False)
+    default = _blocks(T, E, k, None, None), _blocks(T, E, k, None, None, forward=False,
+                                                    gathered=full["topk_first"] or full["score"] == "sigmoid")
     launches = [(None, None)] + [(b, w) for b in blocks for w in warps]
     for block_t, nw in launches:
         times, outs = {}, {}

@@ -168,19 +168,22 @@ def _key_kind_of(logits_dtype, compute_dtype, topk_first, n_group, fill, narrow_
     return (kr.KEYS_BF16 if ranked == torch.bfloat16 else kr.KEYS_FP16).value
 
 
-def _blocks(T, E, k, block_t, num_warps, forward=True):
+def _blocks(T, E, k, block_t, num_warps, forward=True, gathered=False):
     """(BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps) of a launch. The forward, up to E = 128: 2048
     scores a program, 8 a thread; otherwise 4096 scores a program on 4 warps. On the H100
     (benchmarks/bench_router.py, bf16 logits, CUDA graphs), T = 24576, E = 128, k = 8: the forward
-    took 11.4 us with 8 scores a thread against 17.2 with 32 (4096 on 4 warps); the backward took
-    19.8 us with 8 against 16.3 with 32, so it keeps 4096 on 4. At E = 256, k = 16, every forward
-    launch from 8 to 32 scores a thread was within 7% (67-72 us). Below E = 128 the forward takes
-    the same 8 a thread, not measured there. The backward reads the k selected logits by their ids
-    (softmax first aside) and is a memory pass: up to E = 128, 2048 scores a program on 2 warps, 6.6
-    and 10.2 us at T = 24576 and 40960 (k = 8, top-k first) against 7.7 and 11.6 with 4096 on 4, the
-    best of BLOCK_T 16-128 x 2-8 warps (`bench_router.py --blocks 16,32,64,128 --warps 2,4,8`)."""
+    took 11.4 us with 8 scores a thread against 17.2 with 32 (4096 on 4 warps). At E = 256, k = 16,
+    every forward launch from 8 to 32 scores a thread was within 7% (67-72 us). Below E = 128 the
+    forward takes the same 8 a thread, not measured there.
+
+    The backward: 4096 scores a program on 4 warps where it loads whole rows and reduces over them
+    (softmax first; the kernel that did so for every form took 19.8 us with 8 scores a thread
+    against 16.3 with 32). Where it only gathers the k selected logits (`gathered`: top-k first,
+    sigmoid) it is a memory pass: up to E = 128, 2048 scores a program on 2 warps, 6.6 and 10.2 us
+    at T = 24576 and 40960 (k = 8, top-k first) against 7.7 and 11.6 with 4096 on 4, the best of
+    BLOCK_T 16-128 x 2-8 warps (`bench_router.py --blocks 16,32,64,128 --warps 2,4,8`)."""
     BLOCK_E = pow2(E)
-    narrow = BLOCK_E <= 128
+    narrow = BLOCK_E <= 128 and (forward or gathered)
     BLOCK_T = block_t or max(1, min(64, (2048 if narrow else 4096) // BLOCK_E))
     if num_warps is None:
         if not narrow:
@@ -225,7 +228,8 @@ def triton_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, sc
     logits, ids, grad_w = logits.contiguous(), ids.contiguous(), grad_w.contiguous()
     T, E = logits.shape
     grad = torch.empty_like(logits)
-    BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps = _blocks(T, E, k, block_t, num_warps, forward=False)
+    BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps = _blocks(T, E, k, block_t, num_warps, forward=False,
+                                                         gathered=topk_first or score == "sigmoid")
     if grid == 0:
         return grad
     _route_bwd_kernel[(grid,)](
