@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .ints import pow2
+from .ints import cdiv, pow2
 from .nograd import overload, register_nograd
 from .ops import _FORCE_REFERENCE
 
@@ -190,7 +190,7 @@ def _blocks(T, E, k, block_t, num_warps, forward=True, gathered=False):
             num_warps = 4
         else:
             num_warps = max(1, min(8, BLOCK_T * BLOCK_E // 256)) if forward else 2
-    return BLOCK_T, BLOCK_E, pow2(k), (T + BLOCK_T - 1) // BLOCK_T, num_warps
+    return BLOCK_T, BLOCK_E, pow2(k), cdiv(T, BLOCK_T), num_warps
 
 
 def triton_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_group, topk_group, fill,

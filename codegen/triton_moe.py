@@ -1136,7 +1136,7 @@ def _slot_routing(topk_ids, slot_token, T, check=True):
         ok = torch.ones(1, dtype=torch.int32, device=slot_token.device)
         S = slot_token.numel()
         _slot_check_kernel[(cdiv(S, 1024),)](topk_ids.reshape(-1), slot_token.reshape(-1), ok, S, T, PAD=PAD,
-                                                    BLOCK=1024, num_warps=4)
+                                             BLOCK=1024, num_warps=4)
         torch._assert_async(ok, "sonic.moe_experts: slot_token must be nondecreasing with real slots' tokens in "
                             "[0, T)")
     return 1, (topk_ids, token_offsets(slot_token, T))

@@ -179,8 +179,8 @@ def _expert_mask_shaped(mask) -> bool:
     ids are a router's: the indices output of a topk or a max."""
     if is_call(mask, "eq", "__eq__") and len(mask.args) == 2:
         ids = [a for a in mask.args if isinstance(a, fx.Node)]
-        if len(ids) == 1 and _column(ids[0]) is not None:
-            ids = [_column(ids[0])[0]]
+        if len(ids) == 1 and (column := _column(ids[0])) is not None:
+            ids = [column[0]]
         return (len(ids) == 1 and any(_is_int(a) for a in mask.args)
                 and is_call(getitem_of(ids[0], 1), "topk", "max"))
     one_hot = mask.args[0].args[0] if _is_index(mask) and is_call(mask.args[0], "permute") else None
@@ -483,7 +483,7 @@ def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk, colum
             return False
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         if column is not None:  # w[tok, k] (then broadcast), w[tok, k, None] or w[tok, k:k+1], k the mask's column
-            if _column(node.args[0]) is not None and _column(node.args[0])[1] == column:  # w[:, k][tok, None]
+            if (read := _column(node.args[0])) is not None and read[1] == column:  # w[:, k][tok, None]
                 return len(index) == 1 + len(extra) and _selects(index[0], where, 0) and tuple(index[1:]) == extra
             if len(index) != 2 + len(extra) and not (extra == (None,) and len(index) == 2):
                 return False
@@ -511,9 +511,9 @@ def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk, colum
             return None
         nodes.append(scale)
     w = scale.args[0]  # as the loop reads it, casts included
-    if column is not None and _column(w) is not None:  # the column w[:, k] of [T, K] weights
+    if column is not None and (whole := _column(w)) is not None:  # the column w[:, k] of [T, K] weights
         nodes.append(w)
-        w = _column(w)[0]
+        w = whole[0]
     if len(shape_of(w)) != (1 if flat else 2) or dtype_of(w) is None or not dtype_of(w).is_floating_point:
         return None
     index = scale.args[1] if isinstance(scale.args[1], tuple) else (scale.args[1],)
