@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from bench_route import host_us  # noqa: E402  (the host timing loop, with a GPU sleep ahead)
 from hf_train import REAL, build_model  # noqa: E402
 
-from codegen import nograd, triton_moe  # noqa: E402
+from moe_compiler.codegen import nograd, triton_moe  # noqa: E402
 
 _PATHS = {  # the op's forward path: (DECODE_MAX_SLOTS, DECODE_SLOTS_PER_EXPERT)
     "decode": (10**6, float("inf")),  # the two-launch decode path at every token count

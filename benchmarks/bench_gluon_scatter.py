@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gluon_bench_common import (  # noqa: E402
     bench_and_tabulate, compare_and_time, make_parser, rel_err, report_compile, routed_shape, say, say_versions)
 
-from codegen.kernels import gluon_scatter as gs  # noqa: E402
+from moe_compiler.codegen.kernels import gluon_scatter as gs  # noqa: E402
 
 GEMMS = ("Y", "dX~")
 W_LAYOUT = {"Y": 1, "dX~": 2}
@@ -94,7 +94,7 @@ def reference(inp, w, w_layout, bias, sorted_rows, offsets):
 
 
 def run_triton(inp, w, w_layout, bias, sorted_rows, offsets, n_dim):
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     s = w.stride()
     if w_layout == 1:  # W2 [E, d, n] as a Bank (e, out=d, in=n); B[e] = W2[e]^T read through (e, k=n, n=d) strides
@@ -119,7 +119,7 @@ def gluon_on_nan(inp, w, w_layout, bias, sorted_rows, offsets, n_dim, tile, num_
 
 def small_case(tiles, gemms=GEMMS, grids=(None, 2)):
     """Uneven expert sizes, one empty expert, one smaller than BLOCK_M, ragged k_dim / n_dim, a bias."""
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     T, d, n, E, K = 300, 320, 96, 8, 2
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gluon_bench_common import (SHAPES, bench_and_tabulate, compare_and_time, make_parser, rel_err,  # noqa: E402
                                 report_compile, routed_shape, say, say_versions)
 
-from codegen.kernels import gluon_wgrad as gw  # noqa: E402
+from moe_compiler.codegen.kernels import gluon_wgrad as gw  # noqa: E402
 
 GEMMS = ("dW1", "dW2")
 
@@ -73,7 +73,7 @@ def reference(lhs, rhs, gather_lhs, sorted_rows, offsets, K):
 
 
 def run_triton(lhs, rhs, gather_lhs, routing, dw):
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     return triton_moe.triton_moe_wgrad(lhs, rhs, gather_lhs=gather_lhs, gather_rhs=not gather_lhs, dw=dw,
                                        dw_strides=dw.stride(), **routing)
@@ -103,7 +103,7 @@ def tile_name(tile, gather_lhs):
 
 def small_case(tiles):
     """Uneven expert sizes, one empty expert, P/Q not multiples of 128 (dims multiples of 64)."""
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     T, d, n, E, K = 300, 192, 64, 8, 2
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from codegen import moe_experts
-from codegen import triton_moe as tm
+from moe_compiler.codegen import moe_experts
+from moe_compiler.codegen import triton_moe as tm
 
 _FAST = tm._launch
 

@@ -56,9 +56,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from codegen.ops import moe_experts, moe_experts_list  # noqa: E402
-from codegen.reference import torch_moe_experts  # noqa: E402
-from codegen.router import route as sonic_route  # noqa: E402
+from moe_compiler.codegen.ops import moe_experts, moe_experts_list  # noqa: E402
+from moe_compiler.codegen.reference import torch_moe_experts  # noqa: E402
+from moe_compiler.codegen.router import route as sonic_route  # noqa: E402
 
 # name -> (T, d, n, E, K): the SonicMoE paper's twelve H100 shapes, then two real models
 SHAPES = {
@@ -257,7 +257,7 @@ def bench_one(name, master, shape, x, dy, ref, args):
     which tunes that kernel again, so neither side runs the other's config), ours-fixed-order with the
     backward's products in the order of earlier versions (`triton_moe.BACKWARD_STEPS`) whatever the shape,
     ours-no-gluon without the Gluon kernels (the choices measured afresh among the others)."""
-    from codegen import router, triton_moe, wgrad_choice
+    from moe_compiler.codegen import router, triton_moe, wgrad_choice
 
     saved = (triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP, triton_moe.backward_order,
              triton_moe.GLUON_TRITON_VERSIONS, dict(triton_moe._GLUON), dict(wgrad_choice._CHOSEN),
@@ -450,7 +450,7 @@ def breakdown(master, shape, x, dy, provider="ours", steps=5):
     autotuner picked."""
     from torch.profiler import ProfilerActivity, profile
 
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     T, d, n, E, K = shape
     run = provider_step(provider, master, shape, x, dy)

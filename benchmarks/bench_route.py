@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from codegen import triton_moe as tm
-from codegen.reference import torch_route
+from moe_compiler.codegen import triton_moe as tm
+from moe_compiler.codegen.reference import torch_route
 
 CASES = [(128, 196608), (64, 131072), (256, 65536), (128, 32768)]
 

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_route import gpu_us  # noqa: E402
-from codegen.router import _blocks, _key_kind, triton_router_bwd, triton_router_fwd  # noqa: E402
+from moe_compiler.codegen.router import _blocks, _key_kind, triton_router_bwd, triton_router_fwd  # noqa: E402
 
 FULL = dict(score="softmax", topk_first=False, renorm=False, eps=0.0, scale=1.0, n_group=1, topk_group=1,
             fill=float("-inf"))

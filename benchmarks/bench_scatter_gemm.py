@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_layer import SHAPES  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from codegen import triton_moe  # noqa: E402
+from moe_compiler.codegen import triton_moe  # noqa: E402
 
 
 def bench_shape(T, d, n, E, K, warmup, rep):

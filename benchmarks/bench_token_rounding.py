@@ -48,9 +48,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_layer import graphed, plot  # noqa: E402  (its CUDA-graph capture and fwd+bwd TFLOPS bar chart)
 
-from codegen import wgrad_choice  # noqa: E402
-from codegen.ops import moe_experts  # noqa: E402
-from codegen.token_rounding import M_TILE, round_routing, slot_capacity  # noqa: E402
+from moe_compiler.codegen import wgrad_choice  # noqa: E402
+from moe_compiler.codegen.ops import moe_experts  # noqa: E402
+from moe_compiler.codegen.token_rounding import M_TILE, round_routing, slot_capacity  # noqa: E402
 
 # name -> (T, d, n, E, K)
 SHAPES = {

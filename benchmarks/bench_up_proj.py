@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_layer import SHAPES  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from codegen import triton_moe  # noqa: E402
+from moe_compiler.codegen import triton_moe  # noqa: E402
 
 
 def main():
@@ -202,7 +202,7 @@ def compile_only(args):
     import triton
     from gluon_bench_common import ptxas_usage
 
-    from codegen.kernels.grouped_gemm import _up_proj_kernel, _up_proj_persistent_kernel
+    from moe_compiler.codegen.kernels.grouped_gemm import _up_proj_kernel, _up_proj_persistent_kernel
 
     print(f"triton {triton.__version__}; command: python " + " ".join(sys.argv))
     for shape in args.shapes.split(","):

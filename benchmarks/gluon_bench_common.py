@@ -82,7 +82,7 @@ def report_compile(head, compile_sm90, *, last_line=True):
 def routed_shape(name):
     """Shape `name` on top-k routing of random logits, its header said: ((T, d, n, E, K), sorted_rows,
     offsets, gen), `gen` (seed 0, past the logits) to draw the operands with."""
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     T, d, n, E, K = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)

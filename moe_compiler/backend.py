@@ -13,19 +13,27 @@ from .grad_fold import fold_input_grads
 from .options import split_options
 from .passes import run_passes
 
-_PACKAGES = ("moe_compiler", "patterns", "codegen")
 _SALT_HOOK = "post_grad_custom_post_pass"
+
+
+def _package_dirs() -> list[pathlib.Path]:
+    """The folders of our three packages: beside each other in a checkout, nested when installed."""
+    import moe_compiler
+    import moe_compiler.codegen
+    import moe_compiler.patterns
+
+    return [pathlib.Path(m.__file__).resolve().parent for m in (moe_compiler, moe_compiler.patterns, moe_compiler.codegen)]
 
 
 @functools.cache
 def source_hash() -> str:
     """sha256 of every .py file of our three packages: a code change is a new cache key."""
-    root = pathlib.Path(__file__).resolve().parent.parent
+    # installed, moe_compiler's folder holds the other two: each file is hashed once
+    files = {path: path.relative_to(root.parent) for root in _package_dirs() for path in root.rglob("*.py")}
     digest = hashlib.sha256()
-    for pkg in _PACKAGES:
-        for path in sorted((root / pkg).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+    for path in sorted(files):
+        digest.update(str(files[path]).encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 

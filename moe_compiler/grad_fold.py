@@ -136,7 +136,7 @@ def _find_term(bwd: fx.Node, outs: dict[int, fx.Node]) -> tuple[fx.Node, fx.Node
 
 def _order(x, E: int, dh_shape, a_shape) -> tuple[str, ...]:
     """The parts' order `backward_order` picks at the traced example's sizes (the one op picks per call)."""
-    from codegen.triton_moe import backward_order, backward_sizes, scatter_rows
+    from moe_compiler.codegen.triton_moe import backward_order, backward_sizes, scatter_rows
 
     T, d, TK, w1_out, n = (_hint(v) for v in (*x.shape, dh_shape[0], dh_shape[1], a_shape[1]))
     elem = x.element_size()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from codegen.activations import GATED
-from codegen.ops import moe_experts
-from patterns.activation_probe import name_activation
+from moe_compiler.codegen.activations import GATED
+from moe_compiler.codegen.ops import moe_experts
+from moe_compiler.patterns.activation_probe import name_activation
 
 NAME = "sonic"
 

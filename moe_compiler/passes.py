@@ -8,7 +8,7 @@ import re
 import torch
 import torch.fx as fx
 
-from patterns import (
+from moe_compiler.patterns import (
     dense_bmm,
     dense_experts,
     expert_loop,
@@ -19,8 +19,8 @@ from patterns import (
     repeat_loop,
     sorted_grouped_mm,
 )
-from patterns.common import MoEMatch, NoMatch, Rejection, check_inputs_unmutated, rewrite, settle_autocast
-from patterns.router_fusion import match_router, rewrite_router
+from moe_compiler.patterns.common import MoEMatch, NoMatch, Rejection, check_inputs_unmutated, rewrite, settle_autocast
+from moe_compiler.patterns.router_fusion import match_router, rewrite_router
 
 from .diagnostics import RegionRecord, publish
 from .options import SonicOptions

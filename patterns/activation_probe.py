@@ -14,7 +14,7 @@ import math
 import torch
 import torch.fx as fx
 
-from codegen.activations import GATED, torch_activation
+from moe_compiler.codegen.activations import GATED, torch_activation
 
 from .common import CAST_METHODS, backward_slice, dtype_of, example_value
 

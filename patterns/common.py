@@ -482,7 +482,7 @@ def _grad_flows(match: MoEMatch, *fakes) -> bool:
     under the grad mode the region runs in, `no_grad` / `enable_grad` blocks included). Without that
     fake, the op's inputs and the grad mode at compile time decide (`needs_saved_h`). It decides the
     op's `save_h` and whether the call is the `nograd` overload."""
-    from codegen.ops import needs_saved_h
+    from moe_compiler.codegen.ops import needs_saved_h
 
     result = example_value(match.anchor)
     if isinstance(result, torch.Tensor):
@@ -501,9 +501,9 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     first and calls the op in the slot form. Where no gradient can flow through the region, the call is
     the op's `nograd` overload (`codegen.nograd`: the same op without its Python autograd layer).
     """
-    from codegen.nograd import overload
-    from codegen.ops import validate_moe_inputs
-    from codegen.token_rounding import M_TILE
+    from moe_compiler.codegen.nograd import overload
+    from moe_compiler.codegen.ops import validate_moe_inputs
+    from moe_compiler.codegen.token_rounding import M_TILE
 
     graph = gm.graph
     fake_mode = fake_mode_of(gm)
@@ -617,7 +617,7 @@ def _list_call_args(match: MoEMatch, lists, b1: fx.Node | None, b2: fx.Node | No
     """`sonic::moe_experts_list` arguments, validated on the fake values (as the stacked form is);
     `lists`: the (gate, up, down) weight nodes of `match.expert_lists`, cast if autocast needs it;
     b1, b2: the stacked biases (`_stacked_list_biases`)."""
-    from codegen.ops import validate_moe_list_inputs
+    from moe_compiler.codegen.ops import validate_moe_list_inputs
 
     w_gate, w_up, w_down = (list(group) for group in lists)
     fake = lambda nodes: [example_value(n) for n in nodes]  # noqa: E731
@@ -725,7 +725,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     """Legality shared by every idiom (dtypes, shapes, a closed region), then the typed match.
     `w_up`: the up projection's own stacked parameter, shaped as w1 (the gate) then; `added_to`: see
     MoEMatch (outside the region)."""
-    from codegen.activations import GATED
+    from moe_compiler.codegen.activations import GATED
 
     x_dtype = dtype_of(x)
     expect(x_dtype == dtype_of(w1) == dtype_of(w2), f"hidden states ({x_dtype}) and expert weights ({dtype_of(w1)}) differ in dtype")

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from codegen.activations import torch_activation
+from moe_compiler.codegen.activations import torch_activation
 
 from .activation_probe import identify_activation
 from .common import (

@@ -269,7 +269,7 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     its shape (`zeros_like`), so the region does not extend past them. `gates`: topk_weights is a
     [T, E] gate matrix to gather the weights from (`MoEMatch.gates`).
     """
-    from codegen.activations import GATED
+    from moe_compiler.codegen.activations import GATED
 
     same_experts(experts)
     act = experts[0].act
@@ -351,7 +351,7 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     expect(len(stacked) == 1, "some experts are Linear modules, others slices of stacked parameters")
     if stacked == {False}:
         return finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts, **kw)
-    from codegen.activations import GATED
+    from moe_compiler.codegen.activations import GATED
 
     same_experts(experts)
     expect(len(experts) == E, f"{len(experts)} experts for E={E}")

@@ -114,7 +114,7 @@ def match_router(call: fx.Node, routing: tuple[fx.Node, fx.Node] | None = None) 
     walk.check_closed(outputs={weights_node, ids})
     logits = args.pop("logits")
     try:  # the op's own argument checks, on the fake values (k <= E, groups dividing E, bias...)
-        from codegen.router import validate_route_args
+        from moe_compiler.codegen.router import validate_route_args
 
         validate_route_args(example_value(logits), example_value(args["bias"]), args["k"], args["score"],
                             args["topk_first"], args["renorm"], args["eps"], args["scale"], args["n_group"],
@@ -158,8 +158,8 @@ def _factor_name(factor: fx.Node, ids: fx.Node) -> str:
 def rewrite_router(gm: fx.GraphModule, match: RouterMatch) -> fx.Node:
     """Insert `sonic::route`, point every reader of the router's weights and ids at it, erase the
     router's nodes. Every fallible step (fake values, argument checks) runs before the first edit."""
-    from codegen.nograd import overload
-    from codegen.router import route_op  # noqa: F401  (registers sonic::route)
+    from moe_compiler.codegen.nograd import overload
+    from moe_compiler.codegen.router import route_op  # noqa: F401  (registers sonic::route)
 
     graph = gm.graph
     a = match.args

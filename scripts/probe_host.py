@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from bench_route import host_us  # noqa: E402  (its timing loop, here with the GPU kept busy ahead)
 
-from codegen import triton_moe  # noqa: E402
-from codegen.ops import moe_experts_backward_op, moe_experts_op  # noqa: E402
+from moe_compiler.codegen import triton_moe  # noqa: E402
+from moe_compiler.codegen.ops import moe_experts_backward_op, moe_experts_op  # noqa: E402
 
 
 def main():

@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from bench_layer import SHAPES  # noqa: E402
 
-from codegen import triton_moe  # noqa: E402
-from codegen.kernels.backward import _act_grad_kernel  # noqa: E402
-from codegen.kernels.combine import _gather_sum_kernel  # noqa: E402
+from moe_compiler.codegen import triton_moe  # noqa: E402
+from moe_compiler.codegen.kernels.backward import _act_grad_kernel  # noqa: E402
+from moe_compiler.codegen.kernels.combine import _gather_sum_kernel  # noqa: E402
 
 
 def _time(fn, rep):
@@ -63,7 +63,7 @@ def gather_sum(T, d, K, rep):
 def _tile_order(T, E, K, y):
     """(y in TILE order, its row map): y's rows placed as the Gluon scatter GEMM stores them for the
     routing of top-k of random scores (every row no slot maps to is zero)."""
-    from codegen.kernels.gluon_scatter import slot_rows_in_tiles, tile_rows
+    from moe_compiler.codegen.kernels.gluon_scatter import slot_rows_in_tiles, tile_rows
 
     sorted_rows, offsets = triton_moe.route(torch.randn(T, E, device="cuda").topk(K, -1).indices, E)
     row_map = slot_rows_in_tiles(sorted_rows, offsets, triton_moe.M_TILE)

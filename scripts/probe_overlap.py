@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from bench_layer import SHAPES  # noqa: E402
 
-from codegen import triton_moe as tm  # noqa: E402
+from moe_compiler.codegen import triton_moe as tm  # noqa: E402
 
 
 def _time(fn, rep):

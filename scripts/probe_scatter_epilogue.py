@@ -27,7 +27,7 @@ from bench_gluon_scatter import W_LAYOUT, operands  # noqa: E402
 from bench_route import gpu_us  # noqa: E402
 from gluon_bench_common import routed_shape  # noqa: E402
 
-from codegen.kernels import gluon_scatter as gs  # noqa: E402
+from moe_compiler.codegen.kernels import gluon_scatter as gs  # noqa: E402
 
 
 def main():

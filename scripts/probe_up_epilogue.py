@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from bench_route import gpu_us  # noqa: E402
 from bench_up_proj import up_inputs  # noqa: E402
 
-from codegen import triton_moe  # noqa: E402
+from moe_compiler.codegen import triton_moe  # noqa: E402
 
 
 def main():

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from bench_gluon_wgrad import run_gluon, run_triton  # noqa: E402  (the launches bench_gluon_wgrad times)
 from bench_layer import SHAPES, build_provider, layer_inputs  # noqa: E402
 
-from codegen import triton_moe  # noqa: E402
-from codegen.kernels import gluon_wgrad as gw  # noqa: E402
+from moe_compiler.codegen import triton_moe  # noqa: E402
+from moe_compiler.codegen.kernels import gluon_wgrad as gw  # noqa: E402
 
 TILES = "256x128x64x4x8x88,128x256x64x4x8x88,256x128x64x3x8x88,128x256x64x3x8x88"
 

@@ -66,12 +66,11 @@ def test_cache_salt_tracks_sources(tmp_path, monkeypatch):
 
     patch = inductor_patches({}, None)["post_grad_custom_post_pass"]
     assert source_hash() in str(patch.uuid())
-    for pkg in ("moe_compiler", "patterns", "codegen"):
-        (tmp_path / pkg).mkdir()
-        (tmp_path / pkg / "a.py").write_text("x = 1\n")
-    fake_file = tmp_path / "moe_compiler" / "backend.py"
-    fake_file.write_text("")
-    monkeypatch.setattr(backend, "__file__", str(fake_file))
+    dirs = [tmp_path / pkg for pkg in ("moe_compiler", "patterns", "codegen")]
+    for d in dirs:
+        d.mkdir()
+        (d / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(backend, "_package_dirs", lambda: dirs)
     backend.source_hash.cache_clear()
     try:
         before = backend.source_hash()

@@ -17,9 +17,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_up_proj import compile_sm90, up_compile_args  # noqa: E402
 from gluon_bench_common import ptxas_usage  # noqa: E402
 
-from codegen import triton_moe  # noqa: E402
-from codegen.kernels.backward import _wgrad_kernel  # noqa: E402
-from codegen.kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel  # noqa: E402
+from moe_compiler.codegen import triton_moe  # noqa: E402
+from moe_compiler.codegen.kernels.backward import _wgrad_kernel  # noqa: E402
+from moe_compiler.codegen.kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel  # noqa: E402
 
 T, D, N, E, K = 24576, 1536, 256, 128, 8  # the 7b-256 layer
 H100_SHARED = 232448

@@ -55,7 +55,7 @@ def test_gathered_weights_inductor(variant):
 def test_separate_weights_reach_the_list_op_as_views(compiler, monkeypatch):
     """Gate and up in two stacked parameters: the list op gets W[e] views, never a gathered or
     stacked copy of the weights."""
-    import codegen.ops as ops
+    import moe_compiler.codegen.ops as ops
 
     model = GatheredMoE(E=5)
     x, _ = _inputs()

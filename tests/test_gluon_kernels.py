@@ -8,8 +8,8 @@ import pytest
 import torch
 import triton
 
-from codegen.kernels import gluon_scatter as gs
-from codegen.kernels import gluon_wgrad as gw
+from moe_compiler.codegen.kernels import gluon_scatter as gs
+from moe_compiler.codegen.kernels import gluon_wgrad as gw
 
 
 def test_tile_specs_round_trip_and_bad_specs_raise():
@@ -30,7 +30,7 @@ def test_supports_says_why_not_on_the_cpu():
 
 
 def test_backward_never_offers_it_off_hopper():
-    from codegen import triton_moe, wgrad_choice
+    from moe_compiler.codegen import triton_moe, wgrad_choice
 
     assert "gluon" in wgrad_choice.PROVIDERS
     a = torch.empty(64, 64, dtype=torch.bfloat16)
@@ -103,7 +103,7 @@ def test_slot_rows_in_tiles_places_each_slot_in_its_tile():
     """Slot s's row in a TILE-order output: the tiles of expert e follow the cdiv(rows, BLOCK_M)
     tiles of every expert before it (an empty expert has none), row r of the expert at
     tile * BLOCK_M + r % BLOCK_M; all within `tile_rows`, no two slots on one row."""
-    from codegen.reference import torch_route
+    from moe_compiler.codegen.reference import torch_route
 
     gen = torch.Generator().manual_seed(2)
     T, E, K, BM = 50, 6, 2, 8

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codegen.ops import moe_experts, moe_experts_list
-from codegen.router import route as sonic_route
+from moe_compiler.codegen.ops import moe_experts, moe_experts_list
+from moe_compiler.codegen.router import route as sonic_route
 
 from .helpers import profiled_op_names
 
@@ -255,7 +255,7 @@ def test_gpu_gather_sum_product_kernel(slots, mapped, d, J, K):
     # 4); against float32 sums of the same bf16 rows. mapped: each slot's row read through a row map
     # (a random permutation into a larger buffer whose other rows are NaN), as the TILE-order dX~ is
     # read (with [T, K] routing the kernel loads the map a block ahead)
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     T = 3000
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -26,8 +26,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codegen.activations import ACTIVATIONS, GATED
-from codegen.reference import torch_moe_experts, torch_moe_experts_fwd, torch_route
+from moe_compiler.codegen.activations import ACTIVATIONS, GATED
+from moe_compiler.codegen.reference import torch_moe_experts, torch_moe_experts_fwd, torch_route
 
 from .helpers import run_interpreted_child
 
@@ -46,7 +46,7 @@ def tm(monkeypatch):
     measured on the CPU's timings would make the tests' paths vary from run to run."""
     if not _INTERPRETING:
         pytest.skip("interpreted kernels run in the child process of test_interpreted_kernels_in_child_process")
-    from codegen import triton_moe, wgrad_choice
+    from moe_compiler.codegen import triton_moe, wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
 
@@ -358,7 +358,7 @@ def test_k1_routing_sliced_from_wider_tensors(tm):
 
 def _slot_form(inputs, *, drop=(), mode=None, tile=4, seed=0):
     """The [T, K] routing of `inputs` as slots: rounded (`mode`), or flattened with slots `drop` padded."""
-    from codegen.token_rounding import round_routing
+    from moe_compiler.codegen.token_rounding import round_routing
 
     ids, weights = inputs["topk_ids"], inputs["topk_weights"]
     T, K = ids.shape
@@ -397,7 +397,7 @@ def _rounding_case(T, E, K, seed, skew=False):
 
 def _assert_rounding_kernels_match_reference(probs, ids, weights, tile, keep):
     """The kernels' slots (ids, weights, tokens) equal the torch reference's, in every mode."""
-    from codegen.token_rounding import (
+    from moe_compiler.codegen.token_rounding import (
         MODES,
         _round_routing_triton,
         _slots_of_mask,
@@ -422,7 +422,7 @@ _SELECT_SIZES = [None, (16, 8), (8, 32)]
 @contextlib.contextmanager
 def _select_sizes(sizes):
     # the module (codegen's namespace binds its name to the function token_rounding)
-    token_rounding = importlib.import_module("codegen.token_rounding")
+    token_rounding = importlib.import_module("moe_compiler.codegen.token_rounding")
     if sizes is None:
         yield
     else:
@@ -456,7 +456,7 @@ def test_rounding_kernels_match_reference_anywhere(T, E, K, tile, seed, skew, ke
 
 
 def test_rounding_kernels_layouts_ties_and_no_tokens(tm, select_sizes):
-    from codegen.token_rounding import _round_routing_triton, round_token_counts
+    from moe_compiler.codegen.token_rounding import _round_routing_triton, round_token_counts
 
     probs, ids, weights = _rounding_case(90, 6, 2, seed=3)
     want = _round_routing_triton(probs, ids, weights, 8, "nearest", True)
@@ -529,8 +529,8 @@ def test_slot_check_kernel_equals_reference(tm):
     """The one-launch check of the slot form's tokens agrees with `slot_tokens_ok` on valid and bad
     tokens, across the kernel's 1024-slot blocks (one program each; a fault in any block, the
     first, a middle or the last, clears the flag)."""
-    from codegen.kernels.routing import _slot_check_kernel
-    from codegen.reference import PAD, slot_tokens_ok
+    from moe_compiler.codegen.kernels.routing import _slot_check_kernel
+    from moe_compiler.codegen.reference import PAD, slot_tokens_ok
 
     T, S = 700, 2500
     ids = torch.randint(0, 8, (S,))
@@ -634,7 +634,7 @@ def test_every_backward_order_matches_oracle(tm, order, monkeypatch):
     monkeypatch.setattr(tm, "backward_order", lambda **sizes: (order, tm.backward_peak(order, **sizes)))
     inputs, go = _make(13, 32, 16, 4, 2, torch.float32, bias=True, seed=11)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
-    from codegen import wgrad_choice
+    from moe_compiler.codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
     inputs, go = _make(13, 32, 16, 4, 2, torch.float32, seed=12)
@@ -713,7 +713,7 @@ def test_tile_row_map_matches_brute_force(tm, E, TK, padded, block_m):
     """`gluon_scatter.slot_rows_in_tiles` (the oracle of the map the Gluon scatter GEMM writes):
     every slot's row of a TILE-order output (each expert's rows in whole tiles, empty experts
     taking none), -1 for the slot form's padding slots; uneven and empty experts."""
-    from codegen.kernels.gluon_scatter import slot_rows_in_tiles
+    from moe_compiler.codegen.kernels.gluon_scatter import slot_rows_in_tiles
 
     gen = torch.Generator().manual_seed(E + TK)
     ids = torch.multinomial(torch.rand(E, generator=gen) ** 4, TK, replacement=True, generator=gen) if TK else (
@@ -732,7 +732,7 @@ def test_gather_sum_through_a_row_map(tm, dtype, form):
     slot-order y; every row no slot maps to holds NaN, so a wrong row shows. The product forms: the
     rows through the map tile a program loads one token block ahead (K = 3, not a power of two),
     also in programs that walk several blocks with the dot after the rows, and the slot form's."""
-    from codegen.kernels.gluon_scatter import slot_rows_in_tiles
+    from moe_compiler.codegen.kernels.gluon_scatter import slot_rows_in_tiles
     T, K, d, E = 37, 3, 40, 5
     gen = torch.Generator().manual_seed(11)
     y = torch.randn(T * K, d, generator=gen).to(dtype)
@@ -973,7 +973,7 @@ def test_wgrad_through_grouped_mm(tm, case, calls, monkeypatch):
     on operands gathered into expert order, against the oracle, and seen to run: once per weight
     gradient, once more per bias gradient; not for dW2 when its bias gradient would round float32
     router weights to the operands' fp16."""
-    from codegen import wgrad_choice
+    from moe_compiler.codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
     seen = _count_grouped_mm(monkeypatch)
@@ -997,7 +997,7 @@ def test_wgrad_through_grouped_mm(tm, case, calls, monkeypatch):
 def test_wgrad_grouped_mm_only_where_it_can_write(tm, monkeypatch):
     """A weight that is not contiguous in its own layout keeps our kernel (which writes through any
     strides); the list form's stacked gradients are contiguous, so grouped_mm computes both."""
-    from codegen import wgrad_choice
+    from moe_compiler.codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
     calls = _count_grouped_mm(monkeypatch)
@@ -1025,7 +1025,7 @@ def test_wgrad_grouped_mm_slot_form(tm, mode, dtype, bias, monkeypatch):
     """The slot form through torch._grouped_mm: the gathered operand is copied by each row's token;
     the padding rows (sorted past offsets[E], their token possibly T) are read by no group, so the
     gradients match the oracle and every expert without a real row gets exact zeros."""
-    from codegen import wgrad_choice
+    from moe_compiler.codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
     calls = _count_grouped_mm(monkeypatch)
@@ -1050,7 +1050,7 @@ def test_wgrad_choice_measures_each_key_once(monkeypatch):
     pinned provider is not timed."""
     import time
 
-    from codegen import wgrad_choice
+    from moe_compiler.codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "auto")
     monkeypatch.setattr(wgrad_choice, "_CHOSEN", {})
@@ -1085,7 +1085,7 @@ def test_wgrad_choice_measures_each_key_once(monkeypatch):
 
 
 def test_backward_peak_counted_by_hand():
-    from codegen.triton_moe import BACKWARD_STEPS, backward_order, backward_peak
+    from moe_compiler.codegen.triton_moe import BACKWARD_STEPS, backward_order, backward_peak
 
     # A' 1, dH 2, dW1 4, dW2 1, dX~ rows 10, dx 1. BACKWARD_STEPS' order (dW2, dW1, dX~): dW2 holds
     # 3 + 1, then A' dies (3 live); dW1 3 + 4 (7 live); dX~ 7 + 10 + 1 = 18
@@ -1114,7 +1114,7 @@ def first_config_only():
     GPU test time; the benchmark checks the error of the autotuned configs at real shapes, and
     `test_gpu_new_t_does_not_recompile_or_retune` runs the real autotuner.
     """
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     tuners = (triton_moe._up, triton_moe._scatter, triton_moe._dact, triton_moe._wgrad,
               triton_moe._up_tma, triton_moe._scatter_tma, triton_moe._dact_tma, triton_moe._wgrad_tma,
@@ -1139,7 +1139,7 @@ def first_config_only():
 def _gpu_case(T, d, n, E, K, *, experts=None, seed=0, noncontig=False, rounding=None):
     inputs, go = _make(T, d, n, E, K, torch.bfloat16, experts=experts, seed=seed, device="cuda")
     if rounding is not None:
-        from codegen.token_rounding import M_TILE
+        from moe_compiler.codegen.token_rounding import M_TILE
 
         inputs = _slot_form(inputs, mode=rounding, tile=M_TILE, seed=seed)
     if noncontig:
@@ -1152,7 +1152,7 @@ def _gpu_case(T, d, n, E, K, *, experts=None, seed=0, noncontig=False, rounding=
 
 
 def _ops_fwd_bwd(inputs, go, flags):
-    from codegen.ops import moe_experts
+    from moe_compiler.codegen.ops import moe_experts
 
     leaves = {k: (v.detach().clone().requires_grad_() if v is not None and v.is_floating_point() else v)
               for k, v in inputs.items()}
@@ -1195,7 +1195,7 @@ def test_gpu_bf16_matches_oracle(case, first_config_only):
 def test_gpu_pointer_loads_match_oracle(case, first_config_only, monkeypatch):
     """The same cases with TMA off: the pointer-load kernels (what per-expert tensors, interleaved
     gate/up and misaligned weights use) against the oracle."""
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     monkeypatch.setattr(triton_moe, "USE_TMA", False)
     _check_gpu_case(case)
@@ -1203,7 +1203,7 @@ def test_gpu_pointer_loads_match_oracle(case, first_config_only, monkeypatch):
 
 def _check_gpu_case(case):
     """`case`: a name in _GPU_CASES, or a dict of `_gpu_case`'s arguments."""
-    import codegen.ops as ops
+    import moe_compiler.codegen.ops as ops
 
     inputs, go = _gpu_case(**(_GPU_CASES[case] if isinstance(case, str) else case))
     assert ops._triton_backend(inputs["x"]) is not None, "SONIC_MOE_KERNEL=reference would make this vacuous"
@@ -1225,8 +1225,8 @@ def _check_gpu_case(case):
 def test_gpu_decode_path_matches_oracle(T, E, K, layout, monkeypatch):
     """bf16 forwards under no_grad at decode sizes take the two-launch path through `moe_experts`:
     err(ours, fp64) <= 2 err(torch bf16, fp64) + eps, and close to the grouped path's output."""
-    from codegen import triton_moe
-    from codegen.ops import moe_experts
+    from moe_compiler.codegen import triton_moe
+    from moe_compiler.codegen.ops import moe_experts
 
     activation = "relu2" if layout == "relu2_bias" else "swiglu"
     flags = dict(_FLAGS, activation=activation, interleaved=layout == "interleaved",
@@ -1270,8 +1270,8 @@ def test_gpu_decode_path_bad_ids_assert():
 def test_gpu_decode_path_list_form(layout, monkeypatch):
     """bf16 per-expert tensors (an nn.ModuleList's Linears, read through the offset tables) at a decode
     size under no_grad: the decode path, equal to the grouped path's output to bf16 rounding."""
-    from codegen import triton_moe
-    from codegen.ops import moe_experts_list
+    from moe_compiler.codegen import triton_moe
+    from moe_compiler.codegen.ops import moe_experts_list
 
     activation, interleaved = _LIST_LAYOUTS[layout]
     inputs, _ = _make(3, 512, 256, 32, 4, torch.bfloat16, activation=activation, seed=4, device="cuda")
@@ -1296,7 +1296,7 @@ def test_gpu_persistent_up_equals_per_tile(case, programs, first_config_only, mo
     """bf16: the persistent up-projection (W1 concatenated and interleaved) and dA' GEMM give H, A,
     dH, A' and dS bit-equal to one program per tile (their first configs share the tile and the
     K order), on every SM and on 3 programs walking many tiles each across expert boundaries."""
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     if programs is not None:
         monkeypatch.setattr(triton_moe, "_programs", lambda device: programs)
@@ -1327,11 +1327,11 @@ def test_gpu_persistent_up_equals_per_tile(case, programs, first_config_only, mo
 def gluon_pinned(monkeypatch):
     """The weight gradients and the scatter GEMMs through the Gluon kernels wherever they run;
     yields their calls: {"wgrad": [gather_lhs of each], "scatter": [w_layout of each], "out_tiles": [...]}."""
-    from codegen import triton_moe, wgrad_choice
+    from moe_compiler.codegen import triton_moe, wgrad_choice
 
     if triton_moe._gluon_module("gluon_wgrad", torch.empty(1, device="cuda")) is None:
         pytest.skip("no Gluon kernels here (they need Hopper and a checked Triton version)")
-    from codegen.kernels import gluon_scatter, gluon_wgrad
+    from moe_compiler.codegen.kernels import gluon_scatter, gluon_wgrad
 
     calls = {"wgrad": [], "scatter": [], "out_tiles": []}
     wgrad, scatter = gluon_wgrad.gluon_wgrad, gluon_scatter.gluon_scatter_gemm
@@ -1349,7 +1349,7 @@ def gluon_pinned(monkeypatch):
 @pytest.mark.parametrize("tiles", [True, False], ids=["tile_order", "slot_order"])
 @pytest.mark.parametrize("case", list(_GPU_CASES))
 def test_gpu_gluon_kernels_match_oracle(case, tiles, first_config_only, gluon_pinned, monkeypatch):
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     monkeypatch.setattr(triton_moe, "SCATTER_TILES", tiles)
     _check_gpu_case(case)
@@ -1366,8 +1366,8 @@ def test_gpu_gluon_kernels_match_oracle(case, tiles, first_config_only, gluon_pi
 def test_gpu_gluon_coop_scatter_in_the_op(gluon_pinned, first_config_only, monkeypatch):
     """The cooperative scatter tile through the op where it is offered (both reductions >= its
     minimum: Y's n and dX~'s 2n), with empty experts, against the oracle."""
-    from codegen import wgrad_choice
-    from codegen.kernels import gluon_scatter
+    from moe_compiler.codegen import wgrad_choice
+    from moe_compiler.codegen.kernels import gluon_scatter
 
     monkeypatch.setattr(wgrad_choice, "SCATTER_PINNED", "gluon-coop")
     coop = []
@@ -1390,8 +1390,8 @@ def test_gpu_gluon_scatter_tiles_match_reference(tile, w_layout, grid, order):
     bit-equal to the slot-order output; "tiles_padded": a fifth of the slots are the slot form's
     padding (id -1), never computed, mapped to -1. A tile whose ring and output boxes overflow
     shared memory is refused with a clear error."""
-    from codegen.kernels import gluon_scatter as gs
-    from codegen.triton_moe import _gluon_module, route
+    from moe_compiler.codegen.kernels import gluon_scatter as gs
+    from moe_compiler.codegen.triton_moe import _gluon_module, route
 
     if _gluon_module("gluon_scatter", torch.empty(1, device="cuda")) is None:
         pytest.skip("no Gluon kernels here (they need Hopper and a checked Triton version)")
@@ -1443,8 +1443,8 @@ def test_gpu_gluon_wgrad_keeps_inf_in_its_expert(gather_lhs, gluon_pinned):
     """An inf in one expert's first expert-ordered row makes that expert's dW non-finite and no
     other's: the previous expert's last, partial chunk must not read it (an unshifted TMA box
     would). Experts of fewer than 64 rows have no room to shift (kernels/gluon_wgrad.py)."""
-    from codegen.kernels.gluon_wgrad import gluon_wgrad
-    from codegen.triton_moe import route
+    from moe_compiler.codegen.kernels.gluon_wgrad import gluon_wgrad
+    from moe_compiler.codegen.triton_moe import route
 
     T, d, n, E, K = 1000, 256, 128, 8, 2
     gen = torch.Generator().manual_seed(7)
@@ -1478,7 +1478,7 @@ def test_gpu_gluon_wgrad_keeps_inf_in_its_expert(gather_lhs, gluon_pinned):
 def _backward_transient(T, d, n, E, K, seed):
     """(bytes the op's backward allocates beyond what it started with, at most, at once; its outputs),
     measured on a second call (the first tunes the kernels), our weight-gradient kernel pinned."""
-    from codegen.ops import moe_experts_backward_op, moe_experts_op
+    from moe_compiler.codegen.ops import moe_experts_backward_op, moe_experts_op
 
     inputs, go = _gpu_case(T, d, n, E, K, seed=seed)
     args = [inputs[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "b1", "b2")]
@@ -1498,7 +1498,7 @@ def test_gpu_backward_transient_memory(first_config_only, monkeypatch):
     """The backward holds no more than dH and one [TK, n] buffer (dA', then A' written over it)
     besides its outputs. A shape with n >> d and few experts, where these dominate: a second
     [TK, n] buffer (A' beside dA') would exceed the bound by ~10 MB."""
-    from codegen import wgrad_choice
+    from moe_compiler.codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "triton")  # the CUTLASS path copies a gathered operand
     T, d, n, E, K = 4096, 128, 2048, 2, 1
@@ -1514,7 +1514,7 @@ def test_gpu_backward_peak_follows_the_chosen_order(first_config_only, monkeypat
     """At 7b-like proportions (n << d, many experts) the backward runs dX~ before dW1: its transient
     memory stays within `backward_peak` of the chosen order (+ dS and 1 MiB), at least a dW1 below
     what the fixed order of earlier versions (dW2, dW1, dX~) held."""
-    from codegen import triton_moe, wgrad_choice
+    from moe_compiler.codegen import triton_moe, wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
     T, d, n, E, K = 2048, 1536, 256, 16, 8
@@ -1532,7 +1532,7 @@ def test_gpu_backward_peak_follows_the_chosen_order(first_config_only, monkeypat
 
 @pytest.mark.gpu
 def test_gpu_zero_tokens(first_config_only):
-    from codegen.ops import moe_experts
+    from moe_compiler.codegen.ops import moe_experts
 
     inputs, _ = _gpu_case(0, 256, 128, 4, 2)
     x = inputs["x"].requires_grad_()
@@ -1552,7 +1552,7 @@ def test_gpu_fp16_fp32(dtype, activation, first_config_only):
     oai = activation == "swiglu_oai"
     flags = dict(_FLAGS, activation=activation, interleaved=oai, limit=1.0)
     inputs, go = _make(300, 256, 128, 8, 2, dtype, activation=activation, device="cuda", seed=11, bias=oai)
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     (out, *_), grads = _run_ours(triton_moe, inputs, go, flags)
     ref_out, ref_grads = _oracle(inputs, go, flags)
@@ -1571,7 +1571,7 @@ def test_gpu_fp16_fp32(dtype, activation, first_config_only):
 
 @pytest.mark.gpu
 def test_gpu_route_paths_match_and_bad_ids_assert():
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     for E, TK, padded in [(8, 4, False), (128, 32, False), (256, 1024, True), (128, 2048, False), (64, 9000, True),
                           (128, 196608, False), (256, 131072, True), (1, 300000, False), (600, 50000, True)]:
@@ -1604,7 +1604,7 @@ def _without_host_sync(fn):
 
 @pytest.mark.gpu
 def test_gpu_no_host_sync_and_graph_capture(first_config_only):
-    from codegen.ops import moe_experts, moe_experts_op
+    from moe_compiler.codegen.ops import moe_experts, moe_experts_op
 
     inputs, go = _gpu_case(640, 256, 128, 8, 2, seed=3)
     _ops_fwd_bwd(inputs, go, _FLAGS)  # warm: compile + autotune (these sync, once)
@@ -1632,8 +1632,8 @@ def test_gpu_no_host_sync_and_graph_capture(first_config_only):
 @pytest.mark.gpu
 def test_gpu_token_rounding_is_sync_free_and_capturable(first_config_only):
     """round_routing + the slot-form op: no host sync, and a CUDA graph replay follows new routing."""
-    from codegen.ops import moe_experts
-    from codegen.token_rounding import round_routing
+    from moe_compiler.codegen.ops import moe_experts
+    from moe_compiler.codegen.token_rounding import round_routing
 
     inputs, go = _gpu_case(640, 256, 128, 8, 2, seed=3)
     probs = torch.rand(640, 8, device="cuda").softmax(-1)
@@ -1664,7 +1664,7 @@ def test_gpu_token_rounding_is_sync_free_and_capturable(first_config_only):
 def test_gpu_rounding_kernels_match_reference(mode):
     """round_routing on CUDA (the Triton kernels) against the torch reference on the CPU, at 128-row
     tiles: the same slots and weights, and gradients of the probabilities and weights."""
-    from codegen.token_rounding import round_routing
+    from moe_compiler.codegen.token_rounding import round_routing
 
     probs, ids, weights = _rounding_case(4096, 64, 4, seed=7)
     weights = weights.bfloat16()
@@ -1688,7 +1688,7 @@ def test_gpu_rounding_kernels_match_reference(mode):
 
 @pytest.mark.gpu
 def test_gpu_new_t_does_not_recompile_or_retune():
-    from codegen import triton_moe
+    from moe_compiler.codegen import triton_moe
 
     inputs, go = _gpu_case(1000, 256, 128, 8, 2, seed=5)
     _ops_fwd_bwd(inputs, go, _FLAGS)
@@ -1710,7 +1710,7 @@ def test_gpu_new_t_does_not_recompile_or_retune():
 def test_gpu_list_form_equals_stacked_without_sync(layout, first_config_only):
     """bf16 through `codegen.ops`: per-expert tensors give the stacked op's exact outputs and gradients,
     and after the first call (address table built) fwd+bwd makes no host sync."""
-    from codegen.ops import moe_experts_list
+    from moe_compiler.codegen.ops import moe_experts_list
 
     inputs, go = _gpu_case(700, 256, 128, 8, 2, seed=7)
     gate, up, down = _as_lists(inputs, layout, seed=7)
@@ -1743,7 +1743,7 @@ def test_gpu_wgrad_grouped_mm_matches_oracle(case, calls, first_config_only, mon
     """SONIC_MOE_WGRAD=grouped_mm on the GPU cases: CUTLASS's K-grouped GEMM (empty experts and
     all, and the slot form), as close to the float64 oracle as the bf16 oracle is; dW1 of a
     non-contiguous W1 keeps our kernel."""
-    from codegen import wgrad_choice
+    from moe_compiler.codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "grouped_mm")
     seen = _count_grouped_mm(monkeypatch)
@@ -1756,8 +1756,8 @@ def test_gpu_wgrad_auto_chooses_once_then_no_sync_and_capturable(first_config_on
     """"auto" measures the providers at a key's first call (weight gradients; the scatter GEMMs under
     keys of their own), reuses the choice with no host sync, and inside a CUDA-graph capture of a
     key it has not measured runs our kernel untimed."""
-    from codegen import wgrad_choice
-    from codegen.ops import moe_experts_backward_op, moe_experts_op
+    from moe_compiler.codegen import wgrad_choice
+    from moe_compiler.codegen.ops import moe_experts_backward_op, moe_experts_op
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "auto")
     monkeypatch.setattr(wgrad_choice, "_CHOSEN", {})
@@ -1806,8 +1806,8 @@ def test_gpu_gpt_oss_layout_with_biases(provider, calls, transposed, first_confi
     in bf16, the interleaved W1 through TMA: every gradient, biases included, as close to the
     float64 oracle as the bf16 oracle is, by either weight-gradient provider (bf16 router weights:
     grouped_mm takes both bias gradients too)."""
-    from codegen import wgrad_choice
-    from codegen.ops import moe_experts
+    from moe_compiler.codegen import wgrad_choice
+    from moe_compiler.codegen.ops import moe_experts
 
     monkeypatch.setattr(wgrad_choice, "PINNED", provider)
     seen = _count_grouped_mm(monkeypatch)

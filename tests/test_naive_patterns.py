@@ -368,8 +368,8 @@ def test_dense_bmm_dynamic_batch(variant):
 
 def _rounded_twin(model, x, mode):
     """The oracle for token rounding: the model's router, round_routing, then the op in eager."""
-    from codegen.ops import moe_experts_list
-    from codegen.token_rounding import round_routing
+    from moe_compiler.codegen.ops import moe_experts_list
+    from moe_compiler.codegen.token_rounding import round_routing
 
     probs, w, ids = model.route(x)
     slot_ids, slot_w, slot_token = round_routing(probs, ids, w, mode=mode)
@@ -441,7 +441,7 @@ def test_expert_loop_stacked_inductor(variant):
 def test_stacked_slices_reach_the_list_op_as_views(compiler, monkeypatch):
     """Gate and up in two stacked parameters: the list op gets the slices W[e] themselves, views
     into the parameters (each expert where it lies), never a stacked or transposed copy."""
-    import codegen.ops as ops
+    import moe_compiler.codegen.ops as ops
 
     model = StackedLoopMoE()
     x, _ = _inputs()
@@ -625,7 +625,7 @@ def test_tolerance_is_tight():
 def _record_op_dtypes(monkeypatch) -> list:
     """The dtype of x at each `sonic::moe_experts*` forward from now on (both ops ask
     `codegen.ops._triton_backend(x)` for their kernels first, on every device)."""
-    from codegen import ops
+    from moe_compiler.codegen import ops
 
     seen, backend = [], ops._triton_backend
     monkeypatch.setattr(ops, "_triton_backend", lambda x: seen.append(x.dtype) or backend(x))

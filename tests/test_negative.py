@@ -101,7 +101,7 @@ def test_probe_crosses_every_clamp_it_sees():
     """An activation with a clamp beyond the usual probe range is not taken for its unclamped twin
     (that would compute wrong values once H passes the bound); DeepSeek-V4's form is named with its
     limit; a clamp with a bound it cannot name is rejected."""
-    from patterns.activation_probe import name_activation
+    from moe_compiler.patterns.activation_probe import name_activation
 
     n = 8
 
@@ -124,7 +124,7 @@ def test_probe_names_soft_capped_swiglu():
     """Inkling2's SwiGLU soft-caps the gate's linear factor and up (not the sigmoid's input): named
     swiglu_softcap with (gate cap, up cap) read from the sub-graph's constants, in that order; caps
     swapped, or the sigmoid seeing the capped gate, are other functions and are rejected."""
-    from patterns.activation_probe import name_activation
+    from moe_compiler.patterns.activation_probe import name_activation
 
     n = 8
 
@@ -145,7 +145,7 @@ def test_probe_tolerance_follows_every_narrowing_cast():
     round-off, as one narrowing by `.to(dtype)` is (not at float64's, which would reject it)."""
     import torch.fx as fx
 
-    from patterns.activation_probe import _tolerance
+    from moe_compiler.patterns.activation_probe import _tolerance
 
     graph = fx.Graph()
     h, other = graph.placeholder("h"), graph.placeholder("other")
@@ -190,7 +190,7 @@ def test_pattern_exception_falls_back(monkeypatch, caplog):
 def test_rewrite_exception_restores_graph(monkeypatch, caplog):
     """A rewrite that fails half-way restores the original graph before compiling it."""
     from moe_compiler import passes
-    from patterns import common
+    from moe_compiler.patterns import common
 
     def broken_rewrite(gm, match, **kwargs):
         common.rewrite(gm, match, **kwargs)

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_compiler  # noqa: F401  (registers the backend)
-from codegen import moe_experts, moe_experts_list, route
+from moe_compiler.codegen import moe_experts, moe_experts_list, route
 from moe_compiler.backend import sonic_backend
 
 from .test_op import make_inputs

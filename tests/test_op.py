@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from codegen import GATED, moe_experts, moe_experts_op, torch_moe_experts
+from moe_compiler.codegen import GATED, moe_experts, moe_experts_op, torch_moe_experts
 
 
 def make_inputs(T=9, d=8, n=6, E=4, K=2, dtype=torch.float64, activation="swiglu", transposed=False, bias=False, seed=0):
@@ -145,7 +145,7 @@ def _lists(w1, w2, layout):
     ("plain", "gelu", False, True),
 ])
 def test_list_op_matches_autograd_loop(layout, activation, interleaved, bias):
-    from codegen import moe_experts_list
+    from moe_compiler.codegen import moe_experts_list
 
     x, ids, w, w1, w2, b1, b2 = make_inputs(activation=activation, bias=bias)
     gate, up, down = _lists(w1, w2, layout)
@@ -163,7 +163,7 @@ def test_list_op_matches_autograd_loop(layout, activation, interleaved, bias):
 
 @pytest.mark.parametrize("layout,bias", [("separate", False), ("fused", False), ("separate", True)])
 def test_list_opcheck(layout, bias):
-    from codegen import moe_experts_list_op
+    from moe_compiler.codegen import moe_experts_list_op
 
     x, ids, w, w1, w2, b1, b2 = make_inputs(dtype=torch.float32, bias=bias)
     gate, up, down = _lists(w1, w2, layout)
@@ -183,7 +183,7 @@ def test_list_opcheck(layout, bias):
     (lambda a: a.update(b2=torch.zeros(4, 8, dtype=torch.float32)), "b2 must have x's dtype"),
 ])
 def test_list_bad_input_is_a_clear_error(mutate, match):
-    from codegen import moe_experts_list
+    from moe_compiler.codegen import moe_experts_list
 
     x, ids, w, w1, w2, _, _ = make_inputs()
     gate, up, down = _lists(w1, w2, "separate")

@@ -38,7 +38,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codegen import ACTIVATIONS, GATED, moe_experts, torch_moe_experts
+from moe_compiler.codegen import ACTIVATIONS, GATED, moe_experts, torch_moe_experts
 from moe_compiler.testing import LOW_PRECISION_FLOOR, rel_err
 
 FP64_RTOL = FP64_ATOL = 1e-10

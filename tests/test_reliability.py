@@ -51,7 +51,7 @@ import pytest
 import torch
 
 import moe_compiler
-from codegen import GATED, moe_experts, torch_moe_experts
+from moe_compiler.codegen import GATED, moe_experts, torch_moe_experts
 from moe_compiler.testing import FP32_RTOL, LOW_PRECISION_FLOOR, closeness, count_moe_layers, rel_err, tiny_moe_model
 
 from .helpers import assert_close_to_eager, profiled_op_names
@@ -463,7 +463,7 @@ GPU_DETERMINISM = {
 def test_gpu_bitwise_deterministic(case):
     """bf16 on the Triton path: two runs of forward + backward on the same inputs give bitwise
     identical outputs and gradients (x, router weights, w1, w2, and the biases)."""
-    import codegen.ops as ops
+    import moe_compiler.codegen.ops as ops
 
     spec = dict(GPU_DETERMINISM[case])
     flags = dict(activation=spec.get("activation", "swiglu"), interleaved=case == "gpt_oss",

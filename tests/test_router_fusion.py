@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 import moe_compiler
-from codegen.kernels.router import KEYS_BF16, KEYS_FP16, KEYS_FP32, _key_value, _order_keys
-from codegen.router import route, route_op, torch_router_bwd, torch_router_fwd
+from moe_compiler.codegen.kernels.router import KEYS_BF16, KEYS_FP16, KEYS_FP32, _key_value, _order_keys
+from moe_compiler.codegen.router import route, route_op, torch_router_bwd, torch_router_fwd
 
 from .helpers import (
     assert_close_to_eager,
@@ -160,7 +160,7 @@ def kernels():
     """codegen.router's Triton launchers with interpreted kernels (only in the child process)."""
     if not _INTERPRETING:
         pytest.skip("interpreted kernels run in the child process of test_router_kernels_in_child_process")
-    from codegen import router
+    from moe_compiler.codegen import router
 
     return router
 
@@ -359,7 +359,7 @@ def test_interpreted_many_groups_rank_nan_as_torch_topk(kernels):
 @pytest.mark.parametrize("name,k,kw,bias", FORMS, ids=[f[0] for f in FORMS])
 def test_kernel_gpu_bf16(name, k, kw, bias):
     """bf16 on the GPU: the Triton kernels vs the reference run by torch in bf16 on the same device."""
-    from codegen.router import triton_router_bwd, triton_router_fwd
+    from moe_compiler.codegen.router import triton_router_bwd, triton_router_fwd
 
     torch.manual_seed(6)
     E = 6 if name == "k=E" else 72  # E = 72: not a power of two, 3 groups of 24
@@ -385,7 +385,7 @@ def test_kernel_gpu_bf16(name, k, kw, bias):
 def test_kernel_gpu_bf16_narrow_keys_equal_wide_keys(name, k, kw, bias):
     """bf16 logits on the GPU (top-k first ranks them in bf16; the rest score in bf16): 16-bit keys
     give the bit-exact ids and weights of int64 keys, with many equal logits, NaN and infinities."""
-    from codegen.router import triton_router_fwd
+    from moe_compiler.codegen.router import triton_router_fwd
 
     torch.manual_seed(12)
     E = 6 if name == "k=E" else 96  # 3 groups of 32, padded to 128 columns

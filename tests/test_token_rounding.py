@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moe_compiler
-from codegen import moe_experts
-from codegen.token_rounding import (
+from moe_compiler.codegen import moe_experts
+from moe_compiler.codegen.token_rounding import (
     MODES,
     round_routing,
     round_token_counts,

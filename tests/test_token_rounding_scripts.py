@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 def test_bench_token_rounding_tiny(tmp_path):
     import bench_token_rounding as bench
 
-    from codegen.token_rounding import M_TILE
+    from moe_compiler.codegen.token_rounding import M_TILE
 
     results = bench.main(["--shapes", "tiny", "--device", "cpu", "--iters", "3", "--warmup", "1", "--out", str(tmp_path)])
     by = {r["provider"]: r for r in results}
