@@ -1251,7 +1251,7 @@ def test_gpu_decode_path_matches_oracle(T, E, K, layout, monkeypatch):
 def test_gpu_decode_path_bad_ids_assert():
     """An out-of-range id through the decode path: a device-side assert (in a child process: it
     poisons the CUDA context), never a silent wrong expert or a read past the weights."""
-    code = ("import torch; from codegen import triton_moe; "
+    code = ("import torch; from moe_compiler.codegen import triton_moe; "
             "w1 = torch.randn(8, 64, 32, device='cuda', dtype=torch.bfloat16); "
             "w2 = torch.randn(8, 32, 32, device='cuda', dtype=torch.bfloat16); "
             "x = torch.randn(2, 32, device='cuda', dtype=torch.bfloat16); "
@@ -1585,7 +1585,7 @@ def test_gpu_route_paths_match_and_bad_ids_assert():
     # (it poisons the CUDA context, hence a child process)
     for ids in ("torch.tensor([[0, 8]], device='cuda')",  # one program
                 "torch.arange(9000, device='cuda').view(-1, 1) % 9"):  # pieces
-        code = ("import torch; from codegen import triton_moe; "
+        code = ("import torch; from moe_compiler.codegen import triton_moe; "
                 f"triton_moe.route({ids}, 8); torch.cuda.synchronize()")
         child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
