@@ -3,8 +3,8 @@
 A `torch.library.custom_op` answers every call through two Python layers before its implementation:
 its autograd layer (which, under no_grad, redispatches below itself) and a wrapper that checks the
 outputs' aliasing and keeps Dynamo out of the implementation's frames. With a dozen arguments that
-costs ~35 us a call on a CPU host (~70 us on the lent H100 hosts), which at a few tokens is a large
-part of a decode step.
+costs ~35 us a call on a CPU host (~70 us on the hosts of H100 machines), which at a few tokens is
+a large part of a decode step.
 
 The `nograd` overload has the default overload's schema, implementation and fake, registered as a
 CompositeExplicitAutograd kernel: the Autograd key goes to PyTorch's C++ fallback, and the call

@@ -43,22 +43,24 @@ for separate tensors), b2 [E, d]; the rewrite stacks the per-expert bias vectors
 
 `sonic::moe_experts`, `sonic::moe_experts_list` and `sonic::route` also have a `nograd` overload
 (`codegen.nograd`): the same schema and implementation without the custom op's Python autograd
-layer, 21-84 us less host time a call on the lent H100 hosts. The rewrite and the eager wrappers
+layer, 21-84 us less host time a call on H100 machines. The rewrite and the eager wrappers
 call it where no gradient can flow (inference); called where one can, it raises.
 
-Implementations: on CUDA the Triton kernels (`codegen.triton_moe`) when they support the call;
-everywhere else the pure-torch reference (`codegen.reference`). `SONIC_MOE_KERNEL=reference` forces
-the reference on CUDA too (debugging, A/B checks); it is read once at import.
+Implementations: on CUDA the Triton kernels (`codegen.forward`, `codegen.backward`, launched as
+`codegen.launch` configures them) when `launch.supports` takes the call; everywhere else the
+pure-torch reference (`codegen.reference`). `SONIC_MOE_KERNEL=reference` forces the reference on
+CUDA too (debugging, A/B checks); it is read once at import (`launch.runs_triton`).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from . import backward, forward
 from .activations import GATED, check_activation, check_activation_params
+from .launch import list_banks, runs_triton, supports
 from .nograd import overload, register_nograd
 from .reference import (
     torch_moe_experts_bwd,
@@ -70,20 +72,6 @@ from .reference import (
 )
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_FORCE_REFERENCE = os.environ.get("SONIC_MOE_KERNEL", "auto") == "reference"
-
-
-def _triton_backend(x: Tensor):
-    """The Triton implementation module when it can run this call, else None."""
-    if _FORCE_REFERENCE or x.device.type != "cuda":
-        return None
-    try:
-        from . import triton_moe
-    except ImportError:  # the kernels are optional until they land; the reference is always there
-        return None
-    return triton_moe
-
-
 def _flags(activation, interleaved, transposed, alpha, limit):
     return dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
 
@@ -106,9 +94,8 @@ def _moe_experts_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     flags = _flags(activation, interleaved, transposed, alpha, limit)
     args = (x, topk_ids, topk_weights, w1, w2, b1, b2)
-    impl = _triton_backend(x)
-    if impl is not None and impl.supports(*args, **flags):
-        return impl.triton_moe_experts_fwd(*args, save_h=save_h, slot_token=slot_token, **flags)
+    if runs_triton(x) and supports(*args, **flags):
+        return forward.triton_moe_experts_fwd(*args, save_h=save_h, slot_token=slot_token, **flags)
     return torch_moe_experts_fwd(*args, save_h=save_h, slot_token=slot_token, **flags)
 
 
@@ -164,9 +151,8 @@ def moe_experts_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     flags = _flags(activation, interleaved, transposed, alpha, limit)
     args = (grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets)
-    impl = _triton_backend(x)
-    if impl is not None and impl.supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
-        dx, dw, dw1, dw2, db1, db2 = impl.triton_moe_experts_bwd(*args, slot_token=slot_token, **flags)
+    if runs_triton(x) and supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
+        dx, dw, dw1, dw2, db1, db2 = backward.triton_moe_experts_bwd(*args, slot_token=slot_token, **flags)
     else:
         dx, dw, dw1, dw2, db1, db2 = torch_moe_experts_bwd(*args, slot_token=slot_token, **flags)
     return dx, dw, dw1, dw2, _bias_or_empty(db1, x), _bias_or_empty(db2, x)
@@ -227,10 +213,9 @@ moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
 def _bwd_part(part: str, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets, flags, slot_token,
               **tensors):
     """One part of the backward by the Triton kernels when they support the call, else the reference."""
-    impl = _triton_backend(x)
-    if impl is not None and impl.supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
-        return impl.triton_moe_experts_bwd_part(part, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows,
-                                                expert_offsets, slot_token=slot_token, **tensors, **flags)
+    if runs_triton(x) and supports(x, topk_ids, topk_weights, w1, w2, b1, b2, **flags):
+        return backward.triton_moe_experts_bwd_part(part, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows,
+                                                    expert_offsets, slot_token=slot_token, **tensors, **flags)
     return _reference_part(part, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets, flags,
                            slot_token, **tensors)
 
@@ -345,11 +330,10 @@ def _moe_experts_list_fwd(
     slot_token: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    impl = _triton_backend(x)
-    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, **flags)
+    banks = runs_triton(x) and list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, **flags)
     if banks:
-        return impl.triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2,
-                                                banks=banks, save_h=save_h, slot_token=slot_token, **flags)
+        return forward.triton_moe_experts_list_fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2,
+                                                   banks=banks, save_h=save_h, slot_token=slot_token, **flags)
     w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
     return torch_moe_experts_fwd(x, topk_ids, topk_weights, w1, w2, b1, b2, save_h=save_h, slot_token=slot_token,
                                  transposed=False, **flags)
@@ -394,10 +378,9 @@ def moe_experts_list_backward_op(
     slot_token: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     flags = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    impl = _triton_backend(x)
-    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, **flags)
+    banks = runs_triton(x) and list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, **flags)
     if banks:
-        dx, dw, dw1, dw2, db1, db2 = impl.triton_moe_experts_list_bwd(
+        dx, dw, dw1, dw2, db1, db2 = backward.triton_moe_experts_list_bwd(
             grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, h, sorted_rows, expert_offsets,
             banks=banks, slot_token=slot_token, **flags)
     else:
@@ -421,12 +404,11 @@ def _list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, b
                    flags, slot_token, **tensors):
     """One part of the list form's backward (as `_bwd_part`; the weight gradients stacked, the
     weight-gradient parts giving (dw, db) pairs with db empty for an absent bias, as the stacked form's)."""
-    impl = _triton_backend(x)
-    banks = impl and impl.list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, **flags)
+    banks = runs_triton(x) and list_banks(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, **flags)
     if banks:
-        got = impl.triton_moe_experts_list_bwd_part(part, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2,
-                                                    sorted_rows, expert_offsets, banks=banks, slot_token=slot_token,
-                                                    **tensors, **flags)
+        got = backward.triton_moe_experts_list_bwd_part(
+            part, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, sorted_rows, expert_offsets, banks=banks,
+            slot_token=slot_token, **tensors, **flags)
     else:
         w1, w2 = stack_expert_lists(w_gate, w_up, w_down)
         got = _reference_part(part, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted_rows, expert_offsets,

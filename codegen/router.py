@@ -44,7 +44,7 @@ from torch import Tensor
 
 from .ints import cdiv, pow2
 from .nograd import overload, register_nograd
-from .ops import _FORCE_REFERENCE
+from .launch import FORCE_REFERENCE
 
 SCORES = ("softmax", "sigmoid")
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -171,7 +171,7 @@ def _key_kind_of(logits_dtype, compute_dtype, topk_first, n_group, fill, narrow_
 def _blocks(T, E, k, block_t, num_warps, forward=True, gathered=False):
     """(BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps) of a launch. The forward, up to E = 128: 2048
     scores a program, 8 a thread; otherwise 4096 scores a program on 4 warps. On the H100
-    (benchmarks/bench_router.py, bf16 logits, CUDA graphs), T = 24576, E = 128, k = 8: the forward
+    (benchmarks/kernels/bench_router.py, bf16 logits, CUDA graphs), T = 24576, E = 128, k = 8: the forward
     took 11.4 us with 8 scores a thread against 17.2 with 32 (4096 on 4 warps). At E = 256, k = 16,
     every forward launch from 8 to 32 scores a thread was within 7% (67-72 us). Below E = 128 the
     forward takes the same 8 a thread, not measured there.
@@ -250,7 +250,7 @@ def _in_dtype(value: float, dtype: torch.dtype) -> float:
 
 
 def _use_triton(logits: Tensor, compute_dtype: torch.dtype) -> bool:
-    return (not _FORCE_REFERENCE and logits.device.type == "cuda" and logits.dtype in _TRITON_DTYPES
+    return (not FORCE_REFERENCE and logits.device.type == "cuda" and logits.dtype in _TRITON_DTYPES
             and compute_dtype in _TRITON_DTYPES and logits.shape[1] <= _MAX_TRITON_E)
 
 

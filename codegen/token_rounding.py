@@ -38,10 +38,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .launch import M_TILE, runs_triton
+
 MODES = ("nearest", "up", "down")
-# The M tile of the grouped GEMMs on the GPU (every autotuned config of codegen.triton_moe uses it):
-# the tile the compiler rounds to, so no tile of a rounded expert is padded.
-M_TILE = 128
 
 
 def round_token_counts(counts: torch.Tensor, tile: int, mode: str, max_count: int) -> torch.Tensor:
@@ -235,10 +234,8 @@ def _use_triton(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor) ->
     """Where the experts op runs its Triton kernels (CUDA, SONIC_MOE_KERNEL not "reference"); their
     int8 state holds a top-k pair index + 1, so 1 <= K <= 126; they scale added pairs in fp32, so
     fp64 routing takes the reference."""
-    from .ops import _triton_backend
-
     return (1 <= topk_ids.shape[1] <= 126 and _scale_dtype(router_probs.dtype, topk_weights.dtype) == torch.float32
-            and _triton_backend(router_probs) is not None)
+            and runs_triton(router_probs))
 
 
 # One op in the graph (AOTAutograd's cache wants op targets). Forward: the Triton kernels on CUDA,

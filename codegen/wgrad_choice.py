@@ -5,20 +5,20 @@ dW[e] = Lhs_e^T Rhs_e, summed over expert e's rows, is the K-grouped form of `to
 (2D x 2D with `offs`: one [P, Q] product per group of rows). Our Triton kernel
 (`kernels.backward._wgrad_kernel`) reads the gathered operand (x for dW1, dO for dW2) in place;
 `_grouped_mm` needs it in expert order first, a [TK, Q or P] copy. Which is faster depends on the
-shape (H100, `benchmarks/bench_wgrad.py`, the gather not counted): CUTLASS takes 0.59-0.94x our
+shape (H100, `benchmarks/kernels/bench_wgrad.py`, the gather not counted): CUTLASS takes 0.59-0.94x our
 time at Mixtral's and gpt-oss's sizes, 0.72-0.91x at the fine-grained ones, where the copy it needs
 (one read and one write of [TK, d]) costs about as much as it saves. So neither is picked by a
 rule: the first call at a key times every candidate on that call's own inputs, gather included, and
 keeps the fastest, as Triton's autotuner does for a config. The key holds the problem's dims, never T.
 On Hopper a third candidate is our warp-specialized Gluon kernel (`kernels.gluon_wgrad`), where
-`triton_moe` finds it usable.
+`codegen.backward` finds it usable.
 
     SONIC_MOE_WGRAD=auto        (default) measure once per key
     SONIC_MOE_WGRAD=triton      always our kernel
     SONIC_MOE_WGRAD=grouped_mm  torch._grouped_mm wherever it can run (see `usable`), else our kernel
     SONIC_MOE_WGRAD=gluon       the Gluon kernel wherever it can run, else our kernel
 
-The scatter GEMM (`triton_moe.triton_moe_scatter_gemm`) chooses the same way between our
+The scatter GEMM (`forward.triton_moe_scatter_gemm`) chooses the same way between our
 persistent Triton kernel and the Gluon one (`kernels.gluon_scatter`, Hopper), under keys of its own:
 
     SONIC_MOE_SCATTER=auto | triton | gluon | gluon-coop

@@ -15,7 +15,7 @@ to the dX part, whose gather-sum adds dL @ Wr before it rounds:
 
     dh, a, ds = act(...);  dw2 = dw2(a);  dw1 = dw1(dh);  dx = dx(dh, dL, Wr)
 
-The parts go in the order `codegen.triton_moe.backward_order` finds holds the fewest bytes, as the
+The parts go in the order `codegen.backward.backward_order` finds holds the fewest bytes, as the
 one op runs them. It folds only what it can prove: the other addend is an `mm` [T, J] @ [J, d] read
 by nothing else, of x's gradient's dtype, whose inputs do not depend on the op's dx or weight
 gradients (through views only, on either side). Any such term is a term of x's gradient, so
@@ -136,7 +136,7 @@ def _find_term(bwd: fx.Node, outs: dict[int, fx.Node]) -> tuple[fx.Node, fx.Node
 
 def _order(x, E: int, dh_shape, a_shape) -> tuple[str, ...]:
     """The parts' order `backward_order` picks at the traced example's sizes (the one op picks per call)."""
-    from moe_compiler.codegen.triton_moe import backward_order, backward_sizes, scatter_rows
+    from moe_compiler.codegen.backward import backward_order, backward_sizes, scatter_rows
 
     T, d, TK, w1_out, n = (_hint(v) for v in (*x.shape, dh_shape[0], dh_shape[1], a_shape[1]))
     elem = x.element_size()

@@ -30,12 +30,13 @@ def test_supports_says_why_not_on_the_cpu():
 
 
 def test_backward_never_offers_it_off_hopper():
-    from moe_compiler.codegen import triton_moe, wgrad_choice
+    from moe_compiler import codegen
+    from moe_compiler.codegen import wgrad_choice
 
     assert "gluon" in wgrad_choice.PROVIDERS
     a = torch.empty(64, 64, dtype=torch.bfloat16)
-    out = triton_moe.GradBuffer(torch.empty(1, 64, 64, dtype=torch.bfloat16, device="meta"), False)
-    assert triton_moe._gluon_wgrad(a, a, out, gather_lhs=True, db=None) is None
+    out = codegen.backward.GradBuffer(torch.empty(1, 64, 64, dtype=torch.bfloat16, device="meta"), False)
+    assert codegen.backward._gluon_wgrad(a, a, out, gather_lhs=True, db=None) is None
 
 
 @pytest.mark.skipif(not (gw.HAS_GLUON and triton.__version__.startswith("3.6.")),

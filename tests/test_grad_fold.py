@@ -255,7 +255,7 @@ def test_gpu_gather_sum_product_kernel(slots, mapped, d, J, K):
     # 4); against float32 sums of the same bf16 rows. mapped: each slot's row read through a row map
     # (a random permutation into a larger buffer whose other rows are NaN), as the TILE-order dX~ is
     # read (with [T, K] routing the kernel loads the map a block ahead)
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
     T = 3000
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -266,7 +266,7 @@ def test_gpu_gather_sum_product_kernel(slots, mapped, d, J, K):
     arg = None
     if slots:
         ids[::3] = -1
-        arg = (ids, triton_moe.token_offsets(torch.arange(T * K, device="cuda") // K, T))
+        arg = (ids, codegen.routing.token_offsets(torch.arange(T * K, device="cuda") // K, T))
     y_in, row_map = y, None
     if mapped:
         row_map = torch.randperm(T * K + 500, device="cuda", generator=gen)[:T * K].to(torch.int32)
@@ -274,7 +274,7 @@ def test_gpu_gather_sum_product_kernel(slots, mapped, d, J, K):
         y_in[row_map.long()] = y
         if slots:
             row_map[::3] = -1  # padding slots are never read
-    got = triton_moe.triton_moe_gather_sum(y_in, None, T, K, torch.bfloat16, arg, product=(lhs, rhs),
+    got = codegen.forward.triton_moe_gather_sum(y_in, None, T, K, torch.bfloat16, arg, product=(lhs, rhs),
                                            row_map=row_map).float()
     rows = torch.where((ids >= 0)[:, None], y.float(), 0.0).view(T, K, d).sum(1)
     want = rows + lhs.float() @ rhs.float()

@@ -41,17 +41,18 @@ _TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
 
 @pytest.fixture
 def tm(monkeypatch):
-    """`codegen.triton_moe` with interpreted kernels (only in a process started with the flag). The
+    """`moe_compiler.codegen` with interpreted kernels (only in a process started with the flag). The
     weight gradients run our kernel unless a test pins another provider (`wgrad_choice`): a choice
     measured on the CPU's timings would make the tests' paths vary from run to run."""
     if not _INTERPRETING:
         pytest.skip("interpreted kernels run in the child process of test_interpreted_kernels_in_child_process")
-    from moe_compiler.codegen import triton_moe, wgrad_choice
+    from moe_compiler import codegen
+    from moe_compiler.codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
 
-    assert triton_moe.INTERPRETED, "TRITON_INTERPRET=1 was set but the kernels were compiled"
-    return triton_moe
+    assert codegen.launch.INTERPRETED, "TRITON_INTERPRET=1 was set but the kernels were compiled"
+    return codegen
 
 
 @pytest.mark.skipif(_INTERPRETING, reason="this is the child process")
@@ -108,8 +109,9 @@ def _rel(a, b):
 
 
 def _run_ours(tm, inputs, go, flags, save_h=True):
-    out, h, rows, offs = tm.triton_moe_experts_fwd(**inputs, save_h=save_h, **flags)  # slot_token rides in inputs
-    grads = tm.triton_moe_experts_bwd(go, **inputs, h=h, sorted_rows=rows, expert_offsets=offs, **flags)
+    # slot_token rides in inputs
+    out, h, rows, offs = tm.forward.triton_moe_experts_fwd(**inputs, save_h=save_h, **flags)
+    grads = tm.backward.triton_moe_experts_bwd(go, **inputs, h=h, sorted_rows=rows, expert_offsets=offs, **flags)
     return (out, h, rows, offs), grads
 
 
@@ -169,24 +171,24 @@ def test_biases_interleaved_transposed_fp16(tm):
 
 def test_two_dot_gate_up_path(tm):
     # the interpreter's single config takes the fused gate/up dot; the autotuner may pick two dots
-    saved = tm._up.configs
-    tm._up.configs = [tm._cfg("up", 16, 16, 16, 1, 1, fused=False)]
-    tm.forget_tuned_launches()
+    saved = tm.launch._up.configs
+    tm.launch._up.configs = [tm.launch._cfg("up", 16, 16, 16, 1, 1, fused=False)]
+    tm.launch.forget_tuned_launches()
     try:
         for interleaved in (False, True):
             inputs, go = _make(13, 40, 24, 3, 2, torch.float32, bias=True, seed=int(interleaved))
             _check_against_oracle(tm, inputs, go, dict(_FLAGS, interleaved=interleaved), _TOL[torch.float32])
-        assert tm._up.best_config.kwargs["FUSED_GU"] is False
+        assert tm.launch._up.best_config.kwargs["FUSED_GU"] is False
     finally:
-        tm._up.configs = saved
-        tm.forget_tuned_launches()
+        tm.launch._up.configs = saved
+        tm.launch.forget_tuned_launches()
 
 
 def test_tuned_launches_skip_the_autotuner(tm, monkeypatch):
     """After a key's first launch the GEMMs launch with the config the autotuner chose, without it;
     a new key goes through it again."""
-    tuners = [getattr(tm, name) for name in ("_up", "_scatter", "_dact", "_wgrad")]
-    tm.forget_tuned_launches()
+    tuners = [getattr(tm.launch, name) for name in ("_up", "_scatter", "_dact", "_wgrad")]
+    tm.launch.forget_tuned_launches()
     inputs, go = _make(11, 24, 16, 3, 2, torch.float32, seed=3)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
     entered = []
@@ -206,10 +208,10 @@ _TMA_TUNERS = ("_up_tma", "_dact_tma", "_up_persistent", "_dact_persistent", "_s
 def _record_calls(tm, monkeypatch):
     """The names of the TMA autotuners that launch from now on (the test's proof the path ran); each
     kernel's first launch of a key goes through its autotuner, so the tuned launches are forgotten."""
-    tm.forget_tuned_launches()
+    tm.launch.forget_tuned_launches()
     ran = []
     for name in _TMA_TUNERS:
-        tuner = getattr(tm, name)
+        tuner = getattr(tm.launch, name)
 
         def run(*args, _name=name, _run=tuner.run, **kwargs):
             ran.append(_name)
@@ -236,7 +238,7 @@ def test_tma_paths_match_oracle(tm, layout, persistent, monkeypatch):
     K = 1 if layout == "one_expert" else 2
     inputs, go = _make(21, 40, 24, 4, K, torch.float16, activation=act, transposed=transposed,
                        bias=layout in ("plain_bias", "transposed_bias", "interleaved"), experts=experts)
-    monkeypatch.setattr(tm, "PERSISTENT_UP", persistent)
+    monkeypatch.setattr(tm.launch, "PERSISTENT_UP", persistent)
     ran = _record_calls(tm, monkeypatch)
     flags = dict(_FLAGS, activation=act, transposed=transposed, interleaved=interleaved)
     _check_against_oracle(tm, inputs, go, flags, _TOL[torch.float16])
@@ -247,7 +249,7 @@ def test_tma_paths_match_oracle(tm, layout, persistent, monkeypatch):
 
 def test_slot_order_switch(tm, monkeypatch):
     """SCATTER_TILES off (slot order wherever the scatter GEMM runs) gives the same results."""
-    monkeypatch.setattr(tm, "SCATTER_TILES", False)
+    monkeypatch.setattr(tm.forward, "SCATTER_TILES", False)
     inputs, go = _make(13, 40, 24, 3, 2, torch.float16)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
 
@@ -262,7 +264,7 @@ def test_tma_off_for_what_it_cannot_read(tm, monkeypatch):
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
     assert ran == []
     inputs, go = _make(13, 40, 24, 3, 2, torch.float16)
-    monkeypatch.setattr(tm, "USE_TMA", False)
+    monkeypatch.setattr(tm.launch, "USE_TMA", False)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
     assert ran == []
 
@@ -274,25 +276,25 @@ def test_up_projection_wide_dot(tm, bias, monkeypatch):
     own descriptors. Both ways agree with the oracle and with each other; the gate/up columns past
     n (n not a multiple of the tile) read as zeros within each half."""
     seen = []
-    real = tm._up_weight_desc
+    real = tm.launch._up_weight_desc
 
     def spy(*args):
         desc, kind = real(*args)
         seen.append(kind)
         return desc, kind
 
-    monkeypatch.setattr(tm, "_up_weight_desc", spy)
-    monkeypatch.setattr(tm, "WIDE_UP", tm.WIDE_UP)  # restored after the test; set_wide_up switches it
+    monkeypatch.setattr(tm.forward, "_up_weight_desc", spy)  # where the up-projection looks it up
+    monkeypatch.setattr(tm.launch, "WIDE_UP", tm.launch.WIDE_UP)  # restored after the test; set_wide_up switches it
     inputs, go = _make(21, 40, 24, 4, 2, torch.float16, bias=bias)  # n = 24: the second N tile is partial
     outs = {}
     for wide in (True, False):
-        tm.set_wide_up(wide)
+        tm.launch.set_wide_up(wide)
         _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float16])
         outs[wide] = _run_ours(tm, inputs, go, _FLAGS)[0][0]
     assert seen[0] == 3 and seen[-1] == 1
     assert torch.allclose(outs[True].float(), outs[False].float(), rtol=1e-3, atol=1e-3)
     seen.clear()
-    tm.set_wide_up(True)
+    tm.launch.set_wide_up(True)
     transposed, _ = _make(21, 40, 24, 4, 2, torch.float16, transposed=True, seed=1)
     _check_against_oracle(tm, transposed, go, dict(_FLAGS, transposed=True), _TOL[torch.float16])
     _check_against_oracle(tm, inputs, go, dict(_FLAGS, interleaved=True), _TOL[torch.float16])
@@ -498,12 +500,12 @@ def test_router_weight_grad_stored_in_its_dtype(tm, form):
     inputs, go = _make(9, 32, 16, 4, 2, torch.float16, seed=3)
     if form == "slots":
         inputs = _slot_form(inputs, drop=(1, 6, 7))
-    _, h, rows, offs = tm.triton_moe_experts_fwd(**inputs, save_h=True, **_FLAGS)
-    r = tm._bwd_routing(inputs["x"], inputs["topk_ids"], inputs["topk_weights"], rows, offs,
+    _, h, rows, offs = tm.forward.triton_moe_experts_fwd(**inputs, save_h=True, **_FLAGS)
+    r = tm.backward._bwd_routing(inputs["x"], inputs["topk_ids"], inputs["topk_weights"], rows, offs,
                         inputs.get("slot_token"))
-    _, W2 = tm._stacked_banks(inputs["w1"], inputs["w2"], False)
-    ds = {dtype: tm.triton_moe_dact(go, W2, h, r.topk_weights.reshape(-1), n=16, ds_dtype=dtype, **r.kernel_args,
-                                    **_FLAGS)[2] for dtype in (torch.float16, torch.float32)}
+    _, W2 = tm.launch._stacked_banks(inputs["w1"], inputs["w2"], False)
+    ds = {dtype: tm.backward.triton_moe_dact(go, W2, h, r.topk_weights.reshape(-1), n=16, ds_dtype=dtype,
+                                             **r.kernel_args, **_FLAGS)[2] for dtype in (torch.float16, torch.float32)}
     assert ds[torch.float16].dtype == torch.float16 and ds[torch.float32].dtype == torch.float32
     assert torch.equal(ds[torch.float16], ds[torch.float32].to(torch.float16))
     if form == "slots":
@@ -522,7 +524,7 @@ def test_slot_form_bad_tokens_raise(tm, bad):
     else:
         tok[-1] = 6  # a real slot pointing past the last token
     with pytest.raises(RuntimeError, match="slot_token must be nondecreasing"):
-        tm.triton_moe_experts_fwd(**dict(slots, slot_token=tok), save_h=True, **_FLAGS)
+        tm.forward.triton_moe_experts_fwd(**dict(slots, slot_token=tok), save_h=True, **_FLAGS)
 
 
 def test_slot_check_kernel_equals_reference(tm):
@@ -557,12 +559,13 @@ def test_backward_recomputes_h_without_save_h(tm):
 
 @pytest.fixture
 def decode_everywhere(tm, monkeypatch):
-    """Every forward without save_h takes the decode path (`triton_moe.decode_path`'s limits lifted);
+    """Every forward without save_h takes the decode path (`tm.decode.decode_path`'s limits lifted);
     yields the list its calls are appended to."""
-    monkeypatch.setattr(tm, "DECODE_MAX_SLOTS", 10**6)
-    monkeypatch.setattr(tm, "DECODE_SLOTS_PER_EXPERT", float("inf"))
-    calls, decode = [], tm.triton_moe_decode
-    monkeypatch.setattr(tm, "triton_moe_decode", lambda *a, **k: calls.append(a[0].shape) or decode(*a, **k))
+    monkeypatch.setattr(tm.decode, "DECODE_MAX_SLOTS", 10**6)
+    monkeypatch.setattr(tm.decode, "DECODE_SLOTS_PER_EXPERT", float("inf"))
+    calls, decode = [], tm.decode.triton_moe_decode
+    # patched where the forward looks it up
+    monkeypatch.setattr(tm.forward, "triton_moe_decode", lambda *a, **k: calls.append(a[0].shape) or decode(*a, **k))
     return calls
 
 
@@ -609,21 +612,21 @@ def test_decode_path_bad_ids_fail(tm, decode_everywhere, monkeypatch, bad_id):
     inputs, _ = _make(3, 16, 8, 4, 2, torch.float32, seed=1)
     inputs["topk_ids"][1, 0] = bad_id
     with pytest.raises(IndexError, match="out of range"):
-        tm.triton_moe_experts_fwd(**inputs, save_h=False, **_FLAGS)
-    monkeypatch.setattr(tm, "_check_ids_on_cpu", lambda ids, E: None)
+        tm.forward.triton_moe_experts_fwd(**inputs, save_h=False, **_FLAGS)
+    monkeypatch.setattr(tm.decode, "_check_ids_on_cpu", lambda ids, E: None)  # the decode path's own check
     with pytest.raises(RuntimeError, match="out of range"):
-        tm.triton_moe_experts_fwd(**inputs, save_h=False, **_FLAGS)
+        tm.forward.triton_moe_experts_fwd(**inputs, save_h=False, **_FLAGS)
     assert len(decode_everywhere) == 2
 
 
 def test_decode_path_rule(tm):
     """Few slots next to the experts, no H kept, [T, K] routing: only then."""
-    assert tm.decode_path(32, 128, False, None)
-    assert not tm.decode_path(32, 128, True, None)  # a backward will read H: the grouped path stores it
-    assert not tm.decode_path(32, 128, False, torch.zeros(32))  # the slot form (token rounding)
-    assert not tm.decode_path(0, 128, False, None)
-    assert not tm.decode_path(tm.DECODE_MAX_SLOTS + 1, 10**6, False, None)
-    assert tm.decode_path(4, 8, False, None) and not tm.decode_path(5, 8, False, None)  # slots <= E / 2
+    assert tm.decode.decode_path(32, 128, False, None)
+    assert not tm.decode.decode_path(32, 128, True, None)  # a backward will read H: the grouped path stores it
+    assert not tm.decode.decode_path(32, 128, False, torch.zeros(32))  # the slot form (token rounding)
+    assert not tm.decode.decode_path(0, 128, False, None)
+    assert not tm.decode.decode_path(tm.decode.DECODE_MAX_SLOTS + 1, 10**6, False, None)
+    assert tm.decode.decode_path(4, 8, False, None) and not tm.decode.decode_path(5, 8, False, None)  # slots <= E / 2
 
 
 @pytest.mark.parametrize("order", list(itertools.permutations(("dw2", "dw1", "dx"))), ids="-".join)
@@ -631,7 +634,8 @@ def test_every_backward_order_matches_oracle(tm, order, monkeypatch):
     # the backward runs its weight gradients and dX~ in the order `backward_order` picks per shape:
     # every order must give the same gradients, with biases (both bias gradients) and torch's grouped
     # GEMM for the weight gradients too (its copy of the gathered operand)
-    monkeypatch.setattr(tm, "backward_order", lambda **sizes: (order, tm.backward_peak(order, **sizes)))
+    monkeypatch.setattr(tm.backward, "backward_order",
+                        lambda **sizes: (order, tm.backward.backward_peak(order, **sizes)))
     inputs, go = _make(13, 32, 16, 4, 2, torch.float32, bias=True, seed=11)
     _check_against_oracle(tm, inputs, go, _FLAGS, _TOL[torch.float32])
     from moe_compiler.codegen import wgrad_choice
@@ -650,9 +654,9 @@ def test_backward_parts_equal_the_one_op(tm, case):
     flags = dict(_FLAGS, transposed="transposed" in case)
     if case == "slot_form":
         inputs = _slot_form(inputs, mode="up")
-    _, h, rows, offs = tm.triton_moe_experts_fwd(**inputs, save_h=True, **flags)
-    whole = tm.triton_moe_experts_bwd(go, **inputs, h=h, sorted_rows=rows, expert_offsets=offs, **flags)
-    part = lambda name, **kw: tm.triton_moe_experts_bwd_part(name, **inputs, sorted_rows=rows,  # noqa: E731
+    _, h, rows, offs = tm.forward.triton_moe_experts_fwd(**inputs, save_h=True, **flags)
+    whole = tm.backward.triton_moe_experts_bwd(go, **inputs, h=h, sorted_rows=rows, expert_offsets=offs, **flags)
+    part = lambda name, **kw: tm.backward.triton_moe_experts_bwd_part(name, **inputs, sorted_rows=rows,  # noqa: E731
                                                              expert_offsets=offs, **flags, **kw)
     dh, a_scaled, ds = part("act", grad_out=go, h=h)
     (dw2, db2), (dw1, db1) = part("dw2", grad_out=go, a_scaled=a_scaled), part("dw1", dh=dh)
@@ -684,14 +688,14 @@ def test_gather_sum_with_a_product_term(tm, dtype, slots, launch, K):
     arg = None
     if slots:  # the slot form: every 4th slot is padding and adds nothing
         ids[::4] = -1
-        arg = (ids, tm.token_offsets(torch.arange(T * K) // K, T))
-    launch = None if launch is None else tm.ProductLaunch(*launch)
-    got = tm.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs), launch=launch)
+        arg = (ids, tm.routing.token_offsets(torch.arange(T * K) // K, T))
+    launch = None if launch is None else tm.forward.ProductLaunch(*launch)
+    got = tm.forward.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs), launch=launch)
     rows = torch.where((ids >= 0)[:, None], y.double(), 0.0).view(T, K, d).sum(1)
     want = rows + lhs.double() @ rhs.double()
     assert got.dtype == dtype and _rel(got, want) <= _TOL[dtype], _rel(got, want)
     with pytest.raises(ValueError, match="do not make"):
-        tm.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs.float() if dtype != torch.float32
+        tm.forward.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs.float() if dtype != torch.float32
                                                                     else rhs.half()))
 
 
@@ -720,7 +724,7 @@ def test_tile_row_map_matches_brute_force(tm, E, TK, padded, block_m):
         torch.empty(0, dtype=torch.int64))
     if padded:
         ids[torch.rand(TK, generator=gen) < 0.3] = -1
-    rows, offs = tm.route(ids.view(-1, 1), E, padded=padded)
+    rows, offs = tm.routing.route(ids.view(-1, 1), E, padded=padded)
     got = slot_rows_in_tiles(rows, offs, block_m)
     assert got.dtype == torch.int32 and torch.equal(got, _tile_rows_brute(rows, offs, block_m))
 
@@ -740,17 +744,18 @@ def test_gather_sum_through_a_row_map(tm, dtype, form):
     arg, s, product = None, torch.rand(T * K, generator=gen).to(dtype), None
     if form in ("slots", "product-slots"):  # every 4th slot is padding, never written or read
         ids[::4] = -1
-        arg = (ids, tm.token_offsets(torch.arange(T * K) // K, T))
+        arg = (ids, tm.routing.token_offsets(torch.arange(T * K) // K, T))
     if form.startswith("product"):
         s, product = None, (torch.randn(T, 7, generator=gen).to(dtype), torch.randn(7, d, generator=gen).to(dtype))
-    launch = tm.ProductLaunch(16, 16, 16, 4, 1, False) if form == "product-walking" else None
-    rows, offs = tm.route(ids.view(-1, 1), E, padded=arg is not None)
+    launch = tm.forward.ProductLaunch(16, 16, 16, 4, 1, False) if form == "product-walking" else None
+    rows, offs = tm.routing.route(ids.view(-1, 1), E, padded=arg is not None)
     row_map = slot_rows_in_tiles(rows, offs, 16)
     y_tiles = torch.full(((T * K // 16 + E + 1) * 16, d), float("nan"), dtype=dtype)
     live = row_map >= 0
     y_tiles[row_map[live].long()] = y[live]
-    want = tm.triton_moe_gather_sum(y, s, T, K, dtype, arg, product=product, launch=launch)
-    got = tm.triton_moe_gather_sum(y_tiles, s, T, K, dtype, arg, product=product, row_map=row_map, launch=launch)
+    want = tm.forward.triton_moe_gather_sum(y, s, T, K, dtype, arg, product=product, launch=launch)
+    got = tm.forward.triton_moe_gather_sum(y_tiles, s, T, K, dtype, arg, product=product, row_map=row_map,
+                                           launch=launch)
     assert torch.equal(got, want)
 
 
@@ -766,12 +771,12 @@ def test_out_of_range_expert_id_raises(tm):
     inputs, _ = _make(4, 32, 16, 4, 2, torch.float32)
     inputs["topk_ids"][1, 0] = 4
     with pytest.raises((RuntimeError, IndexError)):
-        tm.triton_moe_experts_fwd(**inputs, save_h=True, **_FLAGS)
+        tm.forward.triton_moe_experts_fwd(**inputs, save_h=True, **_FLAGS)
     ids = torch.zeros(9000, 1, dtype=torch.long)  # the pieces path
     for bad in (64, -1):
         ids[4321] = bad
         with pytest.raises(IndexError):
-            tm.route(ids, 64)
+            tm.routing.route(ids, 64)
 
 
 @pytest.mark.parametrize("E,TK", [(1, 5), (6, 0), (6, 37), (64, 300), (200, 1024), (256, 1024), (256, 1025),
@@ -785,7 +790,7 @@ def test_route_matches_torch_route(tm, E, TK, padded):
     ids = torch.randint(0, E, (TK,), generator=gen)
     if padded:
         ids[torch.rand(TK, generator=gen) < 0.3] = -1
-    rows, offs = tm.route(ids.view(-1, 1), E, padded=padded)
+    rows, offs = tm.routing.route(ids.view(-1, 1), E, padded=padded)
     ref_rows, ref_offs = torch_route(ids.view(-1, 1), E)
     assert rows.dtype == offs.dtype == torch.int32
     assert torch.equal(rows, ref_rows) and torch.equal(offs, ref_offs)
@@ -796,14 +801,15 @@ def test_route_pieces_rank_by_sort(tm, E, TK, padded, monkeypatch):
     """The piece kernels' placement as the GPU runs it (each piece sorted by bucket, `tl.sort`),
     which the other interpreted tests replace by one-hot ranks (the interpreter's sort is slow):
     a few pieces, uneven buckets, padding, the last piece partial."""
-    monkeypatch.setattr(tm, "ROUTE_BY_SORT", True)
+    monkeypatch.setattr(tm.routing, "ROUTE_BY_SORT", True)
     gen = torch.Generator().manual_seed(E + TK)
     ids = torch.multinomial(torch.rand(E, generator=gen) ** 4, TK, replacement=True, generator=gen)
     if padded:
         ids[torch.rand(TK, generator=gen) < 0.3] = -1
     buckets = max(2, 1 << (E + padded - 1).bit_length())
-    assert TK * buckets > tm._SMALL_ROUTE_WORK and TK % tm._route_chunk(TK, buckets) and TK > tm._route_chunk(TK, buckets)
-    rows, offs = tm.route(ids.view(-1, 1), E, padded=padded)
+    chunk = tm.routing._route_chunk(TK, buckets)
+    assert TK * buckets > tm.routing._SMALL_ROUTE_WORK and TK % chunk and TK > chunk
+    rows, offs = tm.routing.route(ids.view(-1, 1), E, padded=padded)
     ref_rows, ref_offs = torch_route(ids.view(-1, 1), E)
     assert torch.equal(rows, ref_rows) and torch.equal(offs, ref_offs)
 
@@ -813,31 +819,31 @@ def test_small_route_block_rule(tm):
     that fit one tile of <= 64 (a longer walk loses to the three piece launches); against the torch
     sort (> 512 buckets) and in the interpreter, up to _SMALL_ROUTE_WORK slot x bucket pairs."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert tm._small_route_block(16384, 8, cuda) is None and tm._small_route_block(65, 128, cuda) is None
-    assert tm._small_route_block(4, 8, cuda) == tm._small_route_block(64, 128, cuda) == 64
-    assert tm._small_route_block(32, 256, cuda) == 32 and tm._small_route_block(33, 256, cuda) is None
-    assert tm._small_route_block(0, 64, cuda) == 64
-    assert tm._small_route_block(256, 1024, cuda) == 16 and tm._small_route_block(257, 1024, cuda) is None
-    assert tm._small_route_block(16384, 8, cpu) == 1024 and tm._small_route_block(32769, 8, cpu) is None
+    assert tm.routing._small_route_block(16384, 8, cuda) is None and tm.routing._small_route_block(65, 128, cuda) is None
+    assert tm.routing._small_route_block(4, 8, cuda) == tm.routing._small_route_block(64, 128, cuda) == 64
+    assert tm.routing._small_route_block(32, 256, cuda) == 32 and tm.routing._small_route_block(33, 256, cuda) is None
+    assert tm.routing._small_route_block(0, 64, cuda) == 64
+    assert tm.routing._small_route_block(256, 1024, cuda) == 16 and tm.routing._small_route_block(257, 1024, cuda) is None
+    assert tm.routing._small_route_block(16384, 8, cpu) == 1024 and tm.routing._small_route_block(32769, 8, cpu) is None
 
 
 def test_supports_predicate(tm):
     inputs, _ = _make(4, 32, 16, 4, 2, torch.float32)
-    assert tm.supports(**inputs, **_FLAGS)
-    assert not tm.supports(**dict(inputs, x=inputs["x"].double()), **_FLAGS)
-    assert not tm.supports(**dict(inputs, w1=inputs["w1"].half()), **_FLAGS)
-    assert not tm.supports(**inputs, **dict(_FLAGS, activation="tanh"))
+    assert tm.launch.supports(**inputs, **_FLAGS)
+    assert not tm.launch.supports(**dict(inputs, x=inputs["x"].double()), **_FLAGS)
+    assert not tm.launch.supports(**dict(inputs, w1=inputs["w1"].half()), **_FLAGS)
+    assert not tm.launch.supports(**inputs, **dict(_FLAGS, activation="tanh"))
 
 
 def test_pinned_config_parsing(tm):
-    pinned = tm._parse_pinned("up:128x64x32:4:3; *:64x64x64:4:2")
+    pinned = tm.launch._parse_pinned("up:128x64x32:4:3; *:64x64x64:4:2")
     assert pinned["up"] == (64, 64, 64, 4, 2)  # later entries win
     assert pinned["wgrad"] == (64, 64, 64, 4, 2)
-    assert tm._parse_pinned("dact:128x128x64:8:3") == {"dact": (128, 128, 64, 8, 3)}
+    assert tm.launch._parse_pinned("dact:128x128x64:8:3") == {"dact": (128, 128, 64, 8, 3)}
     with pytest.raises(ValueError):
-        tm._parse_pinned("up:128x64:4:3")
+        tm.launch._parse_pinned("up:128x64:4:3")
     with pytest.raises(ValueError):
-        tm._parse_pinned("gemm:128x64x64:4:3")
+        tm.launch._parse_pinned("gemm:128x64x64:4:3")
 
 
 def _as_lists(inputs, layout, seed=0):
@@ -868,9 +874,12 @@ _LIST_LAYOUTS = {  # layout -> (activation, interleaved)
 
 @pytest.mark.parametrize("layout,bias", [(layout, False) for layout in _LIST_LAYOUTS] + [("separate", True), ("plain", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_list_form_equals_stacked(tm, layout, bias, dtype):
+def test_list_form_equals_stacked(tm, layout, bias, dtype, monkeypatch):
     """Per-expert tensors read through the offset table give exactly the stacked kernels' results,
-    with the stacked biases of Linear experts too."""
+    with the stacked biases of Linear experts too. The list form reads its weights by pointer loads,
+    so the stacked run it is compared with bit for bit does too: in fp16 the stacked weights would
+    otherwise take the TMA kernels, whose dots round one H element in 1248 differently in the
+    interpreter (Triton 3.9, numpy 2.4); `test_tma_paths_match_oracle` checks those."""
     activation, interleaved = _LIST_LAYOUTS[layout]
     flags = dict(_FLAGS, activation=activation, interleaved=interleaved)
     inputs, go = _make(13, 40, 24, 4, 2, dtype, activation=activation, bias=bias, seed=5)
@@ -878,13 +887,15 @@ def test_list_form_equals_stacked(tm, layout, bias, dtype):
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
     biases = (inputs["b1"], inputs["b2"])
     list_flags = {k: v for k, v in flags.items() if k != "transposed"}
-    banks = tm.list_banks(*routing, gate, up, down, *biases, **list_flags)
+    banks = tm.launch.list_banks(*routing, gate, up, down, *biases, **list_flags)
     assert banks is not None
-    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, *biases, banks=banks, save_h=True,
+    out, h, rows, offs = tm.forward.triton_moe_experts_list_fwd(*routing, gate, up, down, *biases, banks=banks, save_h=True,
                                                         **list_flags)
-    grads = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, *biases, h, rows, offs, banks=banks,
+    grads = tm.backward.triton_moe_experts_list_bwd(go, *routing, gate, up, down, *biases, h, rows, offs, banks=banks,
                                            **list_flags)
-    (want_out, want_h, _, _), want_grads = _run_ours(tm, inputs, go, flags)
+    with monkeypatch.context() as pointer_loads:
+        pointer_loads.setattr(tm.launch, "USE_TMA", False)
+        (want_out, want_h, _, _), want_grads = _run_ours(tm, inputs, go, flags)
     assert (grads[4] is None, grads[5] is None) == (not bias, not bias)
     for got, want in ((out, want_out), (h, want_h), *zip(grads, want_grads)):
         assert (got is None and want is None) or torch.equal(got, want)
@@ -900,10 +911,10 @@ def test_list_form_backward_parts_equal_the_one_op(tm, layout, bias):
     inputs, go = _make(13, 40, 24, 4, 2, torch.float16, activation=activation, bias=bias, seed=6)
     lists = (*_as_lists(inputs, layout), inputs["b1"], inputs["b2"])
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
-    banks = tm.list_banks(*routing, *lists, **list_flags)
-    _, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, *lists, banks=banks, save_h=True, **list_flags)
-    whole = tm.triton_moe_experts_list_bwd(go, *routing, *lists, h, rows, offs, banks=banks, **list_flags)
-    part = lambda name, **kw: tm.triton_moe_experts_list_bwd_part(  # noqa: E731
+    banks = tm.launch.list_banks(*routing, *lists, **list_flags)
+    _, h, rows, offs = tm.forward.triton_moe_experts_list_fwd(*routing, *lists, banks=banks, save_h=True, **list_flags)
+    whole = tm.backward.triton_moe_experts_list_bwd(go, *routing, *lists, h, rows, offs, banks=banks, **list_flags)
+    part = lambda name, **kw: tm.backward.triton_moe_experts_list_bwd_part(  # noqa: E731
         name, *routing, *lists, rows, offs, banks=banks, **list_flags, **kw)
     dh, a_scaled, ds = part("act", grad_out=go, h=h)
     (dw1, db1), (dw2, db2) = part("dw1", dh=dh), part("dw2", grad_out=go, a_scaled=a_scaled)
@@ -927,8 +938,8 @@ def test_decode_path_list_form(tm, decode_everywhere, layout, bias):
     gate, up, down = _as_lists(inputs, layout)
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
     list_flags = {k: v for k, v in flags.items() if k != "transposed"}
-    banks = tm.list_banks(*routing, gate, up, down, inputs["b1"], inputs["b2"], **list_flags)
-    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, inputs["b1"], inputs["b2"],
+    banks = tm.launch.list_banks(*routing, gate, up, down, inputs["b1"], inputs["b2"], **list_flags)
+    out, h, rows, offs = tm.forward.triton_moe_experts_list_fwd(*routing, gate, up, down, inputs["b1"], inputs["b2"],
                                                         banks=banks, save_h=False, **list_flags)
     assert decode_everywhere == [(6, 40)] and h.shape[0] == 0
     want_rows, want_offs = torch_route(inputs["topk_ids"], 4)
@@ -942,15 +953,15 @@ def test_list_form_predicate(tm):
     gate, up, down = _as_lists(inputs, "separate")
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
     flags = dict(activation="swiglu", interleaved=False)
-    assert tm.list_banks(*routing, gate, up, down, **flags) is not None
+    assert tm.launch.list_banks(*routing, gate, up, down, **flags) is not None
     # one expert laid out differently: expert 0's strides would read it wrongly, so not supported
     odd = gate[:1] + [gate[1].t().contiguous().t()] + gate[2:]
-    assert tm.list_banks(*routing, odd, up, down, **flags) is None
-    assert tm.list_banks(*routing, gate, up, [w.half() for w in down], **flags) is None
+    assert tm.launch.list_banks(*routing, odd, up, down, **flags) is None
+    assert tm.launch.list_banks(*routing, gate, up, [w.half() for w in down], **flags) is None
     # the cache is keyed on layouts too: the same addresses with other strides are not a hit
-    assert tm.list_banks(*routing, gate, up, down, **flags) is not None
+    assert tm.launch.list_banks(*routing, gate, up, down, **flags) is not None
     flipped = [w.t() for w in gate]  # same pointers, [d, n] views
-    assert tm.list_banks(*routing, flipped, up, down, **flags) is None
+    assert tm.launch.list_banks(*routing, flipped, up, down, **flags) is None
 
 
 def _count_grouped_mm(monkeypatch):
@@ -1010,9 +1021,9 @@ def test_wgrad_grouped_mm_only_where_it_can_write(tm, monkeypatch):
     gate, up, down = _as_lists(inputs, "separate")
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
     flags = {k: v for k, v in _FLAGS.items() if k != "transposed"}
-    banks = tm.list_banks(*routing, gate, up, down, **flags)
-    out, h, rows, offs = tm.triton_moe_experts_list_fwd(*routing, gate, up, down, banks=banks, save_h=True, **flags)
-    _, _, dw1, dw2, _, _ = tm.triton_moe_experts_list_bwd(go, *routing, gate, up, down, None, None, h, rows, offs,
+    banks = tm.launch.list_banks(*routing, gate, up, down, **flags)
+    out, h, rows, offs = tm.forward.triton_moe_experts_list_fwd(*routing, gate, up, down, banks=banks, save_h=True, **flags)
+    _, _, dw1, dw2, _, _ = tm.backward.triton_moe_experts_list_bwd(go, *routing, gate, up, down, None, None, h, rows, offs,
                                                           banks=banks, **flags)
     assert len(calls) == 2
     _, ref = _oracle(inputs, go, _FLAGS)
@@ -1085,7 +1096,7 @@ def test_wgrad_choice_measures_each_key_once(monkeypatch):
 
 
 def test_backward_peak_counted_by_hand():
-    from moe_compiler.codegen.triton_moe import BACKWARD_STEPS, backward_order, backward_peak
+    from moe_compiler.codegen.backward import BACKWARD_STEPS, backward_order, backward_peak
 
     # A' 1, dH 2, dW1 4, dW2 1, dX~ rows 10, dx 1. BACKWARD_STEPS' order (dW2, dW1, dX~): dW2 holds
     # 3 + 1, then A' dies (3 live); dW1 3 + 4 (7 live); dX~ 7 + 10 + 1 = 18
@@ -1114,26 +1125,26 @@ def first_config_only():
     GPU test time; the benchmark checks the error of the autotuned configs at real shapes, and
     `test_gpu_new_t_does_not_recompile_or_retune` runs the real autotuner.
     """
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
-    tuners = (triton_moe._up, triton_moe._scatter, triton_moe._dact, triton_moe._wgrad,
-              triton_moe._up_tma, triton_moe._scatter_tma, triton_moe._dact_tma, triton_moe._wgrad_tma,
-              triton_moe._up_persistent, triton_moe._dact_persistent)
+    tuners = (codegen.launch._up, codegen.launch._scatter, codegen.launch._dact, codegen.launch._wgrad,
+              codegen.launch._up_tma, codegen.launch._scatter_tma, codegen.launch._dact_tma, codegen.launch._wgrad_tma,
+              codegen.launch._up_persistent, codegen.launch._dact_persistent)
     saved = [(t.configs, dict(t.cache)) for t in tuners]
     for t in tuners:
         # the first config of each kind: the pointer tuners' pruning then leaves one per launch, a
-        # float32 one for float32 operands (`triton_moe._by_dot_precision`)
+        # float32 one for float32 operands (`codegen.launch._by_dot_precision`)
         first = {}
         for c in t.configs:
             first.setdefault(getattr(c, "ieee_dot", False), c)
         t.configs = list(first.values())
-    triton_moe.forget_tuned_launches()
+    codegen.launch.forget_tuned_launches()
     yield
     for t, (configs, cache) in zip(tuners, saved):
         t.configs = configs
         t.cache.clear()
         t.cache.update(cache)
-    triton_moe.forget_tuned_launches()
+    codegen.launch.forget_tuned_launches()
 
 
 def _gpu_case(T, d, n, E, K, *, experts=None, seed=0, noncontig=False, rounding=None):
@@ -1195,9 +1206,9 @@ def test_gpu_bf16_matches_oracle(case, first_config_only):
 def test_gpu_pointer_loads_match_oracle(case, first_config_only, monkeypatch):
     """The same cases with TMA off: the pointer-load kernels (what per-expert tensors, interleaved
     gate/up and misaligned weights use) against the oracle."""
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
-    monkeypatch.setattr(triton_moe, "USE_TMA", False)
+    monkeypatch.setattr(codegen.launch, "USE_TMA", False)
     _check_gpu_case(case)
 
 
@@ -1206,9 +1217,9 @@ def _check_gpu_case(case):
     import moe_compiler.codegen.ops as ops
 
     inputs, go = _gpu_case(**(_GPU_CASES[case] if isinstance(case, str) else case))
-    assert ops._triton_backend(inputs["x"]) is not None, "SONIC_MOE_KERNEL=reference would make this vacuous"
+    assert ops.runs_triton(inputs["x"]), "SONIC_MOE_KERNEL=reference would make this vacuous"
     routing = {k: v for k, v in inputs.items() if k != "slot_token"}  # supports() does not look at the form
-    assert ops._triton_backend(inputs["x"]).supports(**routing, **_FLAGS)
+    assert ops.supports(**routing, **_FLAGS)
     out, grads = _ops_fwd_bwd(inputs, go, _FLAGS)
     ref64_out, ref64_grads = _oracle(inputs, go, _FLAGS)
     bf_out, bf_grads = _oracle_bf16(inputs, go, _FLAGS)
@@ -1225,7 +1236,7 @@ def _check_gpu_case(case):
 def test_gpu_decode_path_matches_oracle(T, E, K, layout, monkeypatch):
     """bf16 forwards under no_grad at decode sizes take the two-launch path through `moe_experts`:
     err(ours, fp64) <= 2 err(torch bf16, fp64) + eps, and close to the grouped path's output."""
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
     from moe_compiler.codegen.ops import moe_experts
 
     activation = "relu2" if layout == "relu2_bias" else "swiglu"
@@ -1233,11 +1244,11 @@ def test_gpu_decode_path_matches_oracle(T, E, K, layout, monkeypatch):
                  transposed=layout == "transposed_bias")
     inputs, go = _make(T, 512, 256, E, K, torch.bfloat16, activation=activation, transposed=flags["transposed"],
                        bias=layout.endswith("bias"), seed=T, device="cuda")
-    calls, decode = [], triton_moe.triton_moe_decode
-    monkeypatch.setattr(triton_moe, "triton_moe_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    calls, decode = [], codegen.decode.triton_moe_decode
+    monkeypatch.setattr(codegen.forward, "triton_moe_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
     with torch.no_grad():
         out = moe_experts(**inputs, **flags)
-        monkeypatch.setattr(triton_moe, "DECODE_MAX_SLOTS", 0)
+        monkeypatch.setattr(codegen.decode, "DECODE_MAX_SLOTS", 0)
         grouped = moe_experts(**inputs, **flags)
     assert calls == [1]
     ref64, _ = _oracle(inputs, go, flags)
@@ -1251,13 +1262,13 @@ def test_gpu_decode_path_matches_oracle(T, E, K, layout, monkeypatch):
 def test_gpu_decode_path_bad_ids_assert():
     """An out-of-range id through the decode path: a device-side assert (in a child process: it
     poisons the CUDA context), never a silent wrong expert or a read past the weights."""
-    code = ("import torch; from moe_compiler.codegen import triton_moe; "
+    code = ("import torch; from moe_compiler import codegen; "
             "w1 = torch.randn(8, 64, 32, device='cuda', dtype=torch.bfloat16); "
             "w2 = torch.randn(8, 32, 32, device='cuda', dtype=torch.bfloat16); "
             "x = torch.randn(2, 32, device='cuda', dtype=torch.bfloat16); "
             "ids = torch.tensor([[0, 8], [1, 2]], device='cuda'); w = torch.ones(2, 2, device='cuda'); "
-            "assert triton_moe.decode_path(4, 8, False, None); "
-            "triton_moe.triton_moe_experts_fwd(x, ids, w, w1, w2, None, None, activation='swiglu', interleaved=False, "
+            "assert codegen.decode.decode_path(4, 8, False, None); "
+            "codegen.forward.triton_moe_experts_fwd(x, ids, w, w1, w2, None, None, activation='swiglu', interleaved=False, "
             "transposed=False, alpha=1.702, limit=7.0, save_h=False); torch.cuda.synchronize()")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -1270,19 +1281,19 @@ def test_gpu_decode_path_bad_ids_assert():
 def test_gpu_decode_path_list_form(layout, monkeypatch):
     """bf16 per-expert tensors (an nn.ModuleList's Linears, read through the offset tables) at a decode
     size under no_grad: the decode path, equal to the grouped path's output to bf16 rounding."""
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
     from moe_compiler.codegen.ops import moe_experts_list
 
     activation, interleaved = _LIST_LAYOUTS[layout]
     inputs, _ = _make(3, 512, 256, 32, 4, torch.bfloat16, activation=activation, seed=4, device="cuda")
     gate, up, down = _as_lists(inputs, layout)
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
-    calls, decode = [], triton_moe.triton_moe_decode
-    monkeypatch.setattr(triton_moe, "triton_moe_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    calls, decode = [], codegen.decode.triton_moe_decode
+    monkeypatch.setattr(codegen.forward, "triton_moe_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
     flags = dict(activation=activation, interleaved=interleaved)
     with torch.no_grad():
         out = moe_experts_list(*routing, gate, up, down, **flags)
-        monkeypatch.setattr(triton_moe, "DECODE_MAX_SLOTS", 0)
+        monkeypatch.setattr(codegen.decode, "DECODE_MAX_SLOTS", 0)
         grouped = moe_experts_list(*routing, gate, up, down, **flags)
     assert calls == [1]
     ref64, _ = _oracle(inputs, torch.zeros_like(inputs["x"]), dict(_FLAGS, **flags))
@@ -1296,27 +1307,27 @@ def test_gpu_persistent_up_equals_per_tile(case, programs, first_config_only, mo
     """bf16: the persistent up-projection (W1 concatenated and interleaved) and dA' GEMM give H, A,
     dH, A' and dS bit-equal to one program per tile (their first configs share the tile and the
     K order), on every SM and on 3 programs walking many tiles each across expert boundaries."""
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
     if programs is not None:
-        monkeypatch.setattr(triton_moe, "_programs", lambda device: programs)
-    monkeypatch.setattr(triton_moe, "PERSISTENT_UP", triton_moe.PERSISTENT_UP)  # restored after the test
+        monkeypatch.setattr(codegen.launch, "_programs", lambda device: programs)
+    monkeypatch.setattr(codegen.launch, "PERSISTENT_UP", codegen.launch.PERSISTENT_UP)  # restored after the test
     inputs, _ = _gpu_case(**_GPU_CASES[case])
     x, ids, w1, w2 = inputs["x"], inputs["topk_ids"], inputs["w1"], inputs["w2"]
     T, d = x.shape
     E, K, n = w1.shape[0], ids.shape[1], w2.shape[2]
-    rows, offs = triton_moe.route(ids.contiguous(), E)
-    bank1, bank2 = triton_moe._stacked_banks(w1, w2, False)
+    rows, offs = codegen.routing.route(ids.contiguous(), E)
+    bank1, bank2 = codegen.launch._stacked_banks(w1, w2, False)
     s = torch.rand(T * K, device="cuda")
     dout = torch.randn_like(x)
     ran = {}
     for persistent in (True, False):
-        triton_moe.set_persistent_up(persistent)
+        codegen.launch.set_persistent_up(persistent)
         outs = []
         for interleaved in (False, True):
-            outs += triton_moe.triton_moe_up(x, bank1, None, rows, offs, n=n, top_k=K, activation="swiglu",
+            outs += codegen.forward.triton_moe_up(x, bank1, None, rows, offs, n=n, top_k=K, activation="swiglu",
                                              interleaved=interleaved, alpha=1.702, limit=7.0)
-        outs += triton_moe.triton_moe_dact(dout, bank2, outs[0], s, rows, offs, n=n, top_k=K, activation="swiglu",
+        outs += codegen.backward.triton_moe_dact(dout, bank2, outs[0], s, rows, offs, n=n, top_k=K, activation="swiglu",
                                            interleaved=False, alpha=1.702, limit=7.0)
         ran[persistent] = outs
     for i, (a, b) in enumerate(zip(ran[True], ran[False])):
@@ -1327,9 +1338,10 @@ def test_gpu_persistent_up_equals_per_tile(case, programs, first_config_only, mo
 def gluon_pinned(monkeypatch):
     """The weight gradients and the scatter GEMMs through the Gluon kernels wherever they run;
     yields their calls: {"wgrad": [gather_lhs of each], "scatter": [w_layout of each], "out_tiles": [...]}."""
-    from moe_compiler.codegen import triton_moe, wgrad_choice
+    from moe_compiler import codegen
+    from moe_compiler.codegen import wgrad_choice
 
-    if triton_moe._gluon_module("gluon_wgrad", torch.empty(1, device="cuda")) is None:
+    if codegen.launch._gluon_module("gluon_wgrad", torch.empty(1, device="cuda")) is None:
         pytest.skip("no Gluon kernels here (they need Hopper and a checked Triton version)")
     from moe_compiler.codegen.kernels import gluon_scatter, gluon_wgrad
 
@@ -1349,9 +1361,9 @@ def gluon_pinned(monkeypatch):
 @pytest.mark.parametrize("tiles", [True, False], ids=["tile_order", "slot_order"])
 @pytest.mark.parametrize("case", list(_GPU_CASES))
 def test_gpu_gluon_kernels_match_oracle(case, tiles, first_config_only, gluon_pinned, monkeypatch):
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
-    monkeypatch.setattr(triton_moe, "SCATTER_TILES", tiles)
+    monkeypatch.setattr(codegen.forward, "SCATTER_TILES", tiles)
     _check_gpu_case(case)
     # both weight gradients, except where x is a strided view (dW1 then runs our Triton kernel),
     # and both scatter GEMMs: Y (W2 read k-contiguous, layout 1) and dX~ (W1 [E, 2n, d]: layout 2,
@@ -1391,7 +1403,8 @@ def test_gpu_gluon_scatter_tiles_match_reference(tile, w_layout, grid, order):
     padding (id -1), never computed, mapped to -1. A tile whose ring and output boxes overflow
     shared memory is refused with a clear error."""
     from moe_compiler.codegen.kernels import gluon_scatter as gs
-    from moe_compiler.codegen.triton_moe import _gluon_module, route
+    from moe_compiler.codegen.launch import _gluon_module
+    from moe_compiler.codegen.routing import route
 
     if _gluon_module("gluon_scatter", torch.empty(1, device="cuda")) is None:
         pytest.skip("no Gluon kernels here (they need Hopper and a checked Triton version)")
@@ -1444,7 +1457,7 @@ def test_gpu_gluon_wgrad_keeps_inf_in_its_expert(gather_lhs, gluon_pinned):
     other's: the previous expert's last, partial chunk must not read it (an unshifted TMA box
     would). Experts of fewer than 64 rows have no room to shift (kernels/gluon_wgrad.py)."""
     from moe_compiler.codegen.kernels.gluon_wgrad import gluon_wgrad
-    from moe_compiler.codegen.triton_moe import route
+    from moe_compiler.codegen.routing import route
 
     T, d, n, E, K = 1000, 256, 128, 8, 2
     gen = torch.Generator().manual_seed(7)
@@ -1514,18 +1527,19 @@ def test_gpu_backward_peak_follows_the_chosen_order(first_config_only, monkeypat
     """At 7b-like proportions (n << d, many experts) the backward runs dX~ before dW1: its transient
     memory stays within `backward_peak` of the chosen order (+ dS and 1 MiB), at least a dW1 below
     what the fixed order of earlier versions (dW2, dW1, dX~) held."""
-    from moe_compiler.codegen import triton_moe, wgrad_choice
+    from moe_compiler import codegen
+    from moe_compiler.codegen import wgrad_choice
 
     monkeypatch.setattr(wgrad_choice, "PINNED", "triton")
     T, d, n, E, K = 2048, 1536, 256, 16, 8
     transient, _ = _backward_transient(T, d, n, E, K, seed=4)
     TK, b = T * K, 2
-    rows = triton_moe.scatter_rows(TK, E, torch.empty(0, device="cuda"))  # dX~'s, TILE order where it may run
+    rows = codegen.backward.scatter_rows(TK, E, torch.empty(0, device="cuda"))  # dX~'s, TILE order where it may run
     sizes = dict(a_scaled=TK * n * b, dh=TK * 2 * n * b, dw1=E * 2 * n * d * b, dw2=E * d * n * b,
                  dx_rows=rows * d * b, dx=T * d * b)
-    order, peak = triton_moe.backward_order(**sizes)
+    order, peak = codegen.backward.backward_order(**sizes)
     assert order.index("dx") < order.index("dw1"), order
-    fixed = triton_moe.backward_peak(triton_moe.BACKWARD_STEPS, **sizes)
+    fixed = codegen.backward.backward_peak(codegen.backward.BACKWARD_STEPS, **sizes)
     assert fixed - peak >= sizes["dw1"]
     assert transient <= peak + TK * 4 + (1 << 20), (transient / 2**20, peak / 2**20)
 
@@ -1552,9 +1566,9 @@ def test_gpu_fp16_fp32(dtype, activation, first_config_only):
     oai = activation == "swiglu_oai"
     flags = dict(_FLAGS, activation=activation, interleaved=oai, limit=1.0)
     inputs, go = _make(300, 256, 128, 8, 2, dtype, activation=activation, device="cuda", seed=11, bias=oai)
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
-    (out, *_), grads = _run_ours(triton_moe, inputs, go, flags)
+    (out, *_), grads = _run_ours(codegen, inputs, go, flags)
     ref_out, ref_grads = _oracle(inputs, go, flags)
     # baseline: the torch oracle in the same dtype (elements near the clamp flip sides when H is rounded)
     leaves = {k: (v.detach().clone().requires_grad_() if v is not None and v.is_floating_point() else v)
@@ -1571,22 +1585,22 @@ def test_gpu_fp16_fp32(dtype, activation, first_config_only):
 
 @pytest.mark.gpu
 def test_gpu_route_paths_match_and_bad_ids_assert():
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
     for E, TK, padded in [(8, 4, False), (128, 32, False), (256, 1024, True), (128, 2048, False), (64, 9000, True),
                           (128, 196608, False), (256, 131072, True), (1, 300000, False), (600, 50000, True)]:
         ids = torch.randint(0, E, (TK,), device="cuda")
         if padded:
             ids[torch.rand(TK, device="cuda") < 0.3] = -1
-        rows, offs = triton_moe.route(ids.view(-1, 1), E, padded=padded)
+        rows, offs = codegen.routing.route(ids.view(-1, 1), E, padded=padded)
         ref_rows, ref_offs = torch_route(ids.view(-1, 1), E)
         assert torch.equal(rows, ref_rows) and torch.equal(offs, ref_offs), (E, TK, padded)
     # an out-of-range id in the one-program path: a device-side assert, never a silent wrong expert
     # (it poisons the CUDA context, hence a child process)
     for ids in ("torch.tensor([[0, 8]], device='cuda')",  # one program
                 "torch.arange(9000, device='cuda').view(-1, 1) % 9"):  # pieces
-        code = ("import torch; from moe_compiler.codegen import triton_moe; "
-                f"triton_moe.route({ids}, 8); torch.cuda.synchronize()")
+        code = ("import torch; from moe_compiler import codegen; "
+                f"codegen.routing.route({ids}, 8); torch.cuda.synchronize()")
         child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert child.returncode != 0 and "out of range" in child.stderr + child.stdout, child.stderr[-2000:]
@@ -1688,11 +1702,11 @@ def test_gpu_rounding_kernels_match_reference(mode):
 
 @pytest.mark.gpu
 def test_gpu_new_t_does_not_recompile_or_retune():
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
     inputs, go = _gpu_case(1000, 256, 128, 8, 2, seed=5)
     _ops_fwd_bwd(inputs, go, _FLAGS)
-    kernels = (triton_moe._up, triton_moe._scatter, triton_moe._dact, triton_moe._wgrad)
+    kernels = (codegen.launch._up, codegen.launch._scatter, codegen.launch._dact, codegen.launch._wgrad)
 
     def compiled():
         return [sum(len(c[0]) for c in k.fn.device_caches.values()) for k in kernels]

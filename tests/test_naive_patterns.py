@@ -624,11 +624,11 @@ def test_tolerance_is_tight():
 
 def _record_op_dtypes(monkeypatch) -> list:
     """The dtype of x at each `sonic::moe_experts*` forward from now on (both ops ask
-    `codegen.ops._triton_backend(x)` for their kernels first, on every device)."""
+    `codegen.ops.runs_triton(x)` for their kernels first, on every device)."""
     from moe_compiler.codegen import ops
 
-    seen, backend = [], ops._triton_backend
-    monkeypatch.setattr(ops, "_triton_backend", lambda x: seen.append(x.dtype) or backend(x))
+    seen, runs_triton = [], ops.runs_triton
+    monkeypatch.setattr(ops, "runs_triton", lambda x: seen.append(x.dtype) or runs_triton(x))
     return seen
 
 

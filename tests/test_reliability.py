@@ -1,7 +1,7 @@
 """Reliability: bad input, recompilation, caches, and (GPU) determinism and CUDA graphs.
 
 Bad input through the public `codegen.moe_experts` (CPU; the CUDA path validates the same way and
-falls back to the reference for anything `triton_moe.supports` declines):
+falls back to the reference for anything `codegen.launch.supports` declines):
 
     input                                        what happens
     -------------------------------------------  ----------------------------------------------------
@@ -469,9 +469,8 @@ def test_gpu_bitwise_deterministic(case):
     flags = dict(activation=spec.get("activation", "swiglu"), interleaved=case == "gpt_oss",
                  transposed=spec.get("transposed", False), alpha=1.702, limit=7.0)
     inputs = _gpu_inputs(**spec)
-    impl = ops._triton_backend(inputs["x"])
-    assert impl is not None, "SONIC_MOE_KERNEL=reference would make this vacuous"
-    assert impl.supports(*inputs.values(), **flags)
+    assert ops.runs_triton(inputs["x"]), "SONIC_MOE_KERNEL=reference would make this vacuous"
+    assert ops.supports(*inputs.values(), **flags)
     grad_out = torch.randn(inputs["x"].shape, generator=torch.Generator(device="cuda").manual_seed(9), device="cuda").bfloat16()
     names = [k for k in ("x", "topk_weights", "w1", "w2", "b1", "b2") if inputs[k] is not None]
 

@@ -1,6 +1,6 @@
 """Expert activations as `@triton.jit` helpers, inlined into the GEMM epilogues.
 
-The activation is a `tl.constexpr` integer code (the table lives in `codegen.triton_moe`, in the
+The activation is a `tl.constexpr` integer code (the table lives in `codegen.launch`, in the
 order of `codegen.activations.ACTIVATIONS`):
 
     0 swiglu      silu(g) * u

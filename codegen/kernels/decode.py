@@ -9,7 +9,7 @@ it sorts the slots by expert, builds TMA descriptors and launches four kernels, 
 tiles holds one or two real rows. Here each slot reads its expert's weights directly, as a matrix-vector
 product in float32, so nothing is sorted and no row is padded. Two slots on one expert read its
 weights twice, which the launcher keeps rare by using this path only where slots are few next to the
-experts (`codegen.triton_moe.DECODE_MAX_SLOTS`). The op still returns the routing metadata (a
+experts (`codegen.decode.DECODE_MAX_SLOTS`). The op still returns the routing metadata (a
 backward that recomputes H reads it); with so few slots the first program of the up-projection
 ranks them itself, all pairs at once, instead of a routing launch of its own.
 

@@ -1,5 +1,5 @@
 """Hopper (sm90) scatter GEMM in Gluon, a candidate beside `grouped_gemm._scatter_gemm_tma_kernel`
-that `wgrad_choice` times at each key's first call (`triton_moe.triton_moe_scatter_gemm`).
+that `wgrad_choice` times at each key's first call (`codegen.forward.triton_moe_scatter_gemm`).
 
     out[sorted_rows[r]] = In[r] @ B[e] (+ bias[e])   for expert e's rows r in [offsets[e], offsets[e+1])
 
@@ -9,7 +9,7 @@ TMA; what the op uses, its gather-sums reading each slot's row through the map t
 writes: `gluon_scatter_gemm(row_map=...)`).
 In [TK, k_dim] is contiguous, in expert order. B[e] [k_dim, n_dim] is
 a stacked weight read by TMA through its strides, in one of two layouts (`W_LAYOUT`, the W_DESC
-codes of `triton_moe._weight_desc`):
+codes of `codegen.launch._weight_desc`):
     1: w [E, n_dim, k_dim], k contiguous, B[e] = w[e]^T   (forward Y = A W2[e]^T: W2 [E, d, n])
     2: w [E, k_dim, n_dim], n contiguous, B[e] = w[e]     (backward dX~ = dH W1[e]: W1 [E, 2n, d])
 (T tokens, d hidden, n expert intermediate, E experts, K top-k, TK = T K rows.)
@@ -425,10 +425,10 @@ COOP_MIN_K_TILES = 512  # the same with TILE-order output (TMA stores)
 
 
 def candidate_tiles(w_layout: int, k_dim: int, out_tiles: bool = False) -> dict[str, ScatterTile]:
-    """The tiles `triton_moe` offers `wgrad_choice` to time at a scatter GEMM's first call: the
+    """The tiles `codegen.forward` offers `wgrad_choice` to time at a scatter GEMM's first call: the
     ping-pong default as "gluon", and from k_dim >= COOP_MIN_K the cooperative 128x256 tile as
     "gluon-coop" (from COOP_MIN_K_TILES for a TILE-order output: with TMA stores its epilogue
-    stalls the tensor cores less; H100, `scripts/probe_scatter_epilogue.py`, us, ping-pong /
+    stalls the tensor cores less; H100, 2026-11-25, docs/DESIGN.md, us, ping-pong /
     cooperative in TILE order: 7b-256 dX~ (k_dim 512) 530.0 / 510.3, 1.4b-256 dX~ 457.5 / 455.8,
     7b-256 Y (k_dim 256) 331.7 / 340.3).
 

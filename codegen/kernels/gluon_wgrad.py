@@ -1,5 +1,5 @@
 """Hopper (sm90) weight gradient in Gluon, a candidate beside `backward._wgrad_kernel` that
-`wgrad_choice` times at each key's first call (`triton_moe._weight_grad`).
+`wgrad_choice` times at each key's first call (`codegen.backward._weight_grad`).
 
     dW[e][p, q] = sum over expert e's rows r in [offsets[e], offsets[e+1]) of Lhs[r, p] Rhs[r, q]
 

@@ -111,7 +111,7 @@ def _up_proj_kernel(
     H's own, so H is stored from it as one contiguous tile; gate and up are split apart only for the
     activation (each pair of columns sits in one thread's registers). Storing H's gate and up halves
     separately, at a stride of two elements, ran the up-projection at half the concatenated layout's
-    speed (H100, gpt-oss sizes, `benchmarks/bench_up_proj.py`).
+    speed (H100, gpt-oss sizes, `benchmarks/kernels/bench_up_proj.py`).
     """
     tile, pid_n = _grouped_order(tl.program_id(0), tl.cdiv(TK, BLOCK_M) + E, tl.cdiv(n, BLOCK_N), GROUP_M)
     expert, row_start, row_end = _expert_tile(offsets_ptr, E, tile, BLOCK_M, E_POW2)
