@@ -275,7 +275,7 @@ def test_gpu_gather_sum_product_kernel(slots, mapped, d, J, K):
         if slots:
             row_map[::3] = -1  # padding slots are never read
     got = codegen.forward.triton_moe_gather_sum(y_in, None, T, K, torch.bfloat16, arg, product=(lhs, rhs),
-                                           row_map=row_map).float()
+                                                row_map=row_map).float()
     rows = torch.where((ids >= 0)[:, None], y.float(), 0.0).view(T, K, d).sum(1)
     want = rows + lhs.float() @ rhs.float()
     # one bf16 rounding of the float32 result (2^-8 relative), on top of float32 sums in either order

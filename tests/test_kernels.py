@@ -502,7 +502,7 @@ def test_router_weight_grad_stored_in_its_dtype(tm, form):
         inputs = _slot_form(inputs, drop=(1, 6, 7))
     _, h, rows, offs = tm.forward.triton_moe_experts_fwd(**inputs, save_h=True, **_FLAGS)
     r = tm.backward._bwd_routing(inputs["x"], inputs["topk_ids"], inputs["topk_weights"], rows, offs,
-                        inputs.get("slot_token"))
+                                 inputs.get("slot_token"))
     _, W2 = tm.launch._stacked_banks(inputs["w1"], inputs["w2"], False)
     ds = {dtype: tm.backward.triton_moe_dact(go, W2, h, r.topk_weights.reshape(-1), n=16, ds_dtype=dtype,
                                              **r.kernel_args, **_FLAGS)[2] for dtype in (torch.float16, torch.float32)}
@@ -657,7 +657,7 @@ def test_backward_parts_equal_the_one_op(tm, case):
     _, h, rows, offs = tm.forward.triton_moe_experts_fwd(**inputs, save_h=True, **flags)
     whole = tm.backward.triton_moe_experts_bwd(go, **inputs, h=h, sorted_rows=rows, expert_offsets=offs, **flags)
     part = lambda name, **kw: tm.backward.triton_moe_experts_bwd_part(name, **inputs, sorted_rows=rows,  # noqa: E731
-                                                             expert_offsets=offs, **flags, **kw)
+                                                                      expert_offsets=offs, **flags, **kw)
     dh, a_scaled, ds = part("act", grad_out=go, h=h)
     (dw2, db2), (dw1, db1) = part("dw2", grad_out=go, a_scaled=a_scaled), part("dw1", dh=dh)
     dx = part("dx", dh=dh)
@@ -696,7 +696,7 @@ def test_gather_sum_with_a_product_term(tm, dtype, slots, launch, K):
     assert got.dtype == dtype and _rel(got, want) <= _TOL[dtype], _rel(got, want)
     with pytest.raises(ValueError, match="do not make"):
         tm.forward.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs.float() if dtype != torch.float32
-                                                                    else rhs.half()))
+                                                                             else rhs.half()))
 
 
 def _tile_rows_brute(sorted_rows, offsets, block_m):
@@ -819,12 +819,13 @@ def test_small_route_block_rule(tm):
     that fit one tile of <= 64 (a longer walk loses to the three piece launches); against the torch
     sort (> 512 buckets) and in the interpreter, up to _SMALL_ROUTE_WORK slot x bucket pairs."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert tm.routing._small_route_block(16384, 8, cuda) is None and tm.routing._small_route_block(65, 128, cuda) is None
-    assert tm.routing._small_route_block(4, 8, cuda) == tm.routing._small_route_block(64, 128, cuda) == 64
-    assert tm.routing._small_route_block(32, 256, cuda) == 32 and tm.routing._small_route_block(33, 256, cuda) is None
-    assert tm.routing._small_route_block(0, 64, cuda) == 64
-    assert tm.routing._small_route_block(256, 1024, cuda) == 16 and tm.routing._small_route_block(257, 1024, cuda) is None
-    assert tm.routing._small_route_block(16384, 8, cpu) == 1024 and tm.routing._small_route_block(32769, 8, cpu) is None
+    small = tm.routing._small_route_block
+    assert small(16384, 8, cuda) is None and small(65, 128, cuda) is None
+    assert small(4, 8, cuda) == small(64, 128, cuda) == 64
+    assert small(32, 256, cuda) == 32 and small(33, 256, cuda) is None
+    assert small(0, 64, cuda) == 64
+    assert small(256, 1024, cuda) == 16 and small(257, 1024, cuda) is None
+    assert small(16384, 8, cpu) == 1024 and small(32769, 8, cpu) is None
 
 
 def test_supports_predicate(tm):
@@ -889,10 +890,10 @@ def test_list_form_equals_stacked(tm, layout, bias, dtype, monkeypatch):
     list_flags = {k: v for k, v in flags.items() if k != "transposed"}
     banks = tm.launch.list_banks(*routing, gate, up, down, *biases, **list_flags)
     assert banks is not None
-    out, h, rows, offs = tm.forward.triton_moe_experts_list_fwd(*routing, gate, up, down, *biases, banks=banks, save_h=True,
-                                                        **list_flags)
+    out, h, rows, offs = tm.forward.triton_moe_experts_list_fwd(*routing, gate, up, down, *biases, banks=banks,
+                                                                save_h=True, **list_flags)
     grads = tm.backward.triton_moe_experts_list_bwd(go, *routing, gate, up, down, *biases, h, rows, offs, banks=banks,
-                                           **list_flags)
+                                                    **list_flags)
     with monkeypatch.context() as pointer_loads:
         pointer_loads.setattr(tm.launch, "USE_TMA", False)
         (want_out, want_h, _, _), want_grads = _run_ours(tm, inputs, go, flags)
@@ -940,7 +941,7 @@ def test_decode_path_list_form(tm, decode_everywhere, layout, bias):
     list_flags = {k: v for k, v in flags.items() if k != "transposed"}
     banks = tm.launch.list_banks(*routing, gate, up, down, inputs["b1"], inputs["b2"], **list_flags)
     out, h, rows, offs = tm.forward.triton_moe_experts_list_fwd(*routing, gate, up, down, inputs["b1"], inputs["b2"],
-                                                        banks=banks, save_h=False, **list_flags)
+                                                                banks=banks, save_h=False, **list_flags)
     assert decode_everywhere == [(6, 40)] and h.shape[0] == 0
     want_rows, want_offs = torch_route(inputs["topk_ids"], 4)
     assert torch.equal(rows, want_rows) and torch.equal(offs, want_offs)
@@ -1022,9 +1023,10 @@ def test_wgrad_grouped_mm_only_where_it_can_write(tm, monkeypatch):
     routing = (inputs["x"], inputs["topk_ids"], inputs["topk_weights"])
     flags = {k: v for k, v in _FLAGS.items() if k != "transposed"}
     banks = tm.launch.list_banks(*routing, gate, up, down, **flags)
-    out, h, rows, offs = tm.forward.triton_moe_experts_list_fwd(*routing, gate, up, down, banks=banks, save_h=True, **flags)
-    _, _, dw1, dw2, _, _ = tm.backward.triton_moe_experts_list_bwd(go, *routing, gate, up, down, None, None, h, rows, offs,
-                                                          banks=banks, **flags)
+    out, h, rows, offs = tm.forward.triton_moe_experts_list_fwd(*routing, gate, up, down, banks=banks, save_h=True,
+                                                                **flags)
+    _, _, dw1, dw2, _, _ = tm.backward.triton_moe_experts_list_bwd(go, *routing, gate, up, down, None, None, h, rows,
+                                                                   offs, banks=banks, **flags)
     assert len(calls) == 2
     _, ref = _oracle(inputs, go, _FLAGS)
     assert _rel(dw1, ref["w1"]) <= _TOL[torch.float32] and _rel(dw2, ref["w2"]) <= _TOL[torch.float32]
@@ -1268,7 +1270,8 @@ def test_gpu_decode_path_bad_ids_assert():
             "x = torch.randn(2, 32, device='cuda', dtype=torch.bfloat16); "
             "ids = torch.tensor([[0, 8], [1, 2]], device='cuda'); w = torch.ones(2, 2, device='cuda'); "
             "assert codegen.decode.decode_path(4, 8, False, None); "
-            "codegen.forward.triton_moe_experts_fwd(x, ids, w, w1, w2, None, None, activation='swiglu', interleaved=False, "
+            "codegen.forward.triton_moe_experts_fwd(x, ids, w, w1, w2, None, None, activation='swiglu', "
+            "interleaved=False, "
             "transposed=False, alpha=1.702, limit=7.0, save_h=False); torch.cuda.synchronize()")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -1326,9 +1329,9 @@ def test_gpu_persistent_up_equals_per_tile(case, programs, first_config_only, mo
         outs = []
         for interleaved in (False, True):
             outs += codegen.forward.triton_moe_up(x, bank1, None, rows, offs, n=n, top_k=K, activation="swiglu",
-                                             interleaved=interleaved, alpha=1.702, limit=7.0)
+                                                  interleaved=interleaved, alpha=1.702, limit=7.0)
         outs += codegen.backward.triton_moe_dact(dout, bank2, outs[0], s, rows, offs, n=n, top_k=K, activation="swiglu",
-                                           interleaved=False, alpha=1.702, limit=7.0)
+                                                 interleaved=False, alpha=1.702, limit=7.0)
         ran[persistent] = outs
     for i, (a, b) in enumerate(zip(ran[True], ran[False])):
         assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
