@@ -5,24 +5,31 @@ torch `_grouped_mm` (eager and Inductor max-autotune) and the per-expert loop, o
 
     python benchmarks/bench_layer.py --shapes 7b-256,qwen3 \\
         --providers ours,ours-fused-router,sonic,liger,grouped_mm --out out/bench
+    python benchmarks/bench_layer.py --shapes tiny --providers ours,grouped_mm --iters 10 --step-times  # smoke
 
 Per shape and provider: forward, backward and forward+backward model TFLOPS (6TKdn, 12TKdn, 18TKdn:
 router FLOPs not counted; backward time = fwd+bwd time - fwd time), activation memory (bytes held
 after the forward, the output included), peak memory over a fwd+bwd step (above the inputs), max
 relative error of (out, dx) against an fp32 layer on the same routing, and the first call's time
 (compile + autotune + run, in this process: the Triton disk cache may make later shapes cheaper).
-Output: a table on stdout, results.json and (when matplotlib imports) tflops.png under --out.
+Times are `moe_compiler.benchmarking.median_ms` (do_bench's median over about --iters calls after
+--warmup ones). Output: a table on stdout, results.json and (when matplotlib imports) tflops.png
+under --out.
 `--rounds R` times the providers R times over, in turn, at each shape (`sonic,ours` x 3 is
-sonic, ours, sonic, ours, sonic, ours): single rounds of one provider differ by up to ~3% on the lent
-machines, so ratios should come from medians. The summary table (and results.json's "summary")
+sonic, ours, sonic, ours, sonic, ours): single rounds of one provider differ by up to ~3% on an
+H100, so ratios should come from medians. The summary table (and results.json's "summary")
 gives each provider's medians and their ratios to `--baseline` (default sonic).
 `--cuda-graph` adds the fwd+bwd step replayed from a CUDA graph: its GPU time without the host's
-launch cost (the lent H100's host takes 3-5 ms to enqueue one 7b-256 step of ours, against ~4.2 ms
-of GPU work, so eager timings can include host waits).
+launch cost (an H100 host takes 3-5 ms to enqueue one 7b-256 step of ours, against ~4.2 ms of GPU
+work, so eager timings can include host waits).
 `--kernel-time` adds the GPU's busy time in an eager step: the union of the device's kernel, copy and
 fill intervals over profiled steps (torch.profiler), idle gaps left out. It is the GPU-time figure
 of a provider that cannot be captured in a CUDA graph (Liger syncs on the host in its forward:
 `.item()` sizes its tile grid), and it is taken the same way for every provider that runs.
+`--step-times` adds, per provider, the three figures of a normally launched fwd+bwd step
+(`benchmarking.step_times`): host ms (enqueueing one step while the GPU is kept busy ahead), GPU-busy
+ms and wall ms (CUDA events around each step). host near wall means the step is bound by its
+launches; busy near wall, by the GPU. A provider that syncs on the host has no host figure.
 Peers run when importable (SonicMoE, Liger: see ../shared/peers/README.md; never vendored here).
 
 The router: SonicMoE runs its own (a fused softmax-top-k kernel, plus an aux loss); every other
@@ -34,45 +41,39 @@ op behind torch's top-k (147 us of a 7b-256 step on the H100, against SonicMoE's
 x's gradient through the router folded into the experts' dX gather-sum, `moe_compiler.grad_fold`);
 "ours-compiled-nofold" the same without the fold (`sonic.fold_input_grad=False`);
 "ours-compiled-per-tile-up" the same with one program per tile in the up-projection and dA' GEMMs
-(`triton_moe.set_persistent_up(False)`) instead of the persistent kernel; "ours-compiled-wide-keys"
+(`codegen.launch.set_persistent_up(False)`) instead of the persistent kernel; "ours-compiled-wide-keys"
 with the router's top-k on int64 keys (`codegen.router.NARROW_KEYS = False`) where bf16 logits
 would give int32 ones; "ours-compiled-slot-order" with the Gluon scatter GEMMs storing Y and dX~ in
-slot order (`triton_moe.set_scatter_tiles(False)`) instead of TILE order.
+slot order (`codegen.forward.set_scatter_tiles(False)`) instead of TILE order.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import shlex
 import statistics
-import sys
 import time
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from moe_compiler.codegen.ops import moe_experts, moe_experts_list  # noqa: E402
-from moe_compiler.codegen.reference import torch_moe_experts  # noqa: E402
-from moe_compiler.codegen.router import route as sonic_route  # noqa: E402
-
-# name -> (T, d, n, E, K): the SonicMoE paper's twelve H100 shapes, then two real models
-SHAPES = {
-    "1.4b-256": (40960, 768, 256, 128, 8), "1.4b-512": (40960, 768, 512, 64, 4), "1.4b-1024": (40960, 768, 1024, 32, 2),
-    "7b-256": (24576, 1536, 256, 128, 8), "7b-512": (24576, 1536, 512, 64, 4), "7b-1024": (24576, 1536, 1024, 32, 2),
-    "30b-256": (32768, 4096, 256, 256, 16), "30b-512": (32768, 4096, 512, 128, 8), "30b-1024": (32768, 4096, 1024, 64, 4),
-    "120b-512": (32768, 4096, 512, 256, 16), "120b-1024": (32768, 4096, 1024, 128, 8),
-    "120b-2048": (32768, 4096, 2048, 64, 4),
-    "qwen3": (16384, 2048, 768, 128, 8), "olmoe": (16384, 2048, 1024, 64, 8),
-    "mixtral": (8192, 4096, 14336, 8, 2),  # coarse-grained: few experts, wide n
-    "gpt-oss": (16384, 2880, 2880, 32, 4),  # gpt-oss-20b's sizes (SwiGLU here, not its clamped variant)
-    "tiny": (2048, 512, 256, 16, 4),  # smoke test
-}
-GROUPS = {"paper": [k for k in SHAPES if k[0].isdigit()], "all": [k for k in SHAPES if k != "tiny"]}
+from moe_compiler.benchmarking import (
+    SHAPE_GROUPS,
+    SHAPES,  # name -> (T, d, n, E, K); gpt-oss runs SwiGLU here, not its clamped variant
+    add_common_args,
+    bar_chart,
+    busy_ms,
+    command_line,
+    graph_ms,
+    median_ms,
+    print_table,
+    resolve_shapes,
+    step_times,
+    write_json,
+)
+from moe_compiler.codegen.ops import moe_experts, moe_experts_list
+from moe_compiler.codegen.reference import torch_moe_experts
+from moe_compiler.codegen.router import route as sonic_route
 PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order",
              "ours-no-gluon", "ours-interleaved", "ours-list", "ours-compiled", "ours-compiled-nofold",
              "ours-compiled-per-tile-up", "ours-compiled-wide-keys", "ours-compiled-slot-order", "sonic", "liger",
@@ -217,23 +218,6 @@ def layer_inputs(shape, seed=0):
     return master, rnd(T, d, std=1.0), rnd(T, d, std=1.0)
 
 
-def graphed(step, zero):
-    """`step` captured in a CUDA graph (after warm-up steps on a side stream), as its replay: the
-    step's GPU time without the host's launch cost. The grads are the graph's own tensors."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            zero()
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    zero()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def fp32_reference(master, x, dy, K):
     """(out, dx) of the layer in fp32 on the bf16 run's routing (top-k ids picked in bf16)."""
     with torch.no_grad():
@@ -253,32 +237,33 @@ def rel(a, b):
 def bench_one(name, master, shape, x, dy, ref, args):
     """One provider's figures; ours-ptr runs our op with pointer loads instead of TMA, ours-triton-wgrad
     with our weight-gradient kernel pinned (`ours` measures it against torch._grouped_mm),
-    ours-two-dot-up with the up-projection's gate and up tiles in two dots (`triton_moe.set_wide_up`,
+    ours-two-dot-up with the up-projection's gate and up tiles in two dots (`codegen.launch.set_wide_up`,
     which tunes that kernel again, so neither side runs the other's config), ours-fixed-order with the
-    backward's products in the order of earlier versions (`triton_moe.BACKWARD_STEPS`) whatever the shape,
+    backward's products in one fixed order (`codegen.backward.BACKWARD_STEPS`) whatever the shape,
     ours-no-gluon without the Gluon kernels (the choices measured afresh among the others)."""
-    from moe_compiler.codegen import router, triton_moe, wgrad_choice
+    from moe_compiler import codegen
+    from moe_compiler.codegen import router, wgrad_choice
 
-    saved = (triton_moe.USE_TMA, wgrad_choice.PINNED, triton_moe.WIDE_UP, triton_moe.backward_order,
-             triton_moe.GLUON_TRITON_VERSIONS, dict(triton_moe._GLUON), dict(wgrad_choice._CHOSEN),
-             triton_moe.PERSISTENT_UP, triton_moe.SCATTER_TILES)
+    saved = (codegen.launch.USE_TMA, wgrad_choice.PINNED, codegen.launch.WIDE_UP, codegen.backward.backward_order,
+             codegen.launch.GLUON_TRITON_VERSIONS, dict(codegen.launch._GLUON), dict(wgrad_choice._CHOSEN),
+             codegen.launch.PERSISTENT_UP, codegen.forward.SCATTER_TILES)
     if name.endswith("-per-tile-up"):
-        triton_moe.set_persistent_up(False)
-    triton_moe.set_scatter_tiles(saved[8] and not name.endswith("-slot-order"))
+        codegen.launch.set_persistent_up(False)
+    codegen.forward.set_scatter_tiles(saved[8] and not name.endswith("-slot-order"))
     narrow_keys = router.NARROW_KEYS
     router.NARROW_KEYS = narrow_keys and not name.endswith("-wide-keys")
     if name == "ours-no-gluon":
-        triton_moe.GLUON_TRITON_VERSIONS = ()
-        triton_moe._GLUON.clear()
+        codegen.launch.GLUON_TRITON_VERSIONS = ()
+        codegen.launch._GLUON.clear()
         wgrad_choice._CHOSEN.clear()
     if name == "ours-fixed-order":
-        fixed = triton_moe.BACKWARD_STEPS
-        triton_moe.backward_order = lambda **sizes: (fixed, triton_moe.backward_peak(fixed, **sizes))
-    triton_moe.USE_TMA = saved[0] and name != "ours-ptr"
+        fixed = codegen.backward.BACKWARD_STEPS
+        codegen.backward.backward_order = lambda **sizes: (fixed, codegen.backward.backward_peak(fixed, **sizes))
+    codegen.launch.USE_TMA = saved[0] and name != "ours-ptr"
     wgrad_choice.PINNED = "triton" if name == "ours-triton-wgrad" else saved[1]
     flip = (name == "ours-two-dot-up") == saved[2]
     if flip:
-        triton_moe.set_wide_up(not saved[2])
+        codegen.launch.set_wide_up(not saved[2])
     try:
         result = _bench_one(name, master, shape, x, dy, ref, args)
         if name == "ours":
@@ -286,36 +271,19 @@ def bench_one(name, master, shape, x, dy, ref, args):
         return result
     finally:
         if flip:
-            triton_moe.set_wide_up(saved[2])
-        triton_moe.USE_TMA, wgrad_choice.PINNED = saved[:2]
-        triton_moe.backward_order = saved[3]
+            codegen.launch.set_wide_up(saved[2])
+        codegen.launch.USE_TMA, wgrad_choice.PINNED = saved[:2]
+        codegen.backward.backward_order = saved[3]
         if name.endswith("-per-tile-up"):
-            triton_moe.set_persistent_up(saved[7])
-        triton_moe.set_scatter_tiles(saved[8])
+            codegen.launch.set_persistent_up(saved[7])
+        codegen.forward.set_scatter_tiles(saved[8])
         router.NARROW_KEYS = narrow_keys
         if name == "ours-no-gluon":
-            triton_moe.GLUON_TRITON_VERSIONS = saved[4]
-            triton_moe._GLUON.clear()
-            triton_moe._GLUON.update(saved[5])
+            codegen.launch.GLUON_TRITON_VERSIONS = saved[4]
+            codegen.launch._GLUON.clear()
+            codegen.launch._GLUON.update(saved[5])
             wgrad_choice._CHOSEN.clear()
             wgrad_choice._CHOSEN.update(saved[6])
-
-
-def median_ms(fn, args, grad_to_none=None):
-    """do_bench's median ms of `fn`, over at least --min-steps timed calls: do_bench times
-    max(1, rep / its estimate of one call) calls, so a fixed --rep gives a 40 ms step one sample."""
-    from triton.testing import do_bench
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    one_ms = (time.perf_counter() - t0) * 1e3
-    if grad_to_none is not None:
-        for t in grad_to_none:
-            t.grad = None
-    rep = max(args.rep, args.min_steps * one_ms)
-    return do_bench(fn, warmup=args.warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
 class ProviderStep(NamedTuple):
@@ -377,21 +345,23 @@ def _bench_one(name, master, shape, x, dy, ref, args):
     def fwd():
         fn(xg)
 
-    t_fwd = median_ms(fwd, args, grad_to_none=leaves)
-    t_all = median_ms(step, args, grad_to_none=leaves)
+    t_fwd = median_ms(fwd, args.iters, args.warmup, grad_to_none=leaves)
+    t_all = median_ms(step, args.iters, args.warmup, grad_to_none=leaves)
     t_bwd = max(t_all - t_fwd, 1e-6)
     flop = T * K * d * n
     extra = {}
     if args.cuda_graph:  # the step's GPU time alone: replayed from a CUDA graph, no host launch cost
         try:
-            replay = graphed(step, zero)
-            t_graph = median_ms(replay, args)
+            t_graph = graph_ms(step, zero, args.iters, args.warmup)
             extra.update(graph_fwdbwd_ms=t_graph, graph_fwdbwd_tflops=18 * flop / t_graph * 1e-9)
         except Exception as exc:  # a provider that cannot be captured keeps its other figures
             print(f"  {name}: no CUDA graph ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
     if args.kernel_time:
         t_busy = busy_ms(step, zero)
         extra.update(busy_fwdbwd_ms=t_busy, busy_fwdbwd_tflops=18 * flop / t_busy * 1e-9)
+    if args.step_times:  # host, GPU-busy and wall ms of a normally launched step
+        host, busy, wall = step_times(step, zero, iters=min(args.iters, 20), warmup=min(args.warmup, 3))
+        extra.update(step_host_ms=host, step_busy_ms=busy, step_wall_ms=wall)
     return dict(
         **extra,
         fwd_ms=t_fwd, bwd_ms=t_bwd, fwdbwd_ms=t_all,
@@ -399,39 +369,6 @@ def _bench_one(name, master, shape, x, dy, ref, args):
         act_gib=act_bytes / 2**30, peak_gib=peak_bytes / 2**30, max_rel_err=max(errors.values()), errors=errors,
         first_call_s=first_call,
     )
-
-
-def busy_ms(step, zero, steps=5):
-    """ms of GPU busy time per eager step: the union of the device's activity intervals (kernels,
-    copies, fills) over `steps` profiled steps, divided by `steps`. Overlapping work on two streams
-    counts once; the gaps where the GPU waits for the host are left out."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    zero()
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            zero()
-            step()
-        torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
-    if not spans:
-        raise RuntimeError("the profiler saw no GPU activity")
-    return interval_union_us(spans) / steps * 1e-3
-
-
-def interval_union_us(spans):
-    """Total length of the union of sorted (start, end) intervals."""
-    total, cur_start, cur_end = 0.0, *spans[0]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    return total + cur_end - cur_start
 
 
 def launch_order(events, steps, min_us=10.0, device=None):
@@ -450,7 +387,7 @@ def breakdown(master, shape, x, dy, provider="ours", steps=5):
     autotuner picked."""
     from torch.profiler import ProfilerActivity, profile
 
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
     T, d, n, E, K = shape
     run = provider_step(provider, master, shape, x, dy)
@@ -486,23 +423,19 @@ def breakdown(master, shape, x, dy, provider="ours", steps=5):
     if not provider.startswith("ours"):
         return
     for tname in ("_up", "_scatter", "_dact", "_wgrad", "_up_tma", "_scatter_tma", "_dact_tma", "_wgrad_tma"):
-        tuner = getattr(triton_moe, tname)
+        tuner = getattr(codegen.launch, tname)
         timings = getattr(tuner, "configs_timings", None) or {}
         best = sorted(((t if isinstance(t, float) else t[0]), str(c)) for c, t in timings.items())[:4]
         print(f"    {tname}: " + "; ".join(f"{t * 1e3:.0f}us {c}" for t, c in best))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="7b-256", help=f"comma list of {sorted(SHAPES)} or {sorted(GROUPS)}")
-    ap.add_argument("--providers", default="ours,ours-fused-router,sonic,liger,grouped_mm",
-                    help=f"comma list of {PROVIDERS}")
-    ap.add_argument("--out", default="out/bench_layer")
-    ap.add_argument("--warmup", type=int, default=50, help="ms of warm-up per timing (do_bench)")
-    ap.add_argument("--rep", type=int, default=300, help="ms of timed repeats per timing (do_bench)")
-    ap.add_argument("--min-steps", type=int, default=10,
-                    help="at least this many timed calls per timing: --rep grows to cover them at long steps")
-    ap.add_argument("--seed", type=int, default=0)
+    add_common_args(ap, out="bench_layer", warmup=10, iters=100, rounds=1, seed=0, shapes="7b-256",
+                    providers="ours,ours-fused-router,sonic,liger,grouped_mm", iters_aliases=("--rep",),
+                    shapes_help=f"comma list of {sorted(SHAPES)} or {sorted(SHAPE_GROUPS)}",
+                    providers_help=f"comma list of {PROVIDERS}")
+    ap.add_argument("--min-steps", type=int, default=1, help="at least this many timed calls per figure, whatever --iters")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print the per-kernel times of ours, ours-* and sonic, and our tuned configs")
     ap.add_argument("--cuda-graph", action="store_true",
@@ -510,24 +443,25 @@ def main():
     ap.add_argument("--kernel-time", action="store_true",
                     help="also report the GPU's busy time in an eager fwd+bwd step (torch.profiler): the "
                          "GPU-time figure of providers that cannot be captured in a CUDA graph")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="time the providers this many times over, in turn, at each shape; the summary gives "
-                         "each provider's median over its rounds and its ratio to --baseline")
+    ap.add_argument("--step-times", action="store_true",
+                    help="also report host ms, GPU-busy ms and wall ms of a normally launched fwd+bwd step")
     ap.add_argument("--baseline", default="sonic", help="the provider the summary's ratios divide by")
-    args = ap.parse_args()
-    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
-    shapes = [s for item in args.shapes.split(",") for s in GROUPS.get(item, [item])]
-    providers = args.providers.split(",")
-    for s in shapes:
-        assert s in SHAPES, f"unknown shape {s}"
+    args = ap.parse_args(argv)
+    args.iters = max(args.iters, args.min_steps)
+    command = command_line(argv, __file__)
+    print("command:", command, flush=True)
+    try:
+        shapes = resolve_shapes(args.shapes)
+    except ValueError as exc:
+        ap.error(str(exc))
+    providers = args.providers
     for p in providers:
-        assert p in PROVIDERS, f"unknown provider {p}"
-    os.makedirs(args.out, exist_ok=True)
+        if p not in PROVIDERS:
+            ap.error(f"unknown provider {p}; choose from {PROVIDERS}")
     # the compiled providers (compile, sonic) add one Dynamo entry per shape to the same code object:
     # past the default limit of 8 the remaining shapes would silently run eagerly
     torch._dynamo.config.recompile_limit = 64
-    dev = torch.cuda.get_device_name()
-    print(f"device: {dev}; torch {torch.__version__}", flush=True)
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
 
     results = []
     for sname in shapes:
@@ -558,6 +492,8 @@ def main():
                   f"  err {r['max_rel_err']:.1e}  first {r['first_call_s']:.1f}s"
                   + (f"  graph fwd+bwd {r['graph_fwdbwd_tflops']:6.1f}" if "graph_fwdbwd_tflops" in r else "")
                   + (f"  busy fwd+bwd {r['busy_fwdbwd_tflops']:6.1f}" if "busy_fwdbwd_tflops" in r else "")
+                  + (f"  step host/busy/wall ms {_ms(r['step_host_ms'])}/{_ms(r['step_busy_ms'])}/"
+                     f"{_ms(r['step_wall_ms'])}" if "step_wall_ms" in r else "")
                   + (f"  wgrad {r['wgrad_choice']}" if r.get("wgrad_choice") else ""), flush=True)
             torch.cuda.empty_cache()
         if args.breakdown:
@@ -567,16 +503,21 @@ def main():
         torch.cuda.empty_cache()
 
     summary = summarize(results, args.baseline)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(dict(device=dev, torch=torch.__version__, command=sys.argv, results=results, summary=summary), f,
-                  indent=1)
-    print_table(results)
+    path = write_json(os.path.join(args.out, "results.json"), dict(results=results, summary=summary), command=command)
+    print_results(results)
     print_summary(summary, args.baseline)
     graphs = all("graph_fwdbwd_tflops" in row for row in summary)
-    plot(summary, args.out, "graph_fwdbwd_tflops" if graphs else "fwdbwd_tflops")
+    png = plot(summary, args.out, "graph_fwdbwd_tflops" if graphs else "fwdbwd_tflops")
+    print(f"\nwrote {path}" + (" and tflops.png" if png else ""))
+    return results
 
 
-_SUMMARIZED = ("fwdbwd_tflops", "graph_fwdbwd_tflops", "busy_fwdbwd_tflops", "peak_gib", "act_gib")
+def _ms(value):
+    return "-" if value is None else f"{value:.3f}"
+
+
+_SUMMARIZED = ("fwdbwd_tflops", "graph_fwdbwd_tflops", "busy_fwdbwd_tflops", "peak_gib", "act_gib",
+               "step_host_ms", "step_busy_ms", "step_wall_ms")
 
 
 def summarize(results, baseline):
@@ -590,7 +531,7 @@ def summarize(results, baseline):
     for (shape, prov), runs in rows.items():
         row = dict(shape=shape, provider=prov, rounds=len(runs))
         for key in _SUMMARIZED:
-            values = [r[key] for r in runs if key in r]
+            values = [r[key] for r in runs if r.get(key) is not None]
             if values:
                 row[key] = statistics.median(values)
                 row[key + "_all"] = values
@@ -604,60 +545,55 @@ def summarize(results, baseline):
 
 
 def print_summary(summary, baseline):
+    """The medians over rounds and their ratios to `baseline`: printed where some provider ran more
+    than one round or a ratio exists."""
     if not any(row["rounds"] > 1 for row in summary) and not any("fwdbwd_ratio" in row for row in summary):
         return
     graphs = any("graph_fwdbwd_tflops" in row for row in summary)
     busy = any("busy_fwdbwd_tflops" in row for row in summary)
-    print(f"\nmedians over rounds; ratios to {baseline}'s medians")
-    print(f"| shape | provider | rounds | fwd+bwd TFLOPS | ratio |{' CUDA graph | ratio |' if graphs else ''}"
-          f"{' GPU busy | ratio |' if busy else ''} peak GiB |")
-    print("|" + "---|" * (6 + 2 * graphs + 2 * busy))
-    fmt = lambda row, key, spec: format(row[key], spec) if key in row else "-"  # noqa: E731
-    for row in summary:
-        graph = f" {fmt(row, 'graph_fwdbwd_tflops', '.1f')} | {fmt(row, 'graph_fwdbwd_ratio', '.3f')} |" if graphs else ""
-        graph += f" {fmt(row, 'busy_fwdbwd_tflops', '.1f')} | {fmt(row, 'busy_fwdbwd_ratio', '.3f')} |" if busy else ""
-        print(f"| {row['shape']} | {row['provider']} | {row['rounds']} | {fmt(row, 'fwdbwd_tflops', '.1f')} | "
-              f"{fmt(row, 'fwdbwd_ratio', '.3f')} |{graph} {fmt(row, 'peak_gib', '.2f')} |")
+    steps = any("step_wall_ms" in row for row in summary)
+    columns = ["shape", "provider", "rounds", "fwd+bwd TFLOPS", "ratio"]
+    keys = ["shape", "provider", "rounds", "fwdbwd_tflops", "fwdbwd_ratio"]
+    if graphs:
+        columns += ["CUDA graph", "ratio"]
+        keys += ["graph_fwdbwd_tflops", "graph_fwdbwd_ratio"]
+    if busy:
+        columns += ["GPU busy", "ratio"]
+        keys += ["busy_fwdbwd_tflops", "busy_fwdbwd_ratio"]
+    if steps:
+        columns += ["step host ms", "step busy ms", "step wall ms"]
+        keys += ["step_host_ms", "step_busy_ms", "step_wall_ms"]
+    columns.append("peak GiB")
+    keys.append("peak_gib")
+    formats = {c: ".3f" if k.endswith(("ratio", "_ms")) else ".2f" if k.endswith("gib") else ".1f"
+               for c, k in zip(columns, keys) if k not in ("shape", "provider", "rounds")}
+    print_table(columns, [[row.get(k) for k in keys] for row in summary], formats,
+                title=f"medians over rounds; ratios to {baseline}'s medians")
 
 
-def print_table(results):
+def print_results(results):
+    """One row per timed (shape, provider, round)."""
     graphs = any("graph_fwdbwd_tflops" in r for r in results)
-    head = f"| {'shape':>10} | {'provider':>10} | fwd | bwd | fwd+bwd TFLOPS |{' CUDA graph |' if graphs else ''} act GiB | peak GiB | max rel err | first call s |"
-    print("\n" + head + "\n|" + "---|" * (9 + graphs))
-    for r in results:
-        graph = f" {r.get('graph_fwdbwd_tflops', float('nan')):.0f} |" if graphs else ""
-        print(f"| {r['shape']:>10} | {r['provider']:>10} | {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} | "
-              f"{r['fwdbwd_tflops']:.0f} |{graph} {r['act_gib']:.2f} | {r['peak_gib']:.2f} | {r['max_rel_err']:.1e} | "
-              f"{r['first_call_s']:.1f} |")
+    steps = any("step_wall_ms" in r for r in results)
+    columns = ["shape", "provider", "fwd", "bwd", "fwd+bwd TFLOPS", *(["CUDA graph"] if graphs else []),
+               *(["step host ms", "step busy ms", "step wall ms"] if steps else []),
+               "act GiB", "peak GiB", "max rel err", "first call s"]
+    keys = ["shape", "provider", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
+            *(["graph_fwdbwd_tflops"] if graphs else []),
+            *(["step_host_ms", "step_busy_ms", "step_wall_ms"] if steps else []),
+            "act_gib", "peak_gib", "max_rel_err", "first_call_s"]
+    spec = {"fwd_tflops": ".0f", "bwd_tflops": ".0f", "fwdbwd_tflops": ".0f", "graph_fwdbwd_tflops": ".0f",
+            "step_host_ms": ".3f", "step_busy_ms": ".3f", "step_wall_ms": ".3f", "act_gib": ".2f", "peak_gib": ".2f",
+            "max_rel_err": ".1e", "first_call_s": ".1f"}
+    print_table(columns, [[r.get(k) for k in keys] for r in results],
+                {c: spec[k] for c, k in zip(columns, keys) if k in spec})
 
 
 def plot(rows, out, key="fwdbwd_tflops"):
     """rows' `key` (fwd+bwd TFLOPS: eager, or "graph_fwdbwd_tflops") per shape and provider, one row
-    each: a bar chart in out/tflops.png."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    provs = list(dict.fromkeys(r["provider"] for r in rows))
-    width = 0.8 / max(1, len(provs))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shapes) * math.sqrt(len(provs))), 4))
-    for i, p in enumerate(provs):
-        xs, ys = [], []
-        for j, s in enumerate(shapes):
-            for r in rows:
-                if r["shape"] == s and r["provider"] == p:
-                    xs.append(j + i * width)
-                    ys.append(r[key])
-        ax.bar(xs, ys, width=width, label=p)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, rotation=30)
-    ax.set_ylabel("fwd+bwd TFLOPS (18TKdn / time)" + (", CUDA graph" if key.startswith("graph") else ""))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "tflops.png"), dpi=120)
+    each: a bar chart in out/tflops.png (False when matplotlib does not import)."""
+    ylabel = "fwd+bwd TFLOPS (18TKdn / time)" + (", CUDA graph" if key.startswith("graph") else "")
+    return bar_chart(os.path.join(out, "tflops.png"), rows, key, ylabel=ylabel)
 
 
 if __name__ == "__main__":

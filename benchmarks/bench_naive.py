@@ -15,17 +15,17 @@ eager copies T K (3 n d) weight elements a step, and a step that does not fit is
 Providers, on the same module and inputs: eager (the loop as written), Inductor
 (`torch.compile`, default mode) and sonic (`torch.compile(backend="sonic")`); both compiled ones
 with `torch._dynamo.config.capture_dynamic_output_shape_ops = True`, without which the loop is
-no single graph. Reported per shape: forward+backward median ms, model TFLOPS (18 T K d n),
+no single graph. Reported per shape: forward+backward median ms (`benchmarking.median_ms` over
+about --iters steps), model TFLOPS (18 T K d n),
 peak memory of a step, first-call (compile) time, the relative error of the output and of the
 input gradient against eager, and how many regions sonic rewrote. bf16 on CUDA; with `--autocast`,
 float32 parameters and inputs with every step under `torch.autocast("cuda", torch.bfloat16)`
-(mixed-precision training as most users write it).
+(mixed-precision training as most users write it). Output: a table, results.json under --out.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -34,16 +34,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import moe_compiler  # registers backend="sonic"
+from moe_compiler import benchmarking
+from moe_compiler.benchmarking import add_common_args, command_line, median_ms, print_table, write_json
 
-import moe_compiler  # noqa: E402,F401  (registers backend="sonic")
-
-# name -> (T, d, n, E, K)
+# name -> (T, d, n, E, K): three real models' layers (the shared table's), a smoke size, gpt-oss decode batches
 SHAPES = {
-    "mixtral": (8192, 4096, 14336, 8, 2),  # Mixtral-8x7B layer sizes
-    "olmoe": (16384, 2048, 1024, 64, 8),  # OLMoE-1B-7B layer sizes
-    "qwen3": (16384, 2048, 768, 128, 8),  # Qwen3-30B-A3B layer sizes
-    "tiny": (256, 64, 32, 4, 2),  # smoke test (CPU)
+    **{name: benchmarking.SHAPES[name] for name in ("mixtral", "olmoe", "qwen3")},
+    "tiny": (256, 64, 32, 4, 2),
     "gpt-oss-20b-64": (64, 2880, 2880, 32, 4),  # gpt-oss-20b layer sizes, a decode batch
     "gpt-oss-20b-256": (256, 2880, 2880, 32, 4),
 }
@@ -137,8 +135,6 @@ def rel(a, b):
 
 
 def bench_shape(shape, providers, args, device, dtype):
-    from triton.testing import do_bench
-
     autocast = args.autocast
     if autocast:
         dtype = torch.float32
@@ -186,7 +182,7 @@ def bench_shape(shape, providers, args, device, dtype):
         step()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = do_bench(step, warmup=args.warmup, rep=args.rep, grad_to_none=leaves, return_mode="median")
+        ms = median_ms(step, args.iters, args.warmup, grad_to_none=leaves)
         rows[name] = dict(
             fwdbwd_ms=ms, tflops=18 * T * K * d * n / ms * 1e-9, peak_gib=peak, first_call_s=first,
             err_out=rel(result[0], ref[0]), err_dx=rel(result[1], ref[1]), err_against=ref_name,
@@ -199,46 +195,55 @@ def bench_shape(shape, providers, args, device, dtype):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="mixtral,olmoe", help=f"comma list of {list(SHAPES)}")
-    ap.add_argument("--providers", default=",".join(PROVIDERS))
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rep", type=int, default=30)
-    ap.add_argument("--out", default=None, help="folder for results.json")
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap, out="bench_naive", warmup=3, iters=20, shapes="mixtral,olmoe", providers=",".join(PROVIDERS),
+                    iters_aliases=("--rep",), shapes_help=f"comma list of {list(SHAPES)}",
+                    providers_help=f"comma list of {PROVIDERS}")
     ap.add_argument("--autocast", action="store_true", help="float32 model under torch.autocast(bfloat16)")
     ap.add_argument("--spelling", default="loop", choices=list(SPELLINGS),
-                    help="loop: the Mixtral-style loop; gathered: gpt-oss's reference MLPBlock")
-    args = ap.parse_args()
+                    help="loop: the Mixtral-style loop; per-column: K x E expert calls; gathered: gpt-oss's "
+                         "reference MLPBlock")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_naive needs a CUDA device")
-    providers = args.providers.split(",")
-    assert all(p in PROVIDERS for p in providers), providers
+    providers = args.providers
+    for p in providers:
+        if p not in PROVIDERS:
+            ap.error(f"unknown provider {p}; choose from {PROVIDERS}")
+    for key in args.shapes:
+        if key not in SHAPES:
+            ap.error(f"unknown shape {key}; choose from {list(SHAPES)}")
+    command = command_line(argv, __file__)
+    print("command:", command, flush=True)
     torch._dynamo.config.capture_dynamic_output_shape_ops = True  # the loop is one graph only with it
     torch._dynamo.config.cache_size_limit = 64
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}"
           + ("; float32 model under autocast(bfloat16)" if args.autocast else "; bfloat16 model")
           + f"; spelling {args.spelling}")
     results = {}
-    for key in args.shapes.split(","):
+    for key in args.shapes:
         print(f"{key} {SHAPES[key]}", flush=True)
         results[key] = bench_shape(SHAPES[key], providers, args, "cuda", torch.bfloat16)
-    print("\n| shape | provider | fwd+bwd ms | TFLOPS | x eager | x Inductor | peak GiB | first call s | rel err out / dx | regions |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for key, rows in results.items():
-        for name, r in rows.items():
+    rows = []
+    for key, by_provider in results.items():
+        for name, r in by_provider.items():
             if r is None:
-                print(f"| {key} | {name} | OOM | | | | | | | |")
+                rows.append([key, name, "OOM", *[None] * 7])
                 continue
-            vs = lambda other: f"{rows[other]['fwdbwd_ms'] / r['fwdbwd_ms']:.2f}" if rows.get(other) else "-"  # noqa: E731
-            print(f"| {key} | {name} | {r['fwdbwd_ms']:.2f} | {r['tflops']:.1f} | {vs('eager')} | {vs('inductor')} | "
-                  f"{r['peak_gib']:.2f} | {r['first_call_s']:.1f} | {r['err_out']:.1e} / {r['err_dx']:.1e} | "
-                  f"{r['rewritten'] if r['rewritten'] is not None else '-'} |")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "spelling": args.spelling, "shapes": SHAPES,
-                       "results": results}, f, indent=1)
+            vs = {other: by_provider[other]["fwdbwd_ms"] / r["fwdbwd_ms"] if by_provider.get(other) else None
+                  for other in ("eager", "inductor")}
+            rows.append([key, name, r["fwdbwd_ms"], r["tflops"], vs["eager"], vs["inductor"], r["peak_gib"],
+                         r["first_call_s"], f"{r['err_out']:.1e} / {r['err_dx']:.1e}", r["rewritten"]])
+    print_table(["shape", "provider", "fwd+bwd ms", "TFLOPS", "x eager", "x Inductor", "peak GiB", "first call s",
+                 "rel err out / dx", "regions"], rows,
+                {"fwd+bwd ms": ".2f", "TFLOPS": ".1f", "x eager": ".2f", "x Inductor": ".2f", "peak GiB": ".2f",
+                 "first call s": ".1f"})
+    path = write_json(os.path.join(args.out, "results.json"),
+                      dict(spelling=args.spelling, autocast=args.autocast, shapes=SHAPES, results=results),
+                      command=command)
+    print(f"\nwrote {path}")
+    return results
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ fp32), top-k, weights renormalized over the k and cast to x's dtype; SwiGLU expe
 
 The timed step is router + (rounding) + experts, forward and backward (dx, dWr, dW1, dW2, through
 the router and the rounding): the router work is identical in every provider. Per provider: median
-step ms over --iters steps after --warmup steps (a CUDA event pair per step, one sync after the
-last; perf_counter around each step on the CPU: a step whose launches take the host longer than the
-GPU's work times the host), with --cuda-graph the same for the step replayed from a CUDA graph (the
-GPU's time alone), speedup vs topk, routed pairs (real slots) vs T*K,
+step ms over --iters steps after --warmup steps (`benchmarking.wall_ms`: a CUDA event pair per step,
+perf_counter on the CPU; a step whose launches take the host longer than the GPU's work times the
+host), with --cuda-graph the step replayed from a CUDA graph (`benchmarking.graph_ms`: the GPU's
+time alone), with --host-profile the host's ms per step (`benchmarking.host_ms`) and a cProfile of
+it, speedup vs topk, routed pairs (real slots) vs T*K,
 slots (the static capacity `slot_capacity` the kernels are launched over), the padded-tile rows
 sum_e (ceil(c_e / M) * M - c_e) as a fraction of the rows the GEMMs compute, host syncs seen in one
 step (torch.cuda sync debug mode), and the first call's time (compile + autotune in this process:
@@ -32,25 +33,29 @@ Output: a table, token_rounding.json and (when matplotlib imports) tflops.png un
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import statistics
-import sys
 import time
-import warnings
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-from bench_layer import graphed, plot  # noqa: E402  (its CUDA-graph capture and fwd+bwd TFLOPS bar chart)
-
-from moe_compiler.codegen import wgrad_choice  # noqa: E402
-from moe_compiler.codegen.ops import moe_experts  # noqa: E402
-from moe_compiler.codegen.token_rounding import M_TILE, round_routing, slot_capacity  # noqa: E402
+from moe_compiler.benchmarking import (
+    add_common_args,
+    bar_chart,
+    command_line,
+    count_host_syncs,
+    graph_ms,
+    host_ms,
+    host_profile,
+    print_table,
+    resolve_shapes,
+    sync,
+    wall_times_ms,
+    write_json,
+)
+from moe_compiler.codegen import wgrad_choice
+from moe_compiler.codegen.ops import moe_experts
+from moe_compiler.codegen.token_rounding import M_TILE, round_routing, slot_capacity
 
 # name -> (T, d, n, E, K)
 SHAPES = {
@@ -89,8 +94,8 @@ def _layer(params, x, K, mode, keep_every_token=True):
 # --compile: what torch.compile (Inductor) covers. "layer" (the default on the GPU): router,
 # rounding and the experts op in one graph, as backend="sonic" leaves them in a model, so the op's
 # forward and backward run as extern calls of the compiled graphs. "routing": the router and
-# rounding only, the op called eagerly through its autograd wrapper (more host work per step: the
-# setting of the tables before the seventh session). "none": all eager (the CPU default). Each
+# rounding only, the op called eagerly through its autograd wrapper (more host work per step).
+# "none": all eager (the CPU default). Each
 # (shape, provider, grad mode) is a compiled entry of one code object: past Dynamo's default limit
 # of 8 the rest would silently run eagerly, so main() raises it.
 _compiled_routing = torch.compile(routing, dynamic=False)
@@ -116,85 +121,6 @@ def expert_counts(slot_ids, E):
 def padded_rows(counts, tile=M_TILE):
     """Rows of the last, partial M tile of every expert: sum_e ceil(c_e / tile) * tile - c_e."""
     return int(((-counts) % tile).sum())
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_steps(step, zero, iters, warmup, device):
-    """Per-step times in ms: CUDA events per step and one sync at the end (GPU), perf_counter (CPU)."""
-    for _ in range(warmup):
-        zero()
-        step()
-    sync(device)
-    times = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for start, end in events:
-            zero()  # dropping .grad references is host work, outside the event pair
-            start.record()
-            step()
-            end.record()
-        events[-1][1].synchronize()
-        times = [start.elapsed_time(end) for start, end in events]
-    else:
-        for _ in range(iters):
-            zero()
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def count_host_syncs(step, device):
-    """Synchronizing CUDA calls made by one step (torch.cuda.set_sync_debug_mode), or None on the CPU."""
-    if device.type != "cuda":
-        return None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # only the sync detector's own warning (the first set_sync_debug_mode of a process also warns
-    # that the mode is a prototype, which an earlier "synchroniz" match counted as a sync)
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
-
-
-def host_profile(step, zero, name, steps=10):
-    """Host ms per step: `steps` steps enqueued behind a GPU sleep, so the host never waits on the
-    GPU (the step's launches and Python alone); then the Python functions taking the most host time
-    over as many steps under cProfile (which slows them), printed."""
-    import cProfile
-    import pstats
-
-    for _ in range(3):  # warm: allocator pools, compiled entries
-        zero()
-        step()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # ~1 s of GPU time ahead of the host
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        zero()
-        step()
-    host_ms = (time.perf_counter() - t0) * 1e3 / steps
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    torch.cuda._sleep(int(2e9))
-    prof.enable()
-    for _ in range(steps):
-        zero()
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    print(f"\n{name}: host {host_ms:.3f} ms per step; under cProfile, {steps} steps:", flush=True)
-    stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(20)
-    stats.sort_stats("cumtime").print_stats(30)
-    return host_ms
 
 
 def bench_provider(name, params, x, dy, shape, args):
@@ -225,30 +151,34 @@ def bench_provider(name, params, x, dy, shape, args):
     pairs = int(counts.sum())
     pad = padded_rows(counts)
     host_syncs = count_host_syncs(step, args.device)
-    if args.profile and args.device.type == "cuda":
+    cuda = args.device.type == "cuda"
+    if args.profile and cuda:
         zero()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             sync(args.device)
         print(f"\n{name}: the GPU kernels of one step\n"
               + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
-    host_ms = host_profile(step, zero, name) if args.host_profile and args.device.type == "cuda" else None
-    times = time_steps(step, zero, args.iters, args.warmup, args.device)
+    host = None
+    if args.host_profile and cuda:
+        host = host_ms(step, zero=zero, device=args.device)
+        print(f"\n{name}: host {host:.3f} ms per step; under cProfile, 10 steps:\n"
+              + host_profile(step, zero, rows=30, sort=("tottime", "cumtime")), flush=True)
+    times = wall_times_ms(step, args.iters, args.warmup, zero, args.device)
     zero()
     ms = statistics.median(times)
-    graph_ms = None
-    if args.cuda_graph and args.device.type == "cuda":
-        graph_ms = statistics.median(time_steps(graphed(step, zero), lambda: None, args.iters, args.warmup,
-                                                args.device))
+    graph = None
+    if args.cuda_graph and cuda:
+        graph = graph_ms(step, zero, args.iters, args.warmup)
         zero()
     return dict(
-        provider=name, mode=mode, fwdbwd_ms=ms, min_ms=min(times), iters=len(times), graph_ms=graph_ms,
+        provider=name, mode=mode, fwdbwd_ms=ms, min_ms=min(times), iters=len(times), graph_ms=graph,
         fwdbwd_tflops=18 * T * K * d * n / ms * 1e-9,
         pairs=pairs, topk_pairs=T * K, slots=slot_ids.numel(),
         capacity=T * K if mode in (None, "slots") else slot_capacity(T, E, K, M_TILE, mode),
         pad_rows=pad, pad_fraction=pad / max(pairs + pad, 1),
         counts_off_tile=int((counts % M_TILE != 0).sum()), counts=counts.tolist(),
-        host_syncs=host_syncs, first_call_s=first_call_s, host_ms=host_ms,
+        host_syncs=host_syncs, first_call_s=first_call_s, host_ms=host,
     )
 
 
@@ -266,32 +196,27 @@ def make_inputs(shape, device, dtype, seed):
     return params, x, dy
 
 
-def print_table(results):
-    print("\n| shape | provider | fwd+bwd ms | x topk | CUDA graph ms | x topk | pairs / T*K | slots | padded rows "
-          "| off-tile experts | host syncs | first call s |")
-    print("|" + "---|" * 12)
-    for r in results:
-        graph = ("- | -" if r["graph_ms"] is None else
-                 f"{r['graph_ms']:.3f} | {r.get('graph_speedup_vs_topk', float('nan')):.3f}")
-        print(f"| {r['shape']} | {r['provider']} | {r['fwdbwd_ms']:.3f} | {r['speedup_vs_topk']:.3f} | {graph} "
-              f"| {r['pairs']} / {r['topk_pairs']} ({r['pairs'] / r['topk_pairs'] - 1:+.2%}) | {r['slots']} "
-              f"| {r['pad_rows']} ({r['pad_fraction']:.2%}) | {r['counts_off_tile']}/{r['E']} "
-              f"| {'-' if r['host_syncs'] is None else r['host_syncs']} | {r['first_call_s']:.1f} |")
+def print_results(results):
+    columns = ["shape", "provider", "fwd+bwd ms", "x topk", "CUDA graph ms", "x topk", "pairs / T*K", "slots",
+               "padded rows", "off-tile experts", "host syncs", "first call s"]
+    rows = [[r["shape"], r["provider"], r["fwdbwd_ms"], r["speedup_vs_topk"], r["graph_ms"],
+             r.get("graph_speedup_vs_topk"),
+             f"{r['pairs']} / {r['topk_pairs']} ({r['pairs'] / r['topk_pairs'] - 1:+.2%})",
+             r["slots"], f"{r['pad_rows']} ({r['pad_fraction']:.2%})", f"{r['counts_off_tile']}/{r['E']}",
+             r["host_syncs"], r["first_call_s"]] for r in results]
+    print_table(columns, rows, {"fwd+bwd ms": ".3f", "x topk": ".3f", "CUDA graph ms": ".3f", "first call s": ".1f"})
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list of {sorted(SHAPES)}")
-    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma list of {list(PROVIDERS)}")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common_args(ap, out="bench_token_rounding", warmup=5, iters=30, seed=0, device=True, shapes=DEFAULT_SHAPES,
+                    providers=",".join(PROVIDERS), shapes_help=f"comma list of {sorted(SHAPES)}",
+                    providers_help=f"comma list of {list(PROVIDERS)}",
+                    iters_help="timed steps per provider (after the first call and --warmup steps)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--iters", type=int, default=30, help="timed steps per provider")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed steps per provider after the first call")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drop-orphans", action="store_true",
                     help="round_routing(keep_every_token=False): a token whose experts all round it away is dropped "
                          "instead of kept by its best expert (whose count then leaves the tile multiple)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--profile", action="store_true", help="print each provider's GPU kernel times for one step")
     ap.add_argument("--host-profile", action="store_true",
                     help="print each provider's host ms per step (enqueued behind a GPU sleep) and a cProfile")
@@ -301,18 +226,18 @@ def main(argv=None):
                     help="what Inductor compiles: the whole layer, the routing only, or nothing "
                          "(default: layer on cuda, none on cpu)")
     args = ap.parse_args(argv)
-    command = [sys.executable, sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    print("command:", " ".join(shlex.quote(a) for a in command), flush=True)
+    command = command_line(argv, __file__)
+    print("command:", command, flush=True)
     args.device = torch.device(args.device)
     torch._dynamo.config.recompile_limit = 64  # see COMPILE_SCOPES: one entry per shape and provider
     if args.compile is None:
         args.compile = "layer" if args.device.type == "cuda" else "none"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)
-    shapes = [s for s in args.shapes.split(",") if s]
-    providers = list(dict.fromkeys(p for p in args.providers.split(",") if p))
-    for s in shapes:
-        if s not in SHAPES:
-            ap.error(f"unknown shape {s}; choose from {sorted(SHAPES)}")
+    try:
+        shapes = resolve_shapes(args.shapes, SHAPES)
+    except ValueError as exc:
+        ap.error(str(exc))
+    providers = list(dict.fromkeys(args.providers))
     for p in providers:
         if p not in PROVIDERS:
             ap.error(f"unknown provider {p}; choose from {list(PROVIDERS)}")
@@ -340,18 +265,16 @@ def main(argv=None):
         if base and r["graph_ms"] is not None:
             r["graph_speedup_vs_topk"] = base["graph_ms"] / r["graph_ms"]
 
-    print_table(results)
+    print_results(results)
     choices = {str(k[:6]): v for k, v in wgrad_choice.chosen().items()}  # (P, Q, E, K, slot form, gathered lhs)
     print(f"weight gradients ({wgrad_choice.PINNED}): {choices}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "token_rounding.json")
-    with open(path, "w") as f:
-        json.dump(dict(device=device_name, torch=torch.__version__, command=command, tile=M_TILE,
-                       compile=args.compile,
-                       keep_every_token=not args.drop_orphans, wgrad=wgrad_choice.PINNED, wgrad_choice=choices,
-                       results=results), f, indent=1)
-    plot(results, args.out)
-    print(f"\nwrote {path} (+ tflops.png if matplotlib is installed)")
+    payload = dict(tile=M_TILE, compile=args.compile, keep_every_token=not args.drop_orphans,
+                   wgrad=wgrad_choice.PINNED, wgrad_choice=choices, results=results)
+    path = write_json(os.path.join(args.out, "token_rounding.json"), payload, command=command,
+                      device=args.device)
+    png = bar_chart(os.path.join(args.out, "tflops.png"), results, "fwdbwd_tflops",
+                    ylabel="fwd+bwd TFLOPS (nominal: 18 T K d n / time)")
+    print(f"\nwrote {path}" + (" and tflops.png" if png else ""))
     return results
 
 

@@ -40,24 +40,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import pathlib
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
+from hf_train import _train_steps, add_training_args, build_model, resolve_training_args  # the same model and data
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_train import (
-    _train_steps,
-    add_training_args,
-    build_model,
-    progress_printer,
-    resolve_training_args,
-)
+from moe_compiler.benchmarking import command_line, print_table, progress_printer, write_json
 
 SONIC_OPS = ("sonic::moe_experts", "sonic::moe_experts_backward")
 
@@ -175,28 +166,27 @@ def summarize(provider: str, ranks: list[dict], reference: dict | None) -> dict:
 def report(results: list[dict], args, world: int) -> None:
     base = next((r for r in results if r["provider"] == "eager"), results[0])
     inductor = next((r for r in results if r["provider"] == "inductor"), None)
-    print(f"\n| provider | tokens/s per GPU | step ms | x {base['provider']} | x inductor | peak GiB per GPU "
-          "| first step s | graphs / breaks | MoE regions rewritten per rank | sonic::moe_experts calls per step "
-          "| max rel loss diff vs 1 process |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        x_ind = r["tokens_per_s_per_gpu"] / inductor["tokens_per_s_per_gpu"] if inductor else float("nan")
-        calls = [c[SONIC_OPS[0]] for c in r["sonic_op_calls"]]
-        print(f"| {r['provider']} | {r['tokens_per_s_per_gpu']:.0f} | {r['step_ms']:.1f} "
-              f"| {r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f} | {x_ind:.2f} "
-              f"| {max(r['peak_gib']):.2f} | {r['first_step_s']:.1f} | {max(r['graphs'])} / {max(r['graph_breaks'])} "
-              f"| {r['moe_regions_rewritten']} | {calls} | {r.get('max_rel_loss_diff', float('nan')):.2e} |")
+    print_table(
+        ["provider", "tokens/s per GPU", "step ms", f"x {base['provider']}", "x inductor", "peak GiB per GPU",
+         "first step s", "graphs / breaks", "MoE regions rewritten per rank", "sonic::moe_experts calls per step",
+         "max rel loss diff vs 1 process"],
+        [[r["provider"], r["tokens_per_s_per_gpu"], r["step_ms"],
+          r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
+          r["tokens_per_s_per_gpu"] / inductor["tokens_per_s_per_gpu"] if inductor else None, max(r["peak_gib"]),
+          r["first_step_s"], f"{max(r['graphs'])} / {max(r['graph_breaks'])}", str(r["moe_regions_rewritten"]),
+          str([c[SONIC_OPS[0]] for c in r["sonic_op_calls"]]), r.get("max_rel_loss_diff")] for r in results],
+        {"tokens/s per GPU": ".0f", "step ms": ".1f", f"x {base['provider']}": ".2f", "x inductor": ".2f",
+         "peak GiB per GPU": ".2f", "first step s": ".1f", "max rel loss diff vs 1 process": ".2e"})
     names = [(r["provider"], f"FSDP x{world}", r["losses"]) for r in results]
     names += [(r["provider"], "1 process", r["reference_losses"]) for r in results if "reference_losses" in r]
-    print("\n| step | " + " | ".join(f"{p} {how}" for p, how, _ in names) + " |")
-    print("|---" * (len(names) + 1) + "|")
-    for step in range(args.steps):
-        print(f"| {step} | " + " | ".join(f"{losses[step]:.6f}" for _, _, losses in names) + " |")
+    print_table(["step", *(f"{p} {how}" for p, how, _ in names)],
+                [[step, *(losses[step] for _, _, losses in names)] for step in range(args.steps)],
+                {f"{p} {how}": ".6f" for p, how, _ in names})
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_training_args(parser, out="out/fsdp_train", device_choices=("cuda", "cpu"),
+    add_training_args(parser, out="fsdp_train",
                       batch_help="global rows, split across ranks (default: 8 real, 4 tiny)")
     parser.add_argument("--compile-scope", choices=("layers", "model"), default="layers",
                         help="compile each decoder layer (the recipe) or the whole sharded model")
@@ -211,7 +201,7 @@ def main(argv=None):
         print(f"{args.model} ({args.scale}, {args.layers} layers), {args.dtype}, {args.device} x{world} "
               f"({dist.get_backend()}), global batch {args.batch} x seq {args.seq}, {args.steps} steps, "
               f"compile scope {args.compile_scope}")
-    progress = progress_printer(args.steps) if rank == 0 else lambda *_: None
+    progress = progress_printer(args.steps) if rank == 0 else lambda *_, **__: None
     results = []
     for provider in providers:
         ranks = [None] * world
@@ -224,20 +214,16 @@ def main(argv=None):
 
     if rank == 0:
         report(results, args, world)
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{args.model}_{args.scale}_fsdp{world}.json"
         config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()}
         config.update(
-            world_size=world, backend=dist.get_backend(), torch=torch.__version__,
-            device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+            world_size=world, backend=dist.get_backend(), nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
             skip_fsdp_hooks=getattr(torch._dynamo.config, "skip_fsdp_hooks", None),
         )
-        path.write_text(json.dumps({"config": config, "results": results}, indent=2))
+        command = command_line(argv, __file__, launcher=["torchrun", "--nproc-per-node", str(world)])
+        path = write_json(os.path.join(args.out, f"{args.model}_{args.scale}_fsdp{world}.json"),
+                          {"config": config, "results": results}, command=command, device=args.device)
         print(f"\nwrote {path}")
-        print(f"reproduce: torchrun --nproc-per-node {world} examples/fsdp_train.py "
-              + " ".join(sys.argv[1:] if argv is None else argv))
+        print("reproduce:", command)
     dist.destroy_process_group()
     return results
 

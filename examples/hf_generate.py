@@ -11,7 +11,7 @@ generate compiles the decoding step itself with `CompileConfig(backend="sonic")`
 "reduce-overhead" replays it as a CUDA graph; eager runs the same cache with `disable_compile=True`.
 
 Reported: whether the greedy tokens equal eager's (and the fraction that do), prefill and decode
-tokens/s (medians of --repeats timed runs), and how many graphs were compiled: it must not grow with
+tokens/s (medians of --iters timed runs), and how many graphs were compiled: it must not grow with
 the number of generated tokens. The verdict in float32: the same tokens as eager. In bfloat16 the
 kernels round differently from cuBLAS, and a random model's near-tied logits make greedy tokens
 part ways after the first differing one, so the verdict there is teacher-forced instead: the
@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 import warnings
 
 import torch
+from hf_train import REAL, build_model  # the same model builder as training
 
 import moe_compiler
+from moe_compiler.benchmarking import add_common_args, print_table, sync
 from moe_compiler.testing import closeness
-
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-from hf_train import REAL, build_model, sync  # noqa: E402  (same model builder as training)
 
 
 def timed_generate(model, prompt, new_tokens, device, repeats=1, **generate_kwargs):
@@ -67,12 +65,12 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=None, help="prompt length (default 512 real, 16 tiny)")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common_args(parser, iters=3, device=True, iters_aliases=("--repeats",),
+                    iters_help="timed runs of each provider (after one warm-up run); medians reported")
     parser.add_argument("--sonic-compiler", default="inductor")
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="default bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*lru_cache.*")
     real = args.scale == "real"
@@ -98,7 +96,7 @@ def main(argv=None):
     truth_model = copy.deepcopy(model).float() if dtype != torch.float32 else None  # before compiling
     run = lambda n, repeats=1, **kw: timed_generate(model, prompt, n, args.device, repeats, **kw)  # noqa: E731
     run(args.new_tokens, **eager_kwargs)  # warm-up: kernels, allocator, one SDPA plan per KV length
-    eager_out, eager_prefill, eager_decode = run(args.new_tokens, args.repeats, **eager_kwargs)
+    eager_out, eager_prefill, eager_decode = run(args.new_tokens, args.iters, **eager_kwargs)
 
     if args.cache == "dynamic":
         model.forward = torch.compile(model.forward, backend="sonic", options=sonic_options)
@@ -106,7 +104,7 @@ def main(argv=None):
         run(4, **sonic_kwargs)  # compiles prefill, then decode until shapes go dynamic
         run(args.new_tokens, **sonic_kwargs)
     with moe_compiler.capture() as steady:
-        sonic_out, sonic_prefill, sonic_decode = run(args.new_tokens, args.repeats, **sonic_kwargs)
+        sonic_out, sonic_prefill, sonic_decode = run(args.new_tokens, args.iters, **sonic_kwargs)
     with moe_compiler.capture() as longer:  # a static cache is sized by the length: a longer one is a new shape
         run(2 * args.new_tokens if args.cache == "dynamic" else args.new_tokens, **sonic_kwargs)
 
@@ -118,10 +116,10 @@ def main(argv=None):
     print(f"{args.model} ({args.scale}, {args.layers} layers) {dtype} {args.device}, {args.cache} cache: "
           f"batch {args.batch}, prompt {prompt_len}, {args.new_tokens} new tokens")
     print(f"greedy tokens identical to eager: {same} ({agree:.1%} of positions equal)")
-    print("| | prefill tokens/s | decode tokens/s |")
-    print("|---|---|---|")
-    print(f"| eager | {prefill_tokens / eager_prefill:.0f} | {new / eager_decode:.1f} |")
-    print(f"| sonic | {prefill_tokens / sonic_prefill:.0f} | {new / sonic_decode:.1f} |")
+    print_table(["", "prefill tokens/s", "decode tokens/s"],
+                [["eager", prefill_tokens / eager_prefill, new / eager_decode],
+                 ["sonic", prefill_tokens / sonic_prefill, new / sonic_decode]],
+                {"prefill tokens/s": ".0f", "decode tokens/s": ".1f"})
     print(f"decode speed vs eager: {eager_decode / sonic_decode:.2f}x")
     print(f"graphs compiled: warm-up {warm.graphs} ({len(warm.rewritten)} MoE regions rewritten), "
           f"then {steady.graphs} for {args.new_tokens} tokens, {longer.graphs} for "

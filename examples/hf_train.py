@@ -2,25 +2,38 @@
 
     python examples/hf_train.py --model qwen3_moe --scale tiny              # CPU, seconds
     python examples/hf_train.py --model qwen3_moe --scale real --layers 4   # H100: real layer sizes
+    python examples/hf_train.py --model olmoe --scale real --layers 2 --steps 3 --step-times
 
 The model is built from its config class with random weights (no downloads). `--scale real` uses
 the published model's hidden, expert and intermediate sizes with fewer layers so one GPU holds it.
 Every provider trains a fresh copy with the same seed, data and optimizer, one after the other
 (only one model is in memory at a time). Reported per provider: loss per step (and agreement with
-eager), tokens/s (median step after the first), peak memory, first-step (compile) time. Writes a
-table, a JSON file and, when matplotlib is importable, a PNG chart into --out.
+eager), tokens/s (median step after the first), peak memory, first-step (compile) time, and with
+--step-times the host ms, GPU-busy ms and wall ms of one more fwd+bwd step, launched normally
+(`moe_compiler.benchmarking.step_times`). Writes a table, a JSON file and, when matplotlib is
+importable, a PNG chart into --out.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
+import os
 import statistics
-import sys
 import time
 import warnings
 
 import torch
+
+from moe_compiler.benchmarking import (
+    add_common_args,
+    comma_list,
+    command_line,
+    print_table,
+    progress_printer,
+    save_figure,
+    step_times,
+    sync,
+    write_json,
+)
 
 # published sizes (hidden, expert intermediate, experts, top-k, ...) of each family
 REAL = {
@@ -71,11 +84,6 @@ def make_batches(vocab: int, steps: int, batch: int, seq: int, device: str, seed
     return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(steps)]
 
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def train(provider: str, args, batches, progress) -> dict:
     torch._dynamo.reset()
     model = build_model(args.model, args.scale, args.layers, args.dtype, args.device, args.seed)
@@ -112,8 +120,17 @@ def train(provider: str, args, batches, progress) -> dict:
         "moe_regions_rewritten": len(report.rewritten),
         "graphs": report.graphs,
     }
+    if getattr(args, "step_times", False):
+        result.update(fwd_bwd_step_times(run, opt, batches[-1], args.device))
     del run, model, opt
     return result
+
+
+def fwd_bwd_step_times(run, opt, ids, device) -> dict:
+    """Host, GPU-busy and wall ms of one more fwd+bwd step (no optimizer step), launched normally."""
+    host, busy, wall = step_times(lambda: run(ids, labels=ids).loss.backward(),
+                                  lambda: opt.zero_grad(set_to_none=True), iters=5, warmup=1, device=device)
+    return dict(step_host_ms=host, step_busy_ms=busy, step_wall_ms=wall)
 
 
 def profile_step(run, opt, ids, provider: str, rows: int = 15) -> None:
@@ -143,44 +160,23 @@ def _train_steps(run, opt, batches, args, provider, progress, losses, times, bef
         sync(args.device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
-        progress(provider, step, losses[-1])
+        progress(provider, step, loss=losses[-1])
 
 
-def progress_printer(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    bars = {}
-
-    def update(provider, step, loss):
-        if tqdm is not None:
-            bar = bars.setdefault(provider, tqdm(total=total, desc=f"{provider:>8}", file=sys.stdout, leave=True))
-            bar.set_postfix(loss=f"{loss:.4f}")
-            bar.update(1)
-            if step + 1 == total:
-                bar.close()
-        else:
-            print(f"{provider:>8} step {step + 1}/{total} loss {loss:.4f}", flush=True)
-
-    return update
-
-
-def add_training_args(parser, *, out: str, batch_help: str, device_choices=None) -> None:
+def add_training_args(parser, *, out: str, batch_help: str) -> None:
     """The model, data and run arguments every training example shares (hf_train, fsdp_train)."""
+    add_common_args(parser, out=out, seed=0, device=True)
     parser.add_argument("--model", choices=sorted(REAL), default="qwen3_moe")
     parser.add_argument("--scale", choices=("tiny", "real"), default="tiny")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=None, help=batch_help)
     parser.add_argument("--seq", type=int, default=None, help="default: 2048 real, 32 tiny")
-    parser.add_argument("--providers", "--provider", default=",".join(PROVIDERS), help="comma-separated")
-    parser.add_argument("--device", choices=device_choices, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--providers", "--provider", type=comma_list, default=",".join(PROVIDERS),
+                        help=f"comma list of {PROVIDERS}")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sonic-compiler", default="inductor", help="sonic.compiler (aot_eager for quick CPU runs)")
-    parser.add_argument("--out", default=out)
 
 
 def resolve_training_args(parser, args, *, tiny_batch: int) -> tuple[list[str], list[torch.Tensor]]:
@@ -190,7 +186,7 @@ def resolve_training_args(parser, args, *, tiny_batch: int) -> tuple[list[str], 
     args.batch = args.batch or (8 if real else tiny_batch)
     args.seq = args.seq or (2048 if real else 32)
     args.dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
-    providers = [p for p in args.providers.split(",") if p]
+    providers = args.providers
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         parser.error(f"unknown providers {sorted(unknown)}; choose from {PROVIDERS}")
@@ -200,10 +196,12 @@ def resolve_training_args(parser, args, *, tiny_batch: int) -> tuple[list[str], 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_training_args(parser, out="out/hf_train", batch_help="default: 8 real, 2 tiny")
+    add_training_args(parser, out="hf_train", batch_help="default: 8 real, 2 tiny")
     parser.add_argument("--token-rounding", default=None, choices=("nearest", "up", "down"),
                         help="sonic.token_rounding for the sonic provider (default: plain top-k)")
     parser.add_argument("--profile", action="store_true", help="print each provider's top kernels for one more step")
+    parser.add_argument("--step-times", action="store_true",
+                        help="also report host ms, GPU-busy ms and wall ms of one more fwd+bwd step, launched normally")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="model.gradient_checkpointing_enable() for every provider (recompute each layer in the backward)")
     args = parser.parse_args(argv)
@@ -216,27 +214,25 @@ def main(argv=None):
 
     base = next((r for r in results if r["provider"] == "eager"), results[0])
     inductor = next((r for r in results if r["provider"] == "inductor"), None)
-    print(f"\n| provider | tokens/s | step ms | x eager | x inductor | peak GiB | first step s | MoE regions rewritten | max loss diff vs {base['provider']} |")
-    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], base["losses"]))
-        r["max_rel_loss_diff"] = diff
-        x_ind = r["tokens_per_s"] / inductor["tokens_per_s"] if inductor else float("nan")
-        print(f"| {r['provider']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f} "
-              f"| {x_ind:.2f} | {r['peak_gib']:.2f} | {r['first_step_s']:.1f} | {r['moe_regions_rewritten']} | {diff:.2e} |")
+        r["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], base["losses"]))
+    step_cols = ["step_host_ms", "step_busy_ms", "step_wall_ms"] if args.step_times else []
+    print_table(
+        ["provider", "tokens/s", "step ms", "x eager", "x inductor", "peak GiB", "first step s",
+         "MoE regions rewritten", *(c.replace("_", " ") for c in step_cols), f"max loss diff vs {base['provider']}"],
+        [[r["provider"], r["tokens_per_s"], r["step_ms"], r["tokens_per_s"] / base["tokens_per_s"],
+          r["tokens_per_s"] / inductor["tokens_per_s"] if inductor else None, r["peak_gib"], r["first_step_s"],
+          r["moe_regions_rewritten"], *(r.get(c) for c in step_cols), r["max_rel_loss_diff"]] for r in results],
+        {"tokens/s": ".0f", "step ms": ".1f", "x eager": ".2f", "x inductor": ".2f", "peak GiB": ".2f",
+         "first step s": ".1f", **{c.replace("_", " "): ".2f" for c in step_cols},
+         f"max loss diff vs {base['provider']}": ".2e"})
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.model}_{args.scale}"
+    stem = os.path.join(args.out, f"{args.model}_{args.scale}")
     config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()}
-    (out / f"{stem}.json").write_text(json.dumps({"config": config, "results": results}, indent=2))
-    try:
-        import matplotlib
+    command = command_line(argv, __file__)
+    write_json(stem + ".json", {"config": config, "results": results}, command=command, device=args.device)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    def draw(axes):
         names = [r["provider"] for r in results]
         axes[0].bar(names, [r["tokens_per_s"] for r in results])
         axes[0].set_title("tokens/s (higher is better)")
@@ -246,13 +242,11 @@ def main(argv=None):
             axes[2].plot(range(1, len(r["losses"]) + 1), r["losses"], marker="o", label=r["provider"])
         axes[2].set_title("loss per step")
         axes[2].legend()
-        fig.suptitle(f"{args.model} {args.scale}, {args.layers} layers, batch {args.batch}x{args.seq}, {args.dtype}")
-        fig.tight_layout()
-        fig.savefig(out / f"{stem}.png", dpi=110)
-    except ImportError:
-        pass
-    print(f"\nwrote {out / stem}.json (+ .png if matplotlib is installed)")
-    print("reproduce: python examples/hf_train.py " + " ".join(sys.argv[1:] if argv is None else argv))
+
+    title = f"{args.model} {args.scale}, {args.layers} layers, batch {args.batch}x{args.seq}, {args.dtype}"
+    png = save_figure(stem + ".png", draw, panels=3, size=(13, 3.8), title=title)
+    print(f"\nwrote {stem}.json" + (" and .png" if png else ""))
+    print("reproduce:", command)
     return results
 
 

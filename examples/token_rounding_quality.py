@@ -31,21 +31,25 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
-import os
 import pathlib
 import statistics
-import sys
 import sysconfig
 import time
 import warnings
 
 import torch
+from hf_train import _train_steps  # hf_train's timed step loop
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from hf_train import _train_steps, progress_printer  # noqa: E402  (hf_train's timed step loop)
+from moe_compiler.benchmarking import (
+    add_common_args,
+    command_line,
+    comma_list,
+    print_table,
+    progress_printer,
+    save_figure,
+    write_json,
+)
 
 MODES = ("topk", "up", "down", "nearest")
 # top-k again from another initial seed (same data): how far two top-k runs land apart, the noise
@@ -177,56 +181,49 @@ def moving_average(values, width):
     return x.unfold(0, width, 1).mean(1) if len(x) >= width else x
 
 
-def plot(results, path, title):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, (curves, diffs, bars) = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [3, 3, 2]})
+def plot(results, path, title) -> bool:
+    """Loss curves, their difference to top-k's and the validation losses: a PNG at `path` (False
+    when matplotlib does not import)."""
     width = max(1, len(results[0]["losses"]) // 25)  # per-step byte losses are noisy: moving average
     base = moving_average(results[0]["losses"], width)
     steps = range(width, width + len(base))
-    for r in results:
-        smooth = moving_average(r["losses"], width)
-        curves.plot(steps, smooth.tolist(), label=f"{r['mode']} ({r['final_train_loss']:.4f})")
-        diffs.plot(steps, (100 * (smooth / base - 1)).tolist(), label=r["mode"])
-    curves.set(xlabel="step", ylabel=f"train loss (moving average of {width})")
-    curves.legend()
-    diffs.axhspan(-100 * TARGET, 100 * TARGET, color="gray", alpha=0.15)
-    diffs.set(xlabel="step", ylabel="train loss vs topk, %")
-    diffs.legend()
-    bars.bar([r["mode"] for r in results], [r["val_loss"] for r in results])
-    for bound in (1 - TARGET, 1 + TARGET):
-        bars.axhline(results[0]["val_loss"] * bound, color="gray", linestyle="--", linewidth=0.8)
-    vals = [r["val_loss"] for r in results]
-    bars.set_ylim(min(vals) * (0.97 - TARGET), max(vals) * (1.01 + TARGET))
-    bars.set_title(f"validation (top-k routing), --: ±{TARGET:.0%}", fontsize=10)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
+
+    def draw(axes):
+        curves, diffs, bars = axes
+        for r in results:
+            smooth = moving_average(r["losses"], width)
+            curves.plot(steps, smooth.tolist(), label=f"{r['mode']} ({r['final_train_loss']:.4f})")
+            diffs.plot(steps, (100 * (smooth / base - 1)).tolist(), label=r["mode"])
+        curves.set(xlabel="step", ylabel=f"train loss (moving average of {width})")
+        curves.legend()
+        diffs.axhspan(-100 * TARGET, 100 * TARGET, color="gray", alpha=0.15)
+        diffs.set(xlabel="step", ylabel="train loss vs topk, %")
+        diffs.legend()
+        bars.bar([r["mode"] for r in results], [r["val_loss"] for r in results])
+        for bound in (1 - TARGET, 1 + TARGET):
+            bars.axhline(results[0]["val_loss"] * bound, color="gray", linestyle="--", linewidth=0.8)
+        vals = [r["val_loss"] for r in results]
+        bars.set_ylim(min(vals) * (0.97 - TARGET), max(vals) * (1.01 + TARGET))
+        bars.set_title(f"validation (top-k routing), --: ±{TARGET:.0%}", fontsize=10)
+
+    return save_figure(path, draw, panels=3, size=(15, 4), title=title, gridspec_kw={"width_ratios": [3, 3, 2]})
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default=",".join(MODES),
+    add_common_args(parser, out="token_rounding_quality", seed=0, device=True)
+    parser.add_argument("--modes", type=comma_list, default=",".join(MODES),
                         help=f"comma list of {MODES} and {RESEED!r} (noise floor); topk is the baseline")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tiny", action="store_true", help="CPU-sized model and batch (smoke test)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--val-batches", type=int, default=None, help="validation batches; default 8 (tiny: 2)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sonic-compiler", default="inductor", help="sonic.compiler (aot_eager for quick CPU runs)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or "out/token_rounding_quality")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*lru_cache.*")
     args.dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
-    modes = [m for m in args.modes.split(",") if m]
+    modes = list(args.modes)
     order = (*MODES, RESEED)
     if set(modes) - set(order) or "topk" not in modes:
         parser.error(f"--modes must name topk and any of {order[1:]}, got {modes}")
@@ -244,30 +241,31 @@ def main(argv=None):
     results = [train(m, args, size, batches, val_batches, update) for m in modes]
 
     base = results[0]
-    print(f"\n| mode | final train loss | Δ train | val loss | Δ val | val (eager) | steps/s | first step s | wall s "
-          f"| MoE regions' routing (train / eval) | verdict (≤{TARGET:.0%}) |")
-    print("|" + "---|" * 11)
+    rows = []
     for r in results:
         r["rel_train"] = r["final_train_loss"] / base["final_train_loss"] - 1
         r["rel_val"] = r["val_loss"] / base["val_loss"] - 1
         r["verdict"] = verdict(r["rel_train"], r["rel_val"])
         routing = " / ".join(", ".join(f"{how.split()[0]} x{n}" for how, n in r[key].items()) or "-"
                              for key in ("train_routing", "eval_routing"))
-        print(f"| {r['mode']} | {r['final_train_loss']:.4f} | {r['rel_train']:+.2%} | {r['val_loss']:.4f} "
-              f"| {r['rel_val']:+.2%} | {r['val_loss_eager']:.4f} | {r['steps_per_s']:.2f} | {r['first_step_s']:.1f} "
-              f"| {r['wall_s']:.0f} | {routing} | {r['verdict'] if r is not base else 'baseline'} |")
+        rows.append([r["mode"], r["final_train_loss"], f"{r['rel_train']:+.2%}", r["val_loss"], f"{r['rel_val']:+.2%}",
+                     r["val_loss_eager"], r["steps_per_s"], r["first_step_s"], r["wall_s"], routing,
+                     r["verdict"] if r is not base else "baseline"])
+    print_table(["mode", "final train loss", "Δ train", "val loss", "Δ val", "val (eager)", "steps/s", "first step s",
+                 "wall s", "MoE regions' routing (train / eval)", f"verdict (≤{TARGET:.0%})"], rows,
+                {"final train loss": ".4f", "val loss": ".4f", "val (eager)": ".4f", "steps/s": ".2f",
+                 "first step s": ".1f", "wall s": ".0f"})
 
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()}
-    command = [sys.executable, sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    payload = {"config": config, "size": size, "data": data, "command": command, "target": TARGET, "results": results}
-    (out / "token_rounding_quality.json").write_text(json.dumps(payload, indent=1))
+    command = command_line(argv, __file__)
+    payload = {"config": config, "size": size, "data": data, "target": TARGET, "results": results}
+    write_json(out / "token_rounding_quality.json", payload, command=command, device=args.device)
     title = (f"qwen3_moe byte LM, E={size['num_experts']} K={size['num_experts_per_tok']}, T={T}/step, "
              f"{args.steps} steps, {args.dtype}")
     png = plot(results, out / "token_rounding_quality.png", title)
     print(f"\nwrote {out / 'token_rounding_quality.json'}" + (" and .png" if png else " (no matplotlib: no PNG)"))
-    print("reproduce: python examples/token_rounding_quality.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print("reproduce:", command)
     return results
 
 

@@ -1,8 +1,7 @@
 #!/bin/bash
-# The GPU tests, one pytest process per test file, each under its own time limit, so that a device
-# call of 10 minutes can run a chosen part of the suite (the whole of `pytest -m gpu tests/` took
-# more than 9 minutes on the H100 in the fifteenth session). Logs go to $OUT (the device tool's
-# folder) or out/; a summary line per file is printed.
+# The GPU tests, one pytest process per test file, each under its own time limit, so that a run of
+# limited length can take a chosen part of the suite (the whole of `pytest -m gpu tests/` takes more
+# than 9 minutes on an H100). Logs go to $OUT, or out/ without it; a summary line per file is printed.
 #
 #   bash scripts/gpu_tests.sh                                  # every file with GPU tests, 300 s each
 #   LIMIT=200 bash scripts/gpu_tests.sh tests/test_kernels.py  # chosen files
@@ -24,7 +23,7 @@ for f in "${files[@]}"; do
   # shellcheck disable=SC2086
   kexpr=()
   [ -n "${PYTEST_K:-}" ] && kexpr=(-k "$PYTEST_K")
-  PYTHONPATH=. timeout -s KILL "${LIMIT:-300}" python -m pytest -q -m gpu -p no:cacheprovider "$f" ${PYTEST_ARGS:-} \
+  timeout -s KILL "${LIMIT:-300}" python -m pytest -q -m gpu -p no:cacheprovider "$f" ${PYTEST_ARGS:-} \
     "${kexpr[@]}" >"$log" 2>&1
   rc=$?
   summary=$(grep -E "passed|failed|error|skipped|no tests ran" "$log" | tail -1)

@@ -20,6 +20,7 @@ in its modeling module.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -239,7 +240,9 @@ _RECHECK = {
 
 
 def main(argv=None) -> int:
-    families = (argv if argv is not None else sys.argv[1:]) or FAMILIES
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("families", nargs="*", help="model types to sweep (default: every family above)")
+    families = ap.parse_args(argv).families or FAMILIES
     wrong = []
     for family in families:
         result = run(family)

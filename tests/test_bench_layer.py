@@ -48,9 +48,11 @@ def test_bench_layer_busy_time_union_and_ratio(capsys):
     its own median and ratio to the baseline (Liger, which has no CUDA-graph figure)."""
     import bench_layer
 
+    from moe_compiler.benchmarking import interval_union_us
+
     spans = [(0.0, 10.0), (2.0, 4.0), (8.0, 12.0), (20.0, 25.0), (25.0, 26.0), (30.0, 31.0)]
-    assert bench_layer.interval_union_us(spans) == 12.0 + 6.0 + 1.0
-    assert bench_layer.interval_union_us([(5.0, 7.5)]) == 2.5
+    assert interval_union_us(spans) == 12.0 + 6.0 + 1.0
+    assert interval_union_us([(5.0, 7.5)]) == 2.5
 
     results = [dict(shape="a", provider="liger", round=0, fwdbwd_tflops=200, busy_fwdbwd_tflops=250, peak_gib=1.4,
                     act_gib=0.3),

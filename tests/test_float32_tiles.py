@@ -1,8 +1,8 @@
-"""The float32 (IEEE dot) tiles of the pointer-load GEMMs (`triton_moe._IEEE_GPU_CONFIGS`): float32
+"""The float32 (IEEE dot) tiles of the pointer-load GEMMs (`codegen.launch._IEEE_GPU_CONFIGS`): float32
 launches tune over them alone, and they compile for sm90 without a GPU and without register
 spills. The wgmma tiles the 16-bit launches tune over spill ~2.7 KB a thread as IEEE float32 dots
 and took 7-10 s each to compile, which made a float32 model's first call on the GPU autotune for
-minutes (docs/BENCHMARKS.md, twenty-third session)."""
+minutes (docs/BENCHMARKS.md)."""
 from __future__ import annotations
 
 import re
@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
 
 from bench_up_proj import compile_sm90, up_compile_args  # noqa: E402
 from gluon_bench_common import ptxas_usage  # noqa: E402
 
-from moe_compiler.codegen import triton_moe  # noqa: E402
+from moe_compiler import codegen  # noqa: E402
 from moe_compiler.codegen.kernels.backward import _wgrad_kernel  # noqa: E402
 from moe_compiler.codegen.kernels.grouped_gemm import _scatter_gemm_kernel, _up_proj_kernel  # noqa: E402
 
 T, D, N, E, K = 24576, 1536, 256, 128, 8  # the 7b-256 layer
 H100_SHARED = 232448
 
-pytestmark = pytest.mark.skipif(triton_moe.INTERPRETED, reason="the GPU's config tables (TRITON_INTERPRET=1 is set)")
+pytestmark = pytest.mark.skipif(codegen.launch.INTERPRETED, reason="the GPU's config tables (TRITON_INTERPRET=1 is set)")
 
 
 def test_float32_launches_tune_over_their_own_configs():
@@ -35,16 +35,16 @@ def test_float32_launches_tune_over_their_own_configs():
         return [(*(c.kwargs[k] for k in names), c.num_warps, c.num_stages) for c in configs]
 
     for name in ("up", "scatter", "dact", "wgrad"):
-        tuner = getattr(triton_moe, "_" + name)
+        tuner = getattr(codegen.launch, "_" + name)
         tuner.nargs = {}
         ieee = tuner.prune_configs({"DOT_PRECISION": "ieee"})
         tf32 = tuner.prune_configs({"DOT_PRECISION": "tf32"})
-        assert tiles(ieee, name) == triton_moe._IEEE_GPU_CONFIGS[name], name
-        assert tiles(tf32, name) == [c[:5] for c in triton_moe._GPU_CONFIGS[name]], name
+        assert tiles(ieee, name) == codegen.launch._IEEE_GPU_CONFIGS[name], name
+        assert tiles(tf32, name) == [c[:5] for c in codegen.launch._GPU_CONFIGS[name]], name
     # a set with no config of the launch's kind (the interpreter's, a pin, a test's swap) is kept
-    one = [triton_moe._cfg("up", 16, 16, 16, 1, 1)]
-    assert triton_moe._by_dot_precision(one, {}, DOT_PRECISION="ieee") == one
-    assert triton_moe._by_dot_precision(one, {}, DOT_PRECISION="tf32") == one
+    one = [codegen.launch._cfg("up", 16, 16, 16, 1, 1)]
+    assert codegen.launch._by_dot_precision(one, {}, DOT_PRECISION="ieee") == one
+    assert codegen.launch._by_dot_precision(one, {}, DOT_PRECISION="tf32") == one
 
 
 def _launch_args(kernel: str, config: tuple) -> tuple:
@@ -68,7 +68,7 @@ def _launch_args(kernel: str, config: tuple) -> tuple:
     return _wgrad_kernel, args, dict(flags, BLOCK_P=a, BLOCK_Q=b, BLOCK_M=c)
 
 
-@pytest.mark.parametrize("kernel,config", [(k, c) for k, cs in triton_moe._IEEE_GPU_CONFIGS.items() for c in cs],
+@pytest.mark.parametrize("kernel,config", [(k, c) for k, cs in codegen.launch._IEEE_GPU_CONFIGS.items() for c in cs],
                          ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
 def test_float32_tile_compiles_for_sm90_without_spills(kernel, config):
     fn, args, constexprs = _launch_args(kernel, config)

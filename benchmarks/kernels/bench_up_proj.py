@@ -4,11 +4,11 @@ Question: what does a W1 layout cost the forward's largest GEMM? gpt-oss stores 
 interleaved and transposed ([E, d, 2n]); the layer benchmark's `ours-interleaved` provider ran its
 forward at 293 TFLOPS against 497 for the same weights concatenated (H100, gpt-oss sizes).
 
-    python benchmarks/bench_up_proj.py --shape gpt-oss
-    python benchmarks/bench_up_proj.py --persistent-ab --shapes 7b-256,qwen3,olmoe
-    python benchmarks/bench_up_proj.py --compile-only --shapes 7b-256   # no GPU: Triton 3.6 compiles for sm90
+    python benchmarks/kernels/bench_up_proj.py --shape gpt-oss
+    python benchmarks/kernels/bench_up_proj.py --persistent-ab --shapes 7b-256,qwen3,olmoe
+    python benchmarks/kernels/bench_up_proj.py --compile-only --shapes 7b-256   # no GPU: Triton 3.6 compiles for sm90
 
---persistent-ab times the persistent kernel (`triton_moe.PERSISTENT_UP`) against one program per
+--persistent-ab times the persistent kernel (`codegen.launch.PERSISTENT_UP`) against one program per
 tile, side by side at each shape: the up-projection (W1 concatenated and interleaved) and the dA'
 GEMM with its activation-gradient pass (`triton_moe_dact`), and checks the outputs agree.
 --compile-only compiles both kernels for sm90 at each shape and config, with the specializations a
@@ -17,66 +17,60 @@ gathered x loads compile to plain loads instead of cp.async), and reports shared
 registers, spills and the copies issued (cp.async for the gathered rows, TMA for the weights).
 
 For each orientation (nn.Linear's [E, 2n, d], transposed [E, d, 2n]) and gate/up layout
-(concatenated, interleaved): median time and TFLOPS of `triton_moe.triton_moe_up` (gathered x,
+(concatenated, interleaved): median time (`benchmarking.median_ms`) and TFLOPS of `codegen.forward.triton_moe_up` (gathered x,
 H and A = SwiGLU(H) stored) through the TMA weight descriptor where the launcher takes one, and
 with the descriptor refused (pointer loads), and how far apart the A's are. A concatenated W1
-through TMA runs twice: one dot of width 2*BLOCK_N on a 4D tile (`triton_moe.set_wide_up`, the
+through TMA runs twice: one dot of width 2*BLOCK_N on a 4D tile (`codegen.launch.set_wide_up`, the
 default), and two dots on separate gate and up tiles.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import NamedTuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_layer import SHAPES  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from moe_compiler.codegen import triton_moe  # noqa: E402
+from moe_compiler.benchmarking import SHAPES, add_common_args, command_line, median_ms
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap, shapes="7b-256,qwen3,olmoe", warmup=10, iters=100, iters_aliases=("--rep",),
+                    shapes_help="with --persistent-ab or --compile-only")
     ap.add_argument("--shape", default="gpt-oss", help=f"one of {sorted(SHAPES)}")
-    ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--persistent-ab", action="store_true", help="persistent kernel against one program per tile")
-    ap.add_argument("--shapes", default="7b-256,qwen3,olmoe", help="with --persistent-ab or --compile-only")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm90 (no GPU) and report resources")
     args = ap.parse_args()
     if args.compile_only:
         return compile_only(args)
     if args.persistent_ab:
         return persistent_ab(args)
+    from moe_compiler import codegen
+
     T, d, n, E, K = SHAPES[args.shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T, d, device="cuda", generator=gen).bfloat16()
     ids = torch.randn(T, E, device="cuda", generator=gen).topk(K, -1).indices
-    rows, offs = triton_moe.route(ids, E)
+    rows, offs = codegen.routing.route(ids, E)
     w1 = (torch.randn(E, 2 * n, d, device="cuda", generator=gen) / d**0.5).bfloat16()
     flop = 2 * T * K * d * 2 * n
-    with_desc, wide_up = triton_moe._weight_desc, triton_moe.WIDE_UP
+    with_desc, wide_up = codegen.launch._weight_desc, codegen.launch.WIDE_UP
     print(f"device: {torch.cuda.get_device_name()}; {args.shape} (T, d, n, E, K) = {(T, d, n, E, K)}")
     print("| W1 | gate/up | weight loads | us | TFLOPS |\n|---|---|---|---|---|")
     try:
         for transposed in (False, True):
             w = w1.transpose(1, 2).contiguous() if transposed else w1
-            bank = triton_moe._stacked_banks(w, w, transposed)[0]
+            bank = codegen.launch._stacked_banks(w, w, transposed)[0]
             for interleaved in (False, True):
                 outs = []
                 for tma, wide in ((True, True), (True, False), (False, False))[0 if not interleaved else 1:]:
-                    triton_moe._weight_desc = with_desc if tma else (lambda *a, **k: (None, 0))
-                    triton_moe.set_wide_up(wide)
-                    call = lambda: triton_moe.triton_moe_up(  # noqa: E731
+                    codegen.launch._weight_desc = with_desc if tma else (lambda *a, **k: (None, 0))
+                    codegen.launch.set_wide_up(wide)
+                    call = lambda: codegen.forward.triton_moe_up(  # noqa: E731
                         x, bank, None, rows, offs, n=n, top_k=K, activation="swiglu", interleaved=interleaved,
                         alpha=1.702, limit=7.0)
                     outs.append(call()[1].clone())
-                    t = do_bench(call, warmup=args.warmup, rep=args.rep, return_mode="median") * 1e3
+                    t = median_ms(call, args.iters, args.warmup) * 1e3
                     layout = "[E, d, 2n]" if transposed else "[E, 2n, d]"
                     loads = ("TMA, one wide dot" if wide else "TMA if taken") if tma else "pointers"
                     print(f"| {layout} | {'interleaved' if interleaved else 'concatenated'} | {loads} | {t:.0f} | "
@@ -84,8 +78,8 @@ def main():
                 diff = max(((o.float() - outs[-1].float()).norm() / outs[-1].float().norm()).item() for o in outs)
                 print(f"|  | A, TMA vs pointers: rel diff {diff:.1e} (the two may tune other tiles) | | | |")
     finally:
-        triton_moe._weight_desc = with_desc
-        triton_moe.set_wide_up(wide_up)
+        codegen.launch._weight_desc = with_desc
+        codegen.launch.set_wide_up(wide_up)
 
 
 class UpInputs(NamedTuple):
@@ -102,11 +96,13 @@ class UpInputs(NamedTuple):
 
 
 def up_inputs(shape: str) -> UpInputs:
+    from moe_compiler import codegen
+
     T, d, n, E, K = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T, d, device="cuda", generator=gen).bfloat16()
     ids = torch.randn(T, E, device="cuda", generator=gen).topk(K, -1).indices
-    rows, offs = triton_moe.route(ids, E)
+    rows, offs = codegen.routing.route(ids, E)
     w1 = (torch.randn(E, 2 * n, d, device="cuda", generator=gen) / d**0.5).bfloat16()
     w2 = (torch.randn(E, d, n, device="cuda", generator=gen) / n**0.5).bfloat16()
     s = torch.rand(T * K, device="cuda", generator=gen)
@@ -114,30 +110,32 @@ def up_inputs(shape: str) -> UpInputs:
 
 
 def persistent_ab(args):
+    from moe_compiler import codegen
+
     print(f"device: {torch.cuda.get_device_name()}")
     print("| shape | GEMM | persistent us (TFLOPS) | per tile us (TFLOPS) | ratio | outputs |\n|---|---|---|---|---|---|")
-    saved = triton_moe.PERSISTENT_UP
+    saved = codegen.launch.PERSISTENT_UP
     try:
-        for shape in args.shapes.split(","):
+        for shape in args.shapes:
             (T, d, n, E, K), x, rows, offs, w1, w2, s, _ = up_inputs(shape)
             up_flop, dact_flop = 2 * T * K * d * 2 * n, 2 * T * K * d * n
-            b1 = triton_moe._stacked_banks(w1, w2, False)
+            b1 = codegen.launch._stacked_banks(w1, w2, False)
             calls = {}
             for interleaved in (False, True):
                 calls["up, interleaved" if interleaved else "up, concatenated"] = (up_flop, (
-                    lambda il=interleaved: triton_moe.triton_moe_up(
+                    lambda il=interleaved: codegen.forward.triton_moe_up(
                         x, b1[0], None, rows, offs, n=n, top_k=K, activation="swiglu", interleaved=il,
                         alpha=1.702, limit=7.0)))
             h = calls["up, concatenated"][1]()[0]
-            calls["dA' + act grad"] = (dact_flop, lambda: triton_moe.triton_moe_dact(
+            calls["dA' + act grad"] = (dact_flop, lambda: codegen.backward.triton_moe_dact(
                 x, b1[1], h, s, rows, offs, n=n, top_k=K, activation="swiglu", interleaved=False, alpha=1.702,
                 limit=7.0))
             for gemm, (flop, call) in calls.items():
                 t, outs = {}, {}
                 for persistent in (True, False):
-                    triton_moe.set_persistent_up(persistent)
+                    codegen.launch.set_persistent_up(persistent)
                     outs[persistent] = [o.clone() for o in call()]
-                    t[persistent] = do_bench(call, warmup=args.warmup, rep=args.rep, return_mode="median") * 1e3
+                    t[persistent] = median_ms(call, args.iters, args.warmup) * 1e3
                 same = all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
                 diff = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
                            for a, b in zip(outs[True], outs[False]))
@@ -145,7 +143,7 @@ def persistent_ab(args):
                       f"({flop / t[False] * 1e-6:.0f}) | {t[True] / t[False]:.3f} | "
                       f"{'bit-equal' if same else f'rel diff {diff:.1e}'} |", flush=True)
     finally:
-        triton_moe.set_persistent_up(saved)
+        codegen.launch.set_persistent_up(saved)
 
 
 def compile_sm90(fn, args: dict, constexprs: dict, *, num_warps: int, num_stages: int):
@@ -185,12 +183,14 @@ def up_compile_args(T: int, d: int, n: int, E: int, K: int, *, gated: bool, dtyp
     """(argument types or example values, constexpr flags) of an up-projection (`gated`, W1
     concatenated) or dA' GEMM launch for `compile_sm90`, with no bias and no token map. The caller
     adds the weight operand (`w_desc` or `w1_ptr`), W_DESC and the tile's constexprs."""
+    from moe_compiler import codegen
+
     args = dict(x_ptr=f"*{dtype}", b1_ptr=f"*{dtype}", sorted_rows_ptr="*i32", row_token_ptr="*i32",
                 offsets_ptr="*i32", h_ptr=f"*{dtype}", a_ptr=f"*{dtype}", w_table_ptr="*i64",
                 TK=T * K, d=d, n=n, E=E, stride_x_t=d, stride_x_d=1, stride_b1_e=0, stride_b1_o=1, alpha=1.702,
                 limit=7.0, stride_w1_e=2 * n * d, stride_w1_o=d, stride_w1_i=1)
-    flags = dict(top_k=K, ACTIVATION=0 if gated else triton_moe._IDENTITY, GATED=gated, INTERLEAVED=False,
-                 HAS_B1=False, STORE_H=gated, STORE_A=True, E_POW2=triton_moe.e_pow2(E), TOKEN_MAP=False)
+    flags = dict(top_k=K, ACTIVATION=0 if gated else codegen.launch._IDENTITY, GATED=gated, INTERLEAVED=False,
+                 HAS_B1=False, STORE_H=gated, STORE_A=True, E_POW2=codegen.kernels.routing.e_pow2(E), TOKEN_MAP=False)
     return args, flags
 
 
@@ -200,15 +200,16 @@ def compile_only(args):
     import re
 
     import triton
-    from gluon_bench_common import ptxas_usage
+    from gluon_bench_common import ptxas_usage  # beside this file
 
+    from moe_compiler import codegen
     from moe_compiler.codegen.kernels.grouped_gemm import _up_proj_kernel, _up_proj_persistent_kernel
 
-    print(f"triton {triton.__version__}; command: python " + " ".join(sys.argv))
-    for shape in args.shapes.split(","):
+    print(f"triton {triton.__version__}; command: {command_line()}")
+    for shape in args.shapes:
         T, d, n, E, K = SHAPES[shape]
-        for gemm, configs, w_desc, gated in (("up", triton_moe._persistent_configs("up"), 3, True),
-                                             ("dact", triton_moe._persistent_configs("dact"), 1, False)):
+        for gemm, configs, w_desc, gated in (("up", codegen.launch._persistent_configs("up"), 3, True),
+                                             ("dact", codegen.launch._persistent_configs("dact"), 1, False)):
             base_args, base_flags = up_compile_args(T, d, n, E, K, gated=gated)
             for c in configs:
                 bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]

@@ -1,28 +1,24 @@
 """The fused router's forward kernel alone (`sonic::route` on CUDA): 16-bit against int64 keys, and
 its launch (tokens per program, warps), side by side on the same logits (GPU).
 
-    python benchmarks/bench_router.py
-    python benchmarks/bench_router.py --cases 7b-256,qwen3 --blocks 16,32,64 --warps 2,4,8
+    python benchmarks/kernels/bench_router.py
+    python benchmarks/kernels/bench_router.py --cases 7b-256,qwen3 --blocks 16,32,64 --warps 2,4,8
 
 Each case is (T, E, k, router form, logits dtype, compute dtype). Where every value the kernel
 ranks is a bf16 (top-k on bf16 logits, or scores computed in bf16), its keys are int32 instead of
 int64 (`codegen.router._key_kind`); `narrow_keys=False` keeps int64 keys. Per case and launch: the
-median us of a call (forward with each key width, and the backward) from CUDA graphs of --calls calls (`bench_route.gpu_us`: a call this short is
-host-bound when launched one by one) with each key width, and whether both gave the same
-ids and weights bit for bit. Logits: randn in bf16 with a NaN in every 97th row.
+median us of a call (forward with each key width, and the backward) from CUDA graphs of --calls
+calls (`benchmarking.graph_ms`: a call this short is host-bound when launched one by one), and
+whether both key widths gave the same ids and weights bit for bit. Logits: randn in bf16 with a NaN in every 97th row.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_route import gpu_us  # noqa: E402
-from moe_compiler.codegen.router import _blocks, _key_kind, triton_router_bwd, triton_router_fwd  # noqa: E402
+from moe_compiler.benchmarking import add_common_args, comma_list, graph_ms
+from moe_compiler.codegen.router import _blocks, _key_kind, triton_router_bwd, triton_router_fwd
 
 FULL = dict(score="softmax", topk_first=False, renorm=False, eps=0.0, scale=1.0, n_group=1, topk_group=1,
             fill=float("-inf"))
@@ -35,7 +31,10 @@ CASES = {  # name: (T, E, k, router keywords, compute dtype)
 }
 
 
-def run_case(name, blocks, warps, rep):
+def run_case(name, blocks, warps, args):
+    def gpu_us(fn):
+        return graph_ms(fn, iters=args.iters, warmup=args.warmup, calls=args.calls) * 1e3
+
     T, E, k, kw, compute = CASES[name]
     full = {**FULL, **kw}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -56,7 +55,7 @@ def run_case(name, blocks, warps, rep):
             def call(narrow=narrow):
                 return triton_router_fwd(logits, *args, block_t=block_t, narrow_keys=narrow, num_warps=nw)
             outs[narrow] = call()
-            times[narrow] = gpu_us(call, calls=rep)
+            times[narrow] = gpu_us(call)
         bits = torch.int16 if compute != torch.float32 else torch.int32
         same = torch.equal(outs[False][1], outs[True][1]) and torch.equal(outs[False][0].view(bits),
                                                                           outs[True][0].view(bits))
@@ -64,7 +63,7 @@ def run_case(name, blocks, warps, rep):
         def backward():
             return triton_router_bwd(g, logits, ids, *bwd_args, block_t=block_t, num_warps=nw)
         backward()  # compiled before the capture
-        bwd = gpu_us(backward, calls=rep)
+        bwd = gpu_us(backward)
         head = (f"default (forward BLOCK_T {default[0][0]}, warps {default[0][4]}; backward {default[1][0]}, "
                 f"{default[1][4]})" if block_t is None
                 else f"BLOCK_T {block_t:3d} warps {nw}")
@@ -75,14 +74,14 @@ def run_case(name, blocks, warps, rep):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"of {sorted(CASES)}")
-    ap.add_argument("--blocks", default="16,32,64", help="tokens per program (BLOCK_T)")
-    ap.add_argument("--warps", default="2,4,8")
+    add_common_args(ap, warmup=10, iters=100)
+    ap.add_argument("--cases", type=comma_list, default=",".join(CASES), help=f"comma list of {sorted(CASES)}")
+    ap.add_argument("--blocks", type=comma_list, default="16,32,64", help="tokens per program (BLOCK_T)")
+    ap.add_argument("--warps", type=comma_list, default="2,4,8")
     ap.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     args = ap.parse_args()
-    for name in args.cases.split(","):
-        run_case(name, [int(b) for b in args.blocks.split(",")], [int(w) for w in args.warps.split(",")],
-                 args.calls)
+    for name in args.cases:
+        run_case(name, [int(b) for b in args.blocks], [int(w) for w in args.warps], args)
 
 
 if __name__ == "__main__":

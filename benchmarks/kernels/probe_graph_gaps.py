@@ -1,6 +1,7 @@
 """Where a provider's CUDA-graph step goes: its kernels' time against the step's span (GPU).
 
-    python scripts/probe_graph_gaps.py --shape 7b-256 --providers ours-compiled,sonic
+    python benchmarks/kernels/probe_graph_gaps.py --shape 7b-256 --providers ours-compiled,sonic
+    python benchmarks/kernels/probe_graph_gaps.py --shape tiny --providers ours --replays 3   # smoke
 
 The layer's fwd+bwd step (benchmarks/bench_layer.py's providers) is captured in a CUDA graph and
 replayed --replays times back to back, the last one under torch.profiler. For it: the span from the first kernel's start to the
@@ -16,9 +17,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from moe_compiler.benchmarking import SHAPES, comma_list, graphed
 
-from bench_layer import SHAPES, graphed, layer_inputs, provider_step  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_layer
+from bench_layer import layer_inputs, provider_step  # noqa: E402  (its providers and inputs)
 
 
 def probe(provider, shape, master, x, dy, replays, min_gap, verbose):
@@ -53,15 +55,16 @@ def probe(provider, shape, master, x, dy, replays, min_gap, verbose):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="7b-256")
-    ap.add_argument("--providers", default="ours-compiled,sonic")
+    ap.add_argument("--shape", default="7b-256", help=f"one of {sorted(SHAPES)}")
+    ap.add_argument("--providers", type=comma_list, default="ours-compiled,sonic",
+                    help="comma list of benchmarks/bench_layer.py's providers")
     ap.add_argument("--replays", type=int, default=20, help="replayed back to back, the last one profiled")
     ap.add_argument("--verbose", action="store_true", help="every kernel: start, us, name")
     ap.add_argument("--min-gap", type=float, default=3.0)
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     master, x, dy = layer_inputs(shape)
-    for provider in args.providers.split(","):
+    for provider in args.providers:
         try:
             probe(provider, shape, master, x, dy, args.replays, args.min_gap, args.verbose)
         except ImportError as exc:

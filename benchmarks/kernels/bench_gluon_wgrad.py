@@ -1,17 +1,17 @@
 """The Gluon (sm90, warp-specialized) weight gradient against our Triton one (H100; Triton 3.6).
 
-    PYTHONPATH=. python benchmarks/bench_gluon_wgrad.py --shapes 7b-256,qwen3,olmoe
-    PYTHONPATH=. python benchmarks/bench_gluon_wgrad.py --shapes 7b-256 --tiles 128x128x64x4,128x256x64x3x8
-    PYTHONPATH=. python benchmarks/bench_gluon_wgrad.py --compile-only   # no GPU needed: sm90 cubins, registers
+    python benchmarks/kernels/bench_gluon_wgrad.py --shapes 7b-256,qwen3,olmoe
+    python benchmarks/kernels/bench_gluon_wgrad.py --shapes 7b-256 --tiles 128x128x64x4,128x256x64x3x8
+    python benchmarks/kernels/bench_gluon_wgrad.py --compile-only   # no GPU needed: sm90 cubins, registers
 
 Per shape (T, d, n, E, K), on top-k routing of random logits, the two weight gradients of a
 SwiGLU layer's backward:
     dW1[e] [2n, d] = dH_e^T gather(x)_e       (`gather_lhs=False`)
     dW2[e] [d, n]  = gather(dO)_e^T A'_e      (`gather_lhs=True`)
-by `triton_moe.triton_moe_wgrad` (the autotuned Triton kernel) and `gluon_wgrad` per --tiles config:
+by `codegen.backward.triton_moe_wgrad` (the autotuned Triton kernel) and `gluon_wgrad` per --tiles config:
 max |gluon - triton|, whether they are equal to the bit, the relative error of each against a
-float32 torch reference (--no-ref skips it), median times (triton.testing.do_bench), TFLOPS
-(2 TK P Q flops) and the time ratio. First a small case with uneven and empty experts (T=300, E=8,
+float32 torch reference (--no-ref skips it), median times (`benchmarking.median_ms`: do_bench over
+about --iters calls), TFLOPS (2 TK P Q flops) and the time ratio. First a small case with uneven and empty experts (T=300, E=8,
 K=2, expert 5 never chosen) against the float32 reference, dw pre-filled with NaN so that an
 unwritten tile shows. Each case is caught on its own: one failure prints and the rest still run.
 
@@ -21,18 +21,13 @@ warpgroup, 8: two; default 4), loader registers (default 56).
 """
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gluon_bench_common import (SHAPES, bench_and_tabulate, compare_and_time, make_parser, rel_err,  # noqa: E402
+from gluon_bench_common import (SHAPES, bench_and_tabulate, compare_and_time, make_parser, rel_err,
                                 report_compile, routed_shape, say, say_versions)
 
-from moe_compiler.codegen.kernels import gluon_wgrad as gw  # noqa: E402
+from moe_compiler.codegen.kernels import gluon_wgrad as gw
 
 GEMMS = ("dW1", "dW2")
 
@@ -73,9 +68,9 @@ def reference(lhs, rhs, gather_lhs, sorted_rows, offsets, K):
 
 
 def run_triton(lhs, rhs, gather_lhs, routing, dw):
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
-    return triton_moe.triton_moe_wgrad(lhs, rhs, gather_lhs=gather_lhs, gather_rhs=not gather_lhs, dw=dw,
+    return codegen.backward.triton_moe_wgrad(lhs, rhs, gather_lhs=gather_lhs, gather_rhs=not gather_lhs, dw=dw,
                                        dw_strides=dw.stride(), **routing)
 
 
@@ -103,13 +98,13 @@ def tile_name(tile, gather_lhs):
 
 def small_case(tiles):
     """Uneven expert sizes, one empty expert, P/Q not multiples of 128 (dims multiples of 64)."""
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
     T, d, n, E, K = 300, 192, 64, 8, 2
     gen = torch.Generator(device="cuda").manual_seed(1)
     weight = torch.tensor([8.0, 1, 3, 0.5, 2, 0, 6, 1], device="cuda")  # expert 5 never chosen
     ids = torch.multinomial(weight.expand(T, E), K, replacement=False, generator=gen)
-    sorted_rows, offsets = triton_moe.route(ids, E)
+    sorted_rows, offsets = codegen.routing.route(ids, E)
     say(f"[small] T={T} d={d} n={n} E={E} K={K}: rows per expert {offsets.diff().tolist()}")
     routing = dict(sorted_rows=sorted_rows, offsets=offsets, top_k=K)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16)  # noqa: E731
@@ -139,7 +134,7 @@ def small_case(tiles):
             say(f"[small] {gemm} triton ERROR"), traceback.print_exc()
 
 
-def bench_shape(name, tiles, warmup, rep, with_ref):
+def bench_shape(name, tiles, warmup, iters, with_ref):
     (T, d, n, E, K), sorted_rows, offsets, gen = routed_shape(name)
     TK = T * K
     routing = dict(sorted_rows=sorted_rows, offsets=offsets, top_k=K)
@@ -158,14 +153,14 @@ def bench_shape(name, tiles, warmup, rep, with_ref):
             tiles=tiles, tile_name=lambda tile: tile_name(tile, gather_lhs),
             gluon_on_nan=lambda tile: gluon_on_nan(lhs, rhs, gather_lhs, routing, tile, (E, P, Q)),
             run_gluon=lambda tile, dw: run_gluon(lhs, rhs, gather_lhs, routing, dw, tile),
-            warmup=warmup, rep=rep)
+            warmup=warmup, iters=iters)
     return rows
 
 
 def main():
     ap = make_parser(__doc__, "comma list of `auto` or PxQxMxS[xW[xR]] Gluon configs")
     args = ap.parse_args()
-    shapes = [s for s in args.shapes.split(",") if s]
+    shapes = args.shapes
     tiles = [None if t == "auto" else gw.WgradTile.parse(t) for t in args.tiles.split(",") if t]
     say_versions(gw)
     if args.compile_only:
@@ -180,7 +175,7 @@ def main():
                                                    tile=resolve(tile, gather_lhs)), last_line=False)
     if not args.skip_small:
         small_case(tiles)
-    bench_and_tabulate(shapes, lambda name: bench_shape(name, tiles, args.warmup, args.rep, not args.no_ref))
+    bench_and_tabulate(shapes, lambda name: bench_shape(name, tiles, args.warmup, args.iters, not args.no_ref))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import traceback
 
 import torch
-from bench_layer import SHAPES  # name -> (T, d, n, E, K), as the other GEMM benchmarks take them
+
+from moe_compiler.benchmarking import SHAPES, add_common_args, command_line, median_ms, print_table
 
 
 def say(*args):
@@ -30,12 +30,11 @@ def rel_err(x, ref):
 def make_parser(doc, tiles_help, *extra):
     """The shared options; `extra`: (flags, kwargs) pairs of a script's own, listed after --tiles."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="7b-256,qwen3,olmoe", help=f"comma list of {', '.join(SHAPES)}")
+    add_common_args(ap, shapes="7b-256,qwen3,olmoe", warmup=10, iters=100, iters_aliases=("--rep",),
+                    shapes_help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--tiles", default="auto", help=tiles_help)
     for flags, kwargs in extra:
         ap.add_argument(*flags, **kwargs)
-    ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--no-ref", action="store_true", help="skip the float32 torch reference of the big shapes")
     ap.add_argument("--skip-small", action="store_true", help="skip the uneven/empty-expert correctness case")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm90 (no GPU needed) and report registers")
@@ -48,7 +47,7 @@ def say_versions(kernels):
 
     say(f"triton {triton.__version__}, torch {torch.__version__}, gluon available: {kernels.HAS_GLUON}"
         + ("" if kernels.HAS_GLUON else f" ({kernels.GLUON_IMPORT_ERROR})"))
-    say("command: PYTHONPATH=. python " + " ".join(sys.argv))
+    say("command: " + command_line())
 
 
 def ptxas_usage(kernel) -> str:
@@ -82,12 +81,12 @@ def report_compile(head, compile_sm90, *, last_line=True):
 def routed_shape(name):
     """Shape `name` on top-k routing of random logits, its header said: ((T, d, n, E, K), sorted_rows,
     offsets, gen), `gen` (seed 0, past the logits) to draw the operands with."""
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
     T, d, n, E, K = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randn(T, E, device="cuda", generator=gen).topk(K, -1).indices
-    sorted_rows, offsets = triton_moe.route(ids, E)
+    sorted_rows, offsets = codegen.routing.route(ids, E)
     sizes = offsets.diff()
     say(f"\n[{name}] T={T} d={d} n={n} E={E} K={K} TK={T * K}; rows per expert min {sizes.min().item()} "
         f"max {sizes.max().item()}")
@@ -95,19 +94,18 @@ def routed_shape(name):
 
 
 def compare_and_time(name, gemm, dims, flop, run_triton, reference, tiles, tile_name, gluon_on_nan, run_gluon,
-                     warmup, rep):
+                     warmup, iters):
     """One GEMM of shape `name`: the Triton kernel's time, its error against the float32 reference,
     then per Gluon tile the difference to the Triton output and the time. Returns the table rows.
 
     run_triton(): the Triton output (called once, then timed); reference(): float32, or None to
     skip it; gluon_on_nan(tile): the Gluon output over NaN, synchronized; run_gluon(tile, out): the
-    timed Gluon call writing `out`; tile_name(tile): its label. `dims` names the GEMM's sizes."""
-    from triton.testing import do_bench
-
+    timed Gluon call writing `out`; tile_name(tile): its label. `dims` names the GEMM's sizes. Times
+    are `median_ms` over about `iters` calls."""
     label = f"[{name}] {gemm}"
     try:
         out_t = run_triton()
-        t_triton = do_bench(run_triton, warmup=warmup, rep=rep, return_mode="median") * 1e3
+        t_triton = median_ms(run_triton, iters, warmup) * 1e3
         say(f"{label} {dims} triton: {t_triton:.1f} us, {flop / t_triton * 1e-6:.1f} TFLOPS")
     except Exception:  # noqa: BLE001
         say(f"{label} triton ERROR"), traceback.print_exc()
@@ -128,7 +126,7 @@ def compare_and_time(name, gemm, dims, flop, run_triton, reference, tiles, tile_
             same = torch.equal(out_g, out_t)
             extra = f", rel err vs fp32 ref {rel_err(out_g, ref):.3g}" if ref is not None else ""
             say(f"{head} max|gluon - triton| {diff:.3g}, bit-equal {same}{extra}")
-            t = do_bench(lambda: run_gluon(tile, out_g), warmup=warmup, rep=rep, return_mode="median") * 1e3
+            t = median_ms(lambda: run_gluon(tile, out_g), iters, warmup) * 1e3
             say(f"{head} {t:.1f} us, {flop / t * 1e-6:.1f} TFLOPS, gluon/triton time {t / t_triton:.3f}")
             rows.append((name, gemm, tile_name(tile), t_triton, flop / t_triton * 1e-6, t, flop / t * 1e-6,
                          t / t_triton, diff, same))
@@ -147,9 +145,7 @@ def bench_and_tabulate(shapes, bench_shape):
             rows += bench_shape(name)
         except Exception:  # noqa: BLE001
             say(f"[{name}] ERROR"), traceback.print_exc()
-    say("\n| shape | GEMM | gluon tile | triton us | triton TFLOPS | gluon us | gluon TFLOPS | gluon/triton time "
-        "| max abs diff | bit-equal |")
-    say("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        say(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.3f} "
-            f"| {r[8]:.3g} | {r[9]} |")
+    print_table(["shape", "GEMM", "gluon tile", "triton us", "triton TFLOPS", "gluon us", "gluon TFLOPS",
+                 "gluon/triton time", "max abs diff", "bit-equal"], rows,
+                {"triton us": ".1f", "triton TFLOPS": ".1f", "gluon us": ".1f", "gluon TFLOPS": ".1f",
+                 "gluon/triton time": ".3f", "max abs diff": ".3g"})

@@ -1,25 +1,24 @@
 """The Gluon (sm90, warp-specialized, ping-pong) scatter GEMM against our Triton one (H100; Triton 3.6).
 
-    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --shapes 7b-256,qwen3,olmoe
-    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --shapes 7b-256 --tiles auto,128x128x64x6
-    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --compile-only   # no GPU needed: sm90 cubins, registers
-    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --shapes "" --gemms Y --small-grids 2   # one small case
+    python benchmarks/kernels/bench_gluon_scatter.py --shapes 7b-256,qwen3,olmoe
+    python benchmarks/kernels/bench_gluon_scatter.py --shapes 7b-256 --tiles auto,128x128x64x6
+    python benchmarks/kernels/bench_gluon_scatter.py --compile-only   # no GPU needed: sm90 cubins, registers
+    python benchmarks/kernels/bench_gluon_scatter.py --shapes "" --gemms Y --small-grids 2   # one small case
 
-The table in `gluon_scatter.default_tile`'s docstring came from
-    PYTHONPATH=. python benchmarks/bench_gluon_scatter.py --skip-small --shapes 7b-256,qwen3,olmoe \
+The table in `gluon_scatter.default_tile`'s docstring comes from (`auto` is the last of these tiles)
+    python benchmarks/kernels/bench_gluon_scatter.py --skip-small --shapes 7b-256,qwen3,olmoe \
         --tiles 128x128x64x4x8x232x40x4,128x128x64x6x8x232x40x4,128x128x64x4x8x232x40x1
-(then `auto` was the first of those; it is now the last).
 
 Per shape (T, d, n, E, K), on top-k routing of random logits, the two scatter GEMMs of a SwiGLU layer:
     Y   [TK, d] = A [TK, n] @ W2[e]^T     (forward down-projection; W2 [E, d, n]: w_layout 1)
     dX~ [TK, d] = dH [TK, 2n] @ W1[e]     (backward input gradient; W1 [E, 2n, d]: w_layout 2)
-both stored in slot order, by `triton_moe.triton_moe_scatter_gemm` (the autotuned persistent TMA
+both stored in slot order, by `codegen.forward.triton_moe_scatter_gemm` (the autotuned persistent TMA
 Triton kernel) and `gluon_scatter_gemm` per --tiles config: max |gluon - triton|, whether they are
 equal to the bit, the relative error of each against a float32 torch reference (--no-ref skips
-it), median times (triton.testing.do_bench), TFLOPS (2 TK k_dim n_dim flops) and the time ratio.
-First a small case with uneven and empty experts (T=300, E=8, K=2: expert 5 never chosen, expert 3
-with fewer rows than BLOCK_M, TK = 600 not a multiple of it, k_dim and n_dim not multiples of the
-tile, a bias on Y), against the float32 reference, out pre-filled with NaN so that an unwritten row
+it), median times (`benchmarking.median_ms`: do_bench over about --iters calls), TFLOPS (2 TK k_dim
+n_dim flops) and the time ratio. First a small case with uneven and empty experts (T=300, E=8,
+K=2: expert 5 never chosen, expert 3 with fewer rows than BLOCK_M, TK = 600 not a multiple of it,
+k_dim and n_dim not multiples of the tile, a bias on Y), against the float32 reference, out pre-filled with NaN so that an unwritten row
 shows, on the full grid and on a 2-CTA grid (many items per CTA: the ring wraps, both consumers
 alternate). Each case is caught on its own: one failure prints and the rest still run.
 
@@ -31,18 +30,13 @@ kernel fault: a launch failure poisons the CUDA context for every case after it)
 """
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gluon_bench_common import (  # noqa: E402
+from gluon_bench_common import (  # beside this file
     bench_and_tabulate, compare_and_time, make_parser, rel_err, report_compile, routed_shape, say, say_versions)
 
-from moe_compiler.codegen.kernels import gluon_scatter as gs  # noqa: E402
+from moe_compiler.codegen.kernels import gluon_scatter as gs
 
 GEMMS = ("Y", "dX~")
 W_LAYOUT = {"Y": 1, "dX~": 2}
@@ -94,14 +88,14 @@ def reference(inp, w, w_layout, bias, sorted_rows, offsets):
 
 
 def run_triton(inp, w, w_layout, bias, sorted_rows, offsets, n_dim):
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
     s = w.stride()
     if w_layout == 1:  # W2 [E, d, n] as a Bank (e, out=d, in=n); B[e] = W2[e]^T read through (e, k=n, n=d) strides
-        return triton_moe.triton_moe_scatter_gemm(inp, triton_moe.Bank(w, tuple(s)), (s[0], s[2], s[1]), bias,
+        return codegen.forward.triton_moe_scatter_gemm(inp, codegen.launch.Bank(w, tuple(s)), (s[0], s[2], s[1]), bias,
                                                   sorted_rows, offsets, n_dim=n_dim)
-    bank = triton_moe.Bank(w, tuple(s))  # W1 [E, 2n, d]: B[e] = W1[e], (e, k, n) strides as stored
-    return triton_moe.triton_moe_scatter_gemm(inp, bank, bank.strides, bias, sorted_rows, offsets, n_dim=n_dim)
+    bank = codegen.launch.Bank(w, tuple(s))  # W1 [E, 2n, d]: B[e] = W1[e], (e, k, n) strides as stored
+    return codegen.forward.triton_moe_scatter_gemm(inp, bank, bank.strides, bias, sorted_rows, offsets, n_dim=n_dim)
 
 
 def run_gluon(inp, w, w_layout, bias, sorted_rows, offsets, n_dim, tile, out=None, num_programs=None):
@@ -119,13 +113,13 @@ def gluon_on_nan(inp, w, w_layout, bias, sorted_rows, offsets, n_dim, tile, num_
 
 def small_case(tiles, gemms=GEMMS, grids=(None, 2)):
     """Uneven expert sizes, one empty expert, one smaller than BLOCK_M, ragged k_dim / n_dim, a bias."""
-    from moe_compiler.codegen import triton_moe
+    from moe_compiler import codegen
 
     T, d, n, E, K = 300, 320, 96, 8, 2
     gen = torch.Generator(device="cuda").manual_seed(1)
     weight = torch.tensor([8.0, 1, 3, 0.5, 2, 0, 6, 1], device="cuda")  # expert 5 never chosen, 3 rarely
     ids = torch.multinomial(weight.expand(T, E), K, replacement=False, generator=gen)
-    sorted_rows, offsets = triton_moe.route(ids, E)
+    sorted_rows, offsets = codegen.routing.route(ids, E)
     say(f"[small] T={T} d={d} n={n} E={E} K={K}: rows per expert {offsets.diff().tolist()}")
     for gemm in gemms:
         inp, w, wl, k_dim = operands(gemm, T, d, n, E, K, gen)
@@ -151,7 +145,7 @@ def small_case(tiles, gemms=GEMMS, grids=(None, 2)):
             say(f"[small] {gemm} triton ERROR"), traceback.print_exc()
 
 
-def bench_shape(name, tiles, warmup, rep, with_ref, gemms=GEMMS):
+def bench_shape(name, tiles, warmup, iters, with_ref, gemms=GEMMS):
     (T, d, n, E, K), sorted_rows, offsets, gen = routed_shape(name)
     TK = T * K
     rows = []
@@ -165,7 +159,7 @@ def bench_shape(name, tiles, warmup, rep, with_ref, gemms=GEMMS):
             tiles=tiles, tile_name=lambda tile: tile_name(tile, wl),
             gluon_on_nan=lambda tile: gluon_on_nan(*args, tile),
             run_gluon=lambda tile, out: run_gluon(*args, tile, out=out),
-            warmup=warmup, rep=rep)
+            warmup=warmup, iters=iters)
     return rows
 
 
@@ -175,7 +169,7 @@ def main():
         (["--gemms"], dict(default=",".join(GEMMS), help="comma list of Y, dX~")),
         (["--small-grids"], dict(default="sms,2", help="grids of the small case: `sms` (one CTA per SM) or a count")))
     args = ap.parse_args()
-    shapes = [s for s in args.shapes.split(",") if s]
+    shapes = args.shapes
     gemms = [g for g in args.gemms.split(",") if g]
     grids = [None if g == "sms" else int(g) for g in args.small_grids.split(",") if g]
     tiles = [None if t == "auto" else gs.ScatterTile.parse(t) for t in args.tiles.split(",") if t]
@@ -191,7 +185,7 @@ def main():
                            lambda: gs.compile_sm90(w_layout=wl, tile=resolve(tile, wl)), last_line=False)
     if not args.skip_small:
         small_case(tiles, gemms, grids)
-    bench_and_tabulate(shapes, lambda name: bench_shape(name, tiles, args.warmup, args.rep, not args.no_ref, gemms))
+    bench_and_tabulate(shapes, lambda name: bench_shape(name, tiles, args.warmup, args.iters, not args.no_ref, gemms))
 
 
 if __name__ == "__main__":
