@@ -40,12 +40,12 @@ def run_case(name, blocks, warps, args):
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(T, E, device="cuda", generator=gen).bfloat16()
     logits[::97, 3] = float("nan")
-    args = (None, k, full["score"], full["topk_first"], full["renorm"], full["eps"], full["scale"], full["n_group"],
-            full["topk_group"], full["fill"], compute)
+    route_args = (None, k, full["score"], full["topk_first"], full["renorm"], full["eps"], full["scale"],
+                  full["n_group"], full["topk_group"], full["fill"], compute)
     narrow_kind = _key_kind(logits, compute, full["topk_first"], full["n_group"], full["fill"])
     print(f"{name}: T={T} E={E} k={k} {kw} compute {compute}; keys {'int32' if narrow_kind else 'int64'}", flush=True)
     g = torch.randn(T, k, device="cuda", generator=gen).to(compute)
-    ids = triton_router_fwd(logits, *args)[1]
+    ids = triton_router_fwd(logits, *route_args)[1]
     default = _blocks(T, E, k, None, None), _blocks(T, E, k, None, None, forward=False,
                                                     gathered=full["topk_first"] or full["score"] == "sigmoid")
     launches = [(None, None)] + [(b, w) for b in blocks for w in warps]
@@ -53,7 +53,7 @@ def run_case(name, blocks, warps, args):
         times, outs = {}, {}
         for narrow in (False, True):
             def call(narrow=narrow):
-                return triton_router_fwd(logits, *args, block_t=block_t, narrow_keys=narrow, num_warps=nw)
+                return triton_router_fwd(logits, *route_args, block_t=block_t, narrow_keys=narrow, num_warps=nw)
             outs[narrow] = call()
             times[narrow] = gpu_us(call)
         bits = torch.int16 if compute != torch.float32 else torch.int32

@@ -47,8 +47,8 @@ def gather_sum(T, d, K, iters):
         if bd > triton.next_power_of_2(d):
             continue
         grid = (triton.cdiv(T, bt), triton.cdiv(d, bd))
-        fn = lambda: _gather_sum_kernel[grid](y, s, y, y, out, T, d, TOP_K=K, HAS_WEIGHTS=True,  # noqa: E731
-                                              SLOTS=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
+        fn = lambda: _gather_sum_kernel[grid](y, s, y, y, y, out, T, d, TOP_K=K, HAS_WEIGHTS=True,  # noqa: E731
+                                              SLOTS=False, ROW_MAP=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
         us = _time(fn, iters)
         rows.append((us, f"BLOCK_T {bt} BLOCK_D {bd} warps {warps}{' *' if (bt, bd, warps) == current else ''}",
                      nbytes / us * 1e-3))
