@@ -44,7 +44,9 @@ x's gradient through the router folded into the experts' dX gather-sum, `moe_com
 (`codegen.launch.set_persistent_up(False)`) instead of the persistent kernel; "ours-compiled-wide-keys"
 with the router's top-k on int64 keys (`codegen.router.NARROW_KEYS = False`) where bf16 logits
 would give int32 ones; "ours-compiled-slot-order" with the Gluon scatter GEMMs storing Y and dX~ in
-slot order (`codegen.forward.set_scatter_tiles(False)`) instead of TILE order.
+slot order (`codegen.forward.set_scatter_tiles(False)`) instead of TILE order; "ours-compiled-default-ops" with
+the compiled graphs calling our ops' `default` overloads, through custom_op's Python layers
+(`codegen.nograd.USE_NOGRAD = False`), instead of `nograd`.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ from moe_compiler.benchmarking import (
     busy_ms,
     command_line,
     graph_ms,
+    host_profile,
     median_ms,
     print_table,
     resolve_shapes,
@@ -76,7 +79,8 @@ from moe_compiler.codegen.reference import torch_moe_experts
 from moe_compiler.codegen.router import route as sonic_route
 PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order",
              "ours-no-gluon", "ours-interleaved", "ours-list", "ours-compiled", "ours-compiled-nofold",
-             "ours-compiled-per-tile-up", "ours-compiled-wide-keys", "ours-compiled-slot-order", "sonic", "liger",
+             "ours-compiled-per-tile-up", "ours-compiled-wide-keys", "ours-compiled-slot-order",
+             "ours-compiled-default-ops", "sonic", "liger",
              "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
@@ -189,7 +193,7 @@ def build_provider(name, master, shape):
     if name == "grouped_mm":
         return (lambda x: layer_grouped_mm(params, x, K)), params
     if name in ("ours-compiled", "ours-compiled-nofold", "ours-compiled-per-tile-up", "ours-compiled-wide-keys",
-                "ours-compiled-slot-order"):
+                "ours-compiled-slot-order", "ours-compiled-default-ops"):
         import moe_compiler  # noqa: F401  (registers backend="sonic" without the entry point too)
 
         fold = name != "ours-compiled-nofold"
@@ -242,8 +246,10 @@ def bench_one(name, master, shape, x, dy, ref, args):
     backward's products in one fixed order (`codegen.backward.BACKWARD_STEPS`) whatever the shape,
     ours-no-gluon without the Gluon kernels (the choices measured afresh among the others)."""
     from moe_compiler import codegen
-    from moe_compiler.codegen import router, wgrad_choice
+    from moe_compiler.codegen import nograd, router, wgrad_choice
 
+    use_nograd = nograd.USE_NOGRAD
+    nograd.USE_NOGRAD = use_nograd and not name.endswith("-default-ops")
     saved = (codegen.launch.USE_TMA, wgrad_choice.PINNED, codegen.launch.WIDE_UP, codegen.backward.backward_order,
              codegen.launch.GLUON_TRITON_VERSIONS, dict(codegen.launch._GLUON), dict(wgrad_choice._CHOSEN),
              codegen.launch.PERSISTENT_UP, codegen.forward.SCATTER_TILES)
@@ -278,6 +284,7 @@ def bench_one(name, master, shape, x, dy, ref, args):
             codegen.launch.set_persistent_up(saved[7])
         codegen.forward.set_scatter_tiles(saved[8])
         router.NARROW_KEYS = narrow_keys
+        nograd.USE_NOGRAD = use_nograd
         if name == "ours-no-gluon":
             codegen.launch.GLUON_TRITON_VERSIONS = saved[4]
             codegen.launch._GLUON.clear()
@@ -362,6 +369,9 @@ def _bench_one(name, master, shape, x, dy, ref, args):
     if args.step_times:  # host, GPU-busy and wall ms of a normally launched step
         host, busy, wall = step_times(step, zero, iters=min(args.iters, 20), warmup=min(args.warmup, 3))
         extra.update(step_host_ms=host, step_busy_ms=busy, step_wall_ms=wall)
+    if args.host_profile:  # where the host's time of a step goes (cProfile slows it: shares, not times)
+        print(f"  {name}: cProfile of 10 steps enqueued behind a GPU sleep", flush=True)
+        print(host_profile(step, zero, rows=args.host_profile, sort=("tottime", "cumulative")), flush=True)
     return dict(
         **extra,
         fwd_ms=t_fwd, bwd_ms=t_bwd, fwdbwd_ms=t_all,
@@ -445,6 +455,8 @@ def main(argv=None):
                          "GPU-time figure of providers that cannot be captured in a CUDA graph")
     ap.add_argument("--step-times", action="store_true",
                     help="also report host ms, GPU-busy ms and wall ms of a normally launched fwd+bwd step")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
+                    help="also print the top ROWS functions by own time of 10 enqueued fwd+bwd steps (cProfile)")
     ap.add_argument("--baseline", default="sonic", help="the provider the summary's ratios divide by")
     args = ap.parse_args(argv)
     args.iters = max(args.iters, args.min_steps)

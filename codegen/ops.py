@@ -129,8 +129,7 @@ def _empty_bias_grad(b: Optional[Tensor], x: Tensor) -> Tensor:
     return x.new_empty(0) if b is None else torch.empty_like(b)
 
 
-@torch.library.custom_op("sonic::moe_experts_backward", mutates_args=())
-def moe_experts_backward_op(
+def _moe_experts_backward(
     grad_out: Tensor,
     x: Tensor,
     topk_ids: Tensor,
@@ -158,9 +157,12 @@ def moe_experts_backward_op(
     return dx, dw, dw1, dw2, _bias_or_empty(db1, x), _bias_or_empty(db2, x)
 
 
+moe_experts_backward_op = torch.library.custom_op("sonic::moe_experts_backward", _moe_experts_backward, mutates_args=())
+
+
 @moe_experts_backward_op.register_fake
-def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, *flags,
-      slot_token=None):
+def _moe_experts_backward_fake(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets,
+                               *flags, slot_token=None):
     return (
         torch.empty_like(x),
         torch.empty_like(topk_weights),
@@ -169,6 +171,9 @@ def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, exper
         _empty_bias_grad(b1, x),
         _empty_bias_grad(b2, x),
     )
+
+
+register_nograd("moe_experts_backward", _moe_experts_backward, _moe_experts_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -236,8 +241,7 @@ def _reference_part(part: str, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted
                                     product=tensors["product"], **layout)
 
 
-@torch.library.custom_op("sonic::moe_experts_backward_act", mutates_args=())
-def moe_experts_backward_act_op(
+def _moe_experts_backward_act(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
     b1: Optional[Tensor], b2: Optional[Tensor], h: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
     activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
@@ -248,16 +252,22 @@ def moe_experts_backward_act_op(
                      slot_token, grad_out=grad_out, h=h)
 
 
+moe_experts_backward_act_op = torch.library.custom_op(
+    "sonic::moe_experts_backward_act", _moe_experts_backward_act, mutates_args=())
+
+
 @moe_experts_backward_act_op.register_fake
-def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets, activation, interleaved,
-      transposed, alpha, limit, slot_token=None):
+def _moe_experts_backward_act_fake(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, h, sorted_rows, expert_offsets,
+                                   activation, interleaved, transposed, alpha, limit, slot_token=None):
     TK = topk_ids.numel()
     w1_out, n = (w1.shape[2], w2.shape[1]) if transposed else (w1.shape[1], w2.shape[2])
     return x.new_empty(TK, w1_out), x.new_empty(TK, n), torch.empty_like(topk_weights)
 
 
-@torch.library.custom_op("sonic::moe_experts_backward_dw2", mutates_args=())
-def moe_experts_backward_dw2_op(
+register_nograd("moe_experts_backward_act", _moe_experts_backward_act, _moe_experts_backward_act_fake)
+
+
+def _moe_experts_backward_dw2(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
     b1: Optional[Tensor], b2: Optional[Tensor], a_scaled: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
     activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
@@ -269,13 +279,20 @@ def moe_experts_backward_dw2_op(
     return dw2, _bias_or_empty(db2, x)
 
 
+moe_experts_backward_dw2_op = torch.library.custom_op(
+    "sonic::moe_experts_backward_dw2", _moe_experts_backward_dw2, mutates_args=())
+
+
 @moe_experts_backward_dw2_op.register_fake
-def _(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, a_scaled, *rest, slot_token=None):
+def _moe_experts_backward_dw2_fake(grad_out, x, topk_ids, topk_weights, w1, w2, b1, b2, a_scaled, *rest,
+                                   slot_token=None):
     return torch.empty_like(w2), _empty_bias_grad(b2, x)
 
 
-@torch.library.custom_op("sonic::moe_experts_backward_dw1", mutates_args=())
-def moe_experts_backward_dw1_op(
+register_nograd("moe_experts_backward_dw2", _moe_experts_backward_dw2, _moe_experts_backward_dw2_fake)
+
+
+def _moe_experts_backward_dw1(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
     b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
     activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
@@ -287,13 +304,19 @@ def moe_experts_backward_dw1_op(
     return dw1, _bias_or_empty(db1, x)
 
 
+moe_experts_backward_dw1_op = torch.library.custom_op(
+    "sonic::moe_experts_backward_dw1", _moe_experts_backward_dw1, mutates_args=())
+
+
 @moe_experts_backward_dw1_op.register_fake
-def _(x, topk_ids, topk_weights, w1, w2, b1, b2, dh, *rest, slot_token=None):
+def _moe_experts_backward_dw1_fake(x, topk_ids, topk_weights, w1, w2, b1, b2, dh, *rest, slot_token=None):
     return torch.empty_like(w1), _empty_bias_grad(b1, x)
 
 
-@torch.library.custom_op("sonic::moe_experts_backward_dx", mutates_args=())
-def moe_experts_backward_dx_op(
+register_nograd("moe_experts_backward_dw1", _moe_experts_backward_dw1, _moe_experts_backward_dw1_fake)
+
+
+def _moe_experts_backward_dx(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
     b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
     activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
@@ -308,9 +331,16 @@ def moe_experts_backward_dx_op(
                      slot_token, dh=dh, product=product)
 
 
+moe_experts_backward_dx_op = torch.library.custom_op(
+    "sonic::moe_experts_backward_dx", _moe_experts_backward_dx, mutates_args=())
+
+
 @moe_experts_backward_dx_op.register_fake
-def _(x, *rest, slot_token=None, dx_lhs=None, dx_rhs=None):
+def _moe_experts_backward_dx_fake(x, *rest, slot_token=None, dx_lhs=None, dx_rhs=None):
     return torch.empty_like(x)
+
+
+register_nograd("moe_experts_backward_dx", _moe_experts_backward_dx, _moe_experts_backward_dx_fake)
 
 
 def _moe_experts_list_fwd(
@@ -357,8 +387,7 @@ def _moe_experts_list_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, 
 register_nograd("moe_experts_list", _moe_experts_list_fwd, _moe_experts_list_fake)
 
 
-@torch.library.custom_op("sonic::moe_experts_list_backward", mutates_args=())
-def moe_experts_list_backward_op(
+def _moe_experts_list_backward(
     grad_out: Tensor,
     x: Tensor,
     topk_ids: Tensor,
@@ -391,13 +420,20 @@ def moe_experts_list_backward_op(
     return dx, dw, dw1, dw2, _bias_or_empty(db1, x), _bias_or_empty(db2, x)
 
 
+moe_experts_list_backward_op = torch.library.custom_op(
+    "sonic::moe_experts_list_backward", _moe_experts_list_backward, mutates_args=())
+
+
 @moe_experts_list_backward_op.register_fake
-def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, h, sorted_rows, expert_offsets, *flags,
-      slot_token=None):
+def _moe_experts_list_backward_fake(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, h, sorted_rows,
+                                    expert_offsets, *flags, slot_token=None):
     E, (d, n) = len(w_gate), w_down[0].shape
     w1_out = _list_w1_out(w_gate, w_up)
     return (torch.empty_like(x), torch.empty_like(topk_weights), x.new_empty(E, w1_out, d), x.new_empty(E, d, n),
             _empty_bias_grad(b1, x), _empty_bias_grad(b2, x))
+
+
+register_nograd("moe_experts_list_backward", _moe_experts_list_backward, _moe_experts_list_backward_fake)
 
 
 def _list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, sorted_rows, expert_offsets,
@@ -416,8 +452,7 @@ def _list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, b
     return (got[0], _bias_or_empty(got[1], x)) if part in ("dw1", "dw2") else got
 
 
-@torch.library.custom_op("sonic::moe_experts_list_backward_act", mutates_args=())
-def moe_experts_list_backward_act_op(
+def _moe_experts_list_backward_act(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
     w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], h: Tensor, sorted_rows: Tensor,
     expert_offsets: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
@@ -428,14 +463,21 @@ def moe_experts_list_backward_act_op(
                           expert_offsets, flags, slot_token, grad_out=grad_out, h=h)
 
 
+moe_experts_list_backward_act_op = torch.library.custom_op(
+    "sonic::moe_experts_list_backward_act", _moe_experts_list_backward_act, mutates_args=())
+
+
 @moe_experts_list_backward_act_op.register_fake
-def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, *rest, slot_token=None):
+def _moe_experts_list_backward_act_fake(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, *rest,
+                                        slot_token=None):
     TK, n = topk_ids.numel(), w_down[0].shape[1]
     return x.new_empty(TK, _list_w1_out(w_gate, w_up)), x.new_empty(TK, n), torch.empty_like(topk_weights)
 
 
-@torch.library.custom_op("sonic::moe_experts_list_backward_dw2", mutates_args=())
-def moe_experts_list_backward_dw2_op(
+register_nograd("moe_experts_list_backward_act", _moe_experts_list_backward_act, _moe_experts_list_backward_act_fake)
+
+
+def _moe_experts_list_backward_dw2(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
     w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], a_scaled: Tensor, sorted_rows: Tensor,
     expert_offsets: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
@@ -446,13 +488,20 @@ def moe_experts_list_backward_dw2_op(
                           expert_offsets, flags, slot_token, grad_out=grad_out, a_scaled=a_scaled)
 
 
+moe_experts_list_backward_dw2_op = torch.library.custom_op(
+    "sonic::moe_experts_list_backward_dw2", _moe_experts_list_backward_dw2, mutates_args=())
+
+
 @moe_experts_list_backward_dw2_op.register_fake
-def _(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, *rest, slot_token=None):
+def _moe_experts_list_backward_dw2_fake(grad_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, *rest,
+                                        slot_token=None):
     return x.new_empty(len(w_down), *w_down[0].shape), _empty_bias_grad(b2, x)
 
 
-@torch.library.custom_op("sonic::moe_experts_list_backward_dw1", mutates_args=())
-def moe_experts_list_backward_dw1_op(
+register_nograd("moe_experts_list_backward_dw2", _moe_experts_list_backward_dw2, _moe_experts_list_backward_dw2_fake)
+
+
+def _moe_experts_list_backward_dw1(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
     w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor,
     expert_offsets: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
@@ -463,13 +512,20 @@ def moe_experts_list_backward_dw1_op(
                           expert_offsets, flags, slot_token, dh=dh)
 
 
+moe_experts_list_backward_dw1_op = torch.library.custom_op(
+    "sonic::moe_experts_list_backward_dw1", _moe_experts_list_backward_dw1, mutates_args=())
+
+
 @moe_experts_list_backward_dw1_op.register_fake
-def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, *rest, slot_token=None):
+def _moe_experts_list_backward_dw1_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, *rest,
+                                        slot_token=None):
     return x.new_empty(len(w_gate), _list_w1_out(w_gate, w_up), x.shape[1]), _empty_bias_grad(b1, x)
 
 
-@torch.library.custom_op("sonic::moe_experts_list_backward_dx", mutates_args=())
-def moe_experts_list_backward_dx_op(
+register_nograd("moe_experts_list_backward_dw1", _moe_experts_list_backward_dw1, _moe_experts_list_backward_dw1_fake)
+
+
+def _moe_experts_list_backward_dx(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
     w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor,
     expert_offsets: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
@@ -484,9 +540,16 @@ def moe_experts_list_backward_dx_op(
                           expert_offsets, flags, slot_token, dh=dh, product=product)
 
 
+moe_experts_list_backward_dx_op = torch.library.custom_op(
+    "sonic::moe_experts_list_backward_dx", _moe_experts_list_backward_dx, mutates_args=())
+
+
 @moe_experts_list_backward_dx_op.register_fake
-def _(x, *rest, slot_token=None, dx_lhs=None, dx_rhs=None):
+def _moe_experts_list_backward_dx_fake(x, *rest, slot_token=None, dx_lhs=None, dx_rhs=None):
     return torch.empty_like(x)
+
+
+register_nograd("moe_experts_list_backward_dx", _moe_experts_list_backward_dx, _moe_experts_list_backward_dx_fake)
 
 
 def _list_w1_out(w_gate: list[Tensor], w_up: list[Tensor]) -> int:

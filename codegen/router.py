@@ -293,8 +293,7 @@ def _route_fake(logits, bias, k, score, topk_first, renorm, eps, scale, n_group,
 register_nograd("route", _route_fwd, _route_fake)
 
 
-@torch.library.custom_op("sonic::route_backward", mutates_args=())
-def route_backward_op(
+def _route_backward(
     grad_w: Tensor,
     logits: Tensor,
     ids: Tensor,
@@ -313,9 +312,15 @@ def route_backward_op(
     return torch_router_bwd(*args).contiguous()
 
 
+route_backward_op = torch.library.custom_op("sonic::route_backward", _route_backward, mutates_args=())
+
+
 @route_backward_op.register_fake
-def _(grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype, renorm_min=0.0):
+def _route_backward_fake(grad_w, logits, ids, k, score, topk_first, renorm, eps, scale, compute_dtype, renorm_min=0.0):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+register_nograd("route_backward", _route_backward, _route_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):

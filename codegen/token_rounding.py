@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from .launch import M_TILE, runs_triton
+from .nograd import register_nograd
 
 MODES = ("nearest", "up", "down")
 
@@ -241,9 +242,8 @@ def _use_triton(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor) ->
 # One op in the graph (AOTAutograd's cache wants op targets). Forward: the Triton kernels on CUDA,
 # the torch reference elsewhere; backward (torch ops, so Inductor fuses it): each slot's weight
 # gradient goes to the top-k weight it came from, or to the router probability of an added pair.
-@torch.library.custom_op("sonic::round_routing_slots", mutates_args=())
-def _round_routing_slots(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor, tile: int, mode: str,
-                         keep_every_token: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _round_routing_slots_impl(router_probs: Tensor, topk_ids: Tensor, topk_weights: Tensor, tile: int, mode: str,
+                              keep_every_token: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(slot_ids int32 [S] (-1: padding), slot_weights [S], slot_token int32 [S]), token-major."""
     if mode not in MODES:
         raise ValueError(f"token rounding mode must be one of {MODES}, got {mode!r}")
@@ -256,12 +256,19 @@ def _round_routing_slots(router_probs: Tensor, topk_ids: Tensor, topk_weights: T
         return _slots_of_mask(mask, weights, slot_capacity(T, E, topk_ids.shape[1], tile, mode))
 
 
+_round_routing_slots = torch.library.custom_op("sonic::round_routing_slots", _round_routing_slots_impl,
+                                               mutates_args=())
+
+
 @_round_routing_slots.register_fake
-def _(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
+def _round_routing_slots_fake(router_probs, topk_ids, topk_weights, tile, mode, keep_every_token):
     T, E = router_probs.shape
     S = slot_capacity(T, E, topk_ids.shape[1], tile, mode)
     return (topk_ids.new_empty(S, dtype=torch.int32), topk_weights.new_empty(S),
             topk_ids.new_empty(S, dtype=torch.int32))
+
+
+register_nograd("round_routing_slots", _round_routing_slots_impl, _round_routing_slots_fake)
 
 
 def _setup_rounding_context(ctx, inputs, output):

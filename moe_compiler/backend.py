@@ -37,8 +37,29 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
+def call_nograd_overloads(graph: fx.Graph) -> int:
+    """Point every `sonic::<op>.default` call of a compiled (post-grad) graph at `sonic::<op>.nograd`
+    (codegen/nograd.py); returns how many. AOTAutograd has differentiated the graph already, so the
+    custom op's Python autograd and checking layers around each call would only cost host time: at
+    7b-256 on the H100 they took the largest share of the enqueue time of a step (cProfile, `bench_layer.py
+    --host-profile`). The graphs run with grad mode off, where `nograd` takes every call."""
+    from moe_compiler.codegen import nograd
+
+    if not nograd.USE_NOGRAD:
+        return 0
+    count = 0
+    for node in graph.nodes:
+        target = node.target
+        if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "sonic"
+                and target._overloadname == "default" and "nograd" in target.overloadpacket.overloads()):
+            node.target = target.overloadpacket.nograd
+            count += 1
+    return count
+
+
 def _post_grad_pass(user_pass=None, fold_input_grad: bool = True):
-    """Our Inductor post-grad pass: `grad_fold` on each graph (when on), then the user's pass.
+    """Our Inductor post-grad pass: `grad_fold` on each graph (when on), the `nograd` overloads
+    (`call_nograd_overloads`), then the user's pass.
 
     It also salts the FX graph cache key: our op bodies and autograd formulas are not in Inductor's
     cache key (FINDINGS.md section 2), so without this a warm cache would serve a graph built
@@ -51,12 +72,15 @@ def _post_grad_pass(user_pass=None, fold_input_grad: bool = True):
         def __call__(self, graph):
             if fold_input_grad:
                 fold_input_grads(graph)
+            call_nograd_overloads(graph)
             if user_pass is not None:
                 user_pass(graph)
 
         def uuid(self):
+            from moe_compiler.codegen import nograd
+
             inner = user_pass.uuid() if user_pass is not None and hasattr(user_pass, "uuid") else None
-            return ("moe_compiler", source_hash(), fold_input_grad, inner)
+            return ("moe_compiler", source_hash(), fold_input_grad, nograd.USE_NOGRAD, inner)
 
     return SonicPostGrad()
 

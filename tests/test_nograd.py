@@ -2,8 +2,11 @@
 gradient can flow (eager wrappers and the rewrite), and refusing a call that wants one."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_compiler  # noqa: F401  (registers the backend)
@@ -163,6 +166,37 @@ def test_rewrite_picks_the_overload(mode):
         params = [p for p in model.parameters() if p.requires_grad]
         for a, b in zip(torch.autograd.grad(got[0].sum(), params), torch.autograd.grad(want.sum(), params)):
             torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("use_nograd", [True, False])
+def test_compiled_training_step_calls_nograd(use_nograd, monkeypatch):
+    """Through Inductor, a training step's forward and backward graphs call every `sonic::` op (the
+    router, the experts, the split backward's parts) through `nograd`: AOTAutograd has differentiated
+    them, so custom_op's Python layers would only cost host time. `nograd.USE_NOGRAD = False` keeps
+    `default`. Outputs and gradients equal eager's either way."""
+    from moe_compiler.codegen import nograd
+    from moe_compiler.testing import tiny_moe_model
+
+    monkeypatch.setattr(nograd, "USE_NOGRAD", use_nograd)
+    torch._dynamo.reset()
+    model = tiny_moe_model("qwen3_moe", num_hidden_layers=1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = model(ids).logits
+    want_grads = torch.autograd.grad(want.sum(), params)
+    compiled = torch.compile(model, backend="sonic", options={"sonic.fallback": False})
+    got = []
+    _, code = run_and_get_code(lambda: got.append(compiled(ids).logits))  # the forward's code
+    got = got[0]
+    got_grads, bwd_code = run_and_get_code(lambda: torch.autograd.grad(got.sum(), params))
+    calls = re.findall(r"torch\.ops\.sonic\.(\w+)\.(\w+)\(", "\n".join(code + bwd_code))
+    overload = "nograd" if use_nograd else "default"
+    assert {"moe_experts", "route", "route_backward",
+            *(f"moe_experts_backward_{part}" for part in ("act", "dw2", "dw1", "dx"))} == {op for op, _ in calls}, calls
+    assert {o for _, o in calls} == {overload}, calls
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5)
 
 
 @pytest.mark.gpu
