@@ -504,43 +504,58 @@ def _reduce_overhead_models():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch 2.11 cudagraph trees: the second (recording) step's gradients are off; plain Inductor "
-    "with mode='reduce-overhead' gives the identical error (layer-1 gate_up_proj 1.12e-1 vs eager 1.0e-2, "
-    "H200, 2026-11-21), so the fault is upstream of the MoE op",
-)
-def test_gpu_reduce_overhead_cuda_graphs_match_eager():
-    """`mode="reduce-overhead"` (CUDA graphs) on a tiny bf16 Qwen3-MoE: the MoE layers are rewritten,
-    Inductor does not skip CUDA graphs (no host sync, no CPU tensor inside our ops), and the loss,
-    logits and gradients of several replayed steps are as close to an fp32 twin as eager bf16 is."""
+def test_gpu_reduce_overhead_training_steps():
+    """A sonic training loop under mode="reduce-overhead" (CUDA graphs), end to end: in float32 the
+    logits and every gradient of the warm-up, recording and replayed steps equal eager's; in bf16
+    every step equals, bit for bit, the same model compiled without CUDA graphs. (In bf16 a compiled
+    step and an eager one part ways where rounding flips a near-tied top-k pick of the random tiny
+    model, with or without CUDA graphs, plain Inductor alike: gate weight gradients 0.39-0.51 apart
+    at the third step's data, H100, 2026-11-27. That, not the graphs, is what an earlier bf16
+    comparison with eager saw.) Inductor skips no CUDA graph, and a later step replays one."""
     from torch._dynamo.utils import counters
 
     from .helpers import loss_and_grads
 
-    model, fp32, compiled = _reduce_overhead_models()
+    def twins(dtype):
+        first = tiny_moe_model("qwen3_moe", dtype).cuda()
+        second = tiny_moe_model("qwen3_moe", dtype).cuda()
+        second.load_state_dict(first.state_dict())
+        return first, second  # each its own parameters: a replayed backward's gradients live in the graph pool
+
+    eager, fp32_twin = twins(torch.float32)
+    graphed = torch.compile(fp32_twin, backend="sonic", mode="reduce-overhead")
+    bf16, bf16_twin = twins(torch.bfloat16)
+    plain = torch.compile(bf16, backend="sonic")
+    bf16_graphed = torch.compile(bf16_twin, backend="sonic", mode="reduce-overhead")
     counters.clear()
     for step in range(4):  # warm-up, recording, then replays
         ids = _ids(2, 16, seed=step).cuda()
-        truth = loss_and_grads(fp32, ids)
-        eager = loss_and_grads(model, ids)
+        want = loss_and_grads(eager, ids)
         torch.compiler.cudagraph_mark_step_begin()
         with moe_compiler.capture() as report:
-            got = loss_and_grads(compiled, ids)
+            got = loss_and_grads(graphed, ids)
         if step == 0:
-            assert len(report.rewritten) == count_moe_layers(model), str(report)
-        assert_close_to_eager(got[0], eager[0], truth[0], torch.bfloat16, f"logits step {step}")
-        assert got[1].keys() == eager[1].keys()
-        for name in eager[1]:
-            assert_close_to_eager(got[1][name], eager[1][name], truth[1][name], torch.bfloat16, f"{name} step {step}")
+            assert len(report.rewritten) == count_moe_layers(eager), str(report)
+        assert_close_to_eager(got[0], want[0], what=f"logits step {step}")
+        assert got[1].keys() == want[1].keys()
+        for name in want[1]:
+            assert_close_to_eager(got[1][name], want[1][name], what=f"{name} step {step}")
+        ref = loss_and_grads(plain, ids)
+        torch.compiler.cudagraph_mark_step_begin()
+        low = loss_and_grads(bf16_graphed, ids)
+        assert torch.equal(low[0], ref[0]), f"bf16 logits step {step}"
+        assert low[1].keys() == ref[1].keys()
+        for name in ref[1]:
+            assert torch.equal(low[1][name], ref[1][name]), f"bf16 {name} step {step}"
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
     def replay():
         torch.compiler.cudagraph_mark_step_begin()
-        compiled(_ids(2, 16, seed=9).cuda())
+        loss_and_grads(graphed, _ids(2, 16, seed=9).cuda())
         torch.cuda.synchronize()
 
-    assert "cudaGraphLaunch" in profiled_op_names(replay)  # the step really replays a graph
+    names = profiled_op_names(replay)
+    assert any("cudaGraphLaunch" in n for n in names), sorted(n for n in names if "cuda" in n.lower())
 
 
 @pytest.mark.gpu
