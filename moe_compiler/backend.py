@@ -22,7 +22,8 @@ def _package_dirs() -> list[pathlib.Path]:
     import moe_compiler.codegen
     import moe_compiler.patterns
 
-    return [pathlib.Path(m.__file__).resolve().parent for m in (moe_compiler, moe_compiler.patterns, moe_compiler.codegen)]
+    packages = (moe_compiler, moe_compiler.patterns, moe_compiler.codegen)
+    return [pathlib.Path(m.__file__).resolve().parent for m in packages]
 
 
 @functools.cache
