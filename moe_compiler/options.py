@@ -35,6 +35,9 @@ class SonicOptions:
     # In compiled backward graphs, add x's other gradient term (the router's dL @ Wr) inside the
     # experts' dX gather-sum instead of as an mm and an add (`moe_compiler.grad_fold`).
     fold_input_grad: bool = True
+    # Evaluate every candidate region against the op's reference in float64 on random and adversarial
+    # routings before rewriting it (`patterns.verify`); off keeps the finders' structural proof alone.
+    verify: bool = True
 
     def __post_init__(self):
         patterns = self.patterns
@@ -48,7 +51,7 @@ class SonicOptions:
             raise ValueError(f"sonic.compiler must be one of {COMPILERS}, got {self.compiler!r}")
         if self.token_rounding not in (None, *ROUNDING_MODES):
             raise ValueError(f"sonic.token_rounding must be None or one of {ROUNDING_MODES}, got {self.token_rounding!r}")
-        for name in ("enabled", "debug", "fallback", "fuse_router", "fold_input_grad"):
+        for name in ("enabled", "debug", "fallback", "fuse_router", "fold_input_grad", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"sonic.{name} must be a bool, got {getattr(self, name)!r}")
 

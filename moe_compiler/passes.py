@@ -19,8 +19,11 @@ from moe_compiler.patterns import (
     repeat_loop,
     sorted_grouped_mm,
 )
+from moe_compiler.patterns.canonical import canonicalize
 from moe_compiler.patterns.common import MoEMatch, NoMatch, Rejection, check_inputs_unmutated, rewrite, settle_autocast
 from moe_compiler.patterns.router_fusion import match_router, rewrite_router
+from moe_compiler.patterns.unmatched import explain_unmatched
+from moe_compiler.patterns.verify import verify
 
 from .diagnostics import RegionRecord, publish
 from .options import SonicOptions
@@ -55,6 +58,11 @@ def _snapshot(gm: fx.GraphModule) -> fx.Graph:
     return copy
 
 
+def _restore(graphs: list[fx.GraphModule], backups: list[fx.Graph]) -> None:
+    for g, backup in zip(graphs, backups):
+        g.graph = backup
+
+
 def _find(name: str, gm: fx.GraphModule, graph_id: int, options: SonicOptions):
     """(matches, records) of one pattern; an exception inside it becomes an 'error' record."""
     try:
@@ -68,6 +76,7 @@ def _find(name: str, gm: fx.GraphModule, graph_id: int, options: SonicOptions):
         try:
             check_inputs_unmutated(m)
             settle_autocast(m)
+            m.verified = verify(m) if options.verify else "off"
             matches.append(m)
         except NoMatch as why:
             rejections.append(Rejection(m.idiom, m.module, str(why)))
@@ -183,6 +192,12 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
     graphs = [gm, *checkpoint_bodies(gm)]
     backups = [_snapshot(g) for g in graphs]
     try:
+        canonical = [canonicalize(g) for g in graphs]
+        for g, applied in zip(graphs, canonical):
+            for line in applied:
+                log.debug("graph %d: canonical form, %s", graph_id, line)
+            if options.debug:
+                g.graph.lint()
         for name in options.patterns:
             for g in graphs:
                 matches, rejected = _find(name, g, graph_id, options)
@@ -195,13 +210,18 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
                     records.append(RegionRecord(graph_id, match.idiom, match.module, "rewritten", details=details))
                 if options.debug:
                     g.graph.lint()
+        if not records:  # no idiom found a candidate: say why of each router that reaches expert weights
+            records = [RegionRecord(graph_id, r.idiom, r.module, "rejected", r.reason)
+                       for g in graphs for r in explain_unmatched(g)]
+        if any(canonical) and not any(r.status == "rewritten" for r in records):
+            _restore(graphs, backups)  # no MoE rewritten: the graph leaves as Dynamo traced it
         for g in graphs:
             g.recompile()
     except Exception as exc:
         if not options.fallback:
             raise
-        for g, backup in zip(graphs, backups):
-            g.graph = backup
+        _restore(graphs, backups)
+        for g in graphs:
             g.recompile()
         records = [RegionRecord(graph_id, "driver", "<graph>", "error", f"rewrite failed, {type(exc).__name__}: {exc}")]
     if not records:

@@ -69,6 +69,7 @@ class MoEMatch:
     input_scaled: bool = False
     # topk_ids / topk_weights are [T] (a top-1 `max` over the scores): the rewrite hands the op [T, 1]
     flat_top1: bool = False
+    verified: str = "-"  # what verification by evaluation found (`patterns.verify`), for the report
 
     def describe(self) -> dict:
         layout = ("interleaved" if self.interleaved else "concatenated") + (", transposed" if self.transposed else "")
@@ -87,6 +88,7 @@ class MoEMatch:
             "layout": layout,
             "router": self.router,
             "shared": self.shared_expert,
+            "verified": self.verified,
             "dtype": _dtype_name(self.dtype) + (f" (autocast, from {_dtype_name(self.autocast_from)})"
                                                 if self.autocast_from is not None else ""),
             **{k: str(v) for k, v in self.shape.items()},

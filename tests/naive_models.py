@@ -718,14 +718,16 @@ class SortedGroupedMoE(Router):
     combine: "scatter_add" (into zeros_like), "scatter_add_" (in place), "index_add", "shared" (into a
              shared expert's output)
     casts: torchtitan's `.bfloat16()` on the rows and weights (no-ops on a bf16 model)
+    offsets: "dtype" (`torch.cumsum(counts, 0, dtype=torch.int32)`), "cast" (`counts.cumsum(0).to(torch.int32)`)
     Knobs that break it (the negative grid): histc_max (another histc range), tok_k (perm // another K),
     scatter_rows ("perm": the rows scattered by perm, not perm // K), descending
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", score_before=False, rows="gather", sort="argsort",
-                 combine="scatter_add", casts=False, histc_max=None, tok_k=None, scatter_rows=None, descending=False):
+                 combine="scatter_add", casts=False, histc_max=None, tok_k=None, scatter_rows=None, descending=False,
+                 offsets="dtype"):
         super().__init__(d, E, K)
-        self.casts = casts
+        self.casts, self.offsets = casts, offsets
         self.gate_up, self.score_before, self.rows, self.sort, self.combine = gate_up, score_before, rows, sort, combine
         self.histc_max, self.tok_k, self.scatter_rows, self.descending = histc_max, tok_k, scatter_rows, descending
         self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, "out_in")
@@ -750,7 +752,10 @@ class SortedGroupedMoE(Router):
         w_sorted = w.view(-1)[perm]
         if self.score_before:
             rows = (rows.to(torch.float32) * w_sorted.reshape(-1, 1)).to(x.dtype)
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        if self.offsets == "cast":
+            offs = counts.cumsum(0).to(torch.int32)
+        else:
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         if self.gate_up == "separate" and self.casts:  # torchtitan's _run_experts_grouped_mm, bf16 casts and all
             h = F.silu(torch._grouped_mm(rows.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
             h = h * torch._grouped_mm(rows.bfloat16(), self.w3.bfloat16().transpose(-2, -1), offs=offs)

@@ -25,6 +25,7 @@ VARIANTS = {
     "inplace-scatter_add_": dict(combine="scatter_add_"),
     "index_add-scores-before": dict(combine="index_add", score_before=True),
     "K_eq_E": dict(K=4, gate_up="fused"),
+    "cast-offsets": dict(offsets="cast"),  # counts.cumsum(0).to(torch.int32): a canonical form
 }
 
 

@@ -1,0 +1,348 @@
+"""Canonical forms: graph rewrites that change how a computation is spelled, never its value, run
+once before every finder so that each finder sees one form of each idiom.
+
+A rule replaces a node by its canonical twin only where the two agree for every input the graph
+can give it (the condition each rule states), and records what it did. The pass driver restores
+the graph as it came when no region is rewritten, so a graph without MoE code leaves the backend
+exactly as Dynamo traced it.
+
+Rules (eager spelling -> canonical form):
+
+    m = ids.unsqueeze(-1) == torch.arange(E)      ->  m = F.one_hot(ids, E)
+        # [T, K, E] masks (litgpt's LLaMAMoE), when ids are top-k/max indices over E scores (so in
+        # [0, E), where one_hot is defined) and every use of m reads only where it is nonzero:
+        # permute/transpose/select/unbind down to a one-argument torch.where or nonzero.
+    wt = (w * (ids == e)).sum(-1)                 ->  G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1); wt = G[:, e]
+        # a token's weight of expert e by a mask multiplied in, as a column of the [T, E] gate
+        # matrix (one per ids and w); same terms in the same order: bit-identical
+    g[:, e][:, None]                              ->  g[:, e, None]
+    out = torch.zeros_like(x); out = out + v      ->  out = v
+        # a sum started from a fresh zero tensor nothing else reads (values equal: 0 + v == v)
+    offs = counts.cumsum(0).to(torch.int32)       ->  offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        # integer counts: sums mod 2**32 agree whether truncated before or after; float counts
+        # (histc) only where their sum, at most the static number of counted ids, is below 2**24
+    a = x.bfloat16(); b = x.bfloat16()            ->  b is a
+    a = x[tok]; b = x[tok]                        ->  b is a
+        # duplicate casts, views and row selections of one tensor (torchtitan casts x once per
+        # grouped_mm; expert code reads x[tok] once per projection), when nothing writes in place
+        # into either result, nor into what they read between the two
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .common import arg, dtype_of, example_value, fake_mode_of, getitem_of, is_call, shape_of, writes_in_place
+
+
+def canonicalize(gm: fx.GraphModule) -> list[str]:
+    """Bring `gm` to canonical form in place; one line per rewrite applied (empty: untouched)."""
+    applied: list[str] = []
+    for rule in RULES:
+        nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+        order = {n: i for i, n in enumerate(nodes)}
+        for node in nodes:
+            if node in order:  # not erased by an earlier rewrite of this pass
+                done = rule(gm, node, order)
+                if done:
+                    applied.append(f"{rule.__name__}: {done}")
+                    _erase_if_dead(gm.graph, node, order)
+    return applied
+
+
+def _erase_if_dead(graph: fx.Graph, node: fx.Node, order: dict) -> None:
+    """Erase a replaced node, then each input it alone kept alive, if it has no effect."""
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        if node.users or node.op not in ("call_function", "call_method") or node.is_impure() or writes_in_place(node):
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        order.pop(node, None)
+        todo += inputs
+
+
+def _insert(gm: fx.GraphModule, before: fx.Node, target, args, kwargs=None) -> fx.Node:
+    """A call_function node before `before`, with its fake value and `before`'s module metadata."""
+    with gm.graph.inserting_before(before):
+        node = gm.graph.call_function(target, args, kwargs or {})
+    fake_mode = fake_mode_of(gm)
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["example_value"] = target(*fx.node.map_arg(args, example_value),
+                                                **fx.node.map_arg(kwargs or {}, example_value))
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in before.meta:
+            node.meta[key] = before.meta[key]
+    return node
+
+
+# --- masks compared against arange ------------------------------------------------------------
+
+_MASK_PATHS = ("permute", "transpose", "select", "unbind")
+
+
+def arange_mask_to_one_hot(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    if not is_call(node, "eq", "__eq__") or len(node.args) != 2:
+        return None
+    ids, E = _ids_against_arange(*node.args) or _ids_against_arange(*reversed(node.args)) or (None, None)
+    if ids is None or shape_of(node) != (*shape_of(ids), E) or not _read_only_where_nonzero(node):
+        return None
+    if not _indices_below(ids, E):
+        return None
+    one_hot = _insert(gm, node, F.one_hot, (ids, E))
+    node.replace_all_uses_with(one_hot)
+    return f"{node.name} -> one_hot({ids.name}, {E})"
+
+
+def _ids_against_arange(a, b) -> tuple[fx.Node, int] | None:
+    """(ids, E) when a is `ids.unsqueeze(-1)` (or `ids[..., None]`) and b is `torch.arange(E)`."""
+    ids = None
+    if is_call(a, "unsqueeze") and arg(a, 1, "dim") in (-1, len(shape_of(a)) - 1):
+        ids = a.args[0]
+    elif getitem_of(a, (Ellipsis, None)) is not None:
+        ids = a.args[0]
+    if not isinstance(ids, fx.Node) or not is_call(b, "arange") or set(b.kwargs) - {"device", "dtype"}:
+        return None
+    if len(b.args) != 1 or not isinstance(b.args[0], int) or isinstance(b.args[0], bool):
+        return None
+    dtype = dtype_of(ids)
+    return (ids, b.args[0]) if dtype is not None and not dtype.is_floating_point and dtype != torch.bool else None
+
+
+def _indices_below(ids: fx.Node, E: int) -> bool:
+    """ids are the indices of a top-k or max over a last dim of size E: each in [0, E)."""
+    source = getitem_of(ids, 1)
+    if not is_call(source, "topk", "max"):
+        return False
+    dim = arg(source, 2 if is_call(source, "topk") else 1, "dim", -1 if is_call(source, "topk") else None)
+    scores = shape_of(arg(source, 0, "input"))
+    return bool(scores) and dim in (-1, len(scores) - 1) and scores[-1] == E
+
+
+def _read_only_where_nonzero(mask: fx.Node) -> bool:
+    """Every use of `mask` (through layout changes and selections) is a one-argument torch.where or
+    a nonzero: those read a mask only where it is nonzero, so 0/1 integers and False/True agree."""
+    todo, seen = [mask], set()
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if is_call(user, "where") and len(user.args) == 1 and not user.kwargs:
+                continue
+            if is_call(user, "nonzero", "argwhere"):
+                continue
+            layout = is_call(user, *_MASK_PATHS) or (
+                user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)
+                and isinstance(example_value(user), (torch.Tensor, tuple)))
+            if not layout or user.args[0] is not node:
+                return False
+            todo.append(user)
+    return True
+
+
+# --- a token's weight of expert e, by a mask multiplied in ------------------------------------
+
+_MUL = ("mul", "__mul__", "__rmul__")
+
+
+def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`(w * (ids == e)).sum(-1)` -> `G[:, e]` (keepdim: `G[:, e:e+1]`) with the [T, E] gate matrix
+    `G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1)`, built once per (ids, w): each G[t, e] sums
+    the very terms w[t, k] * (ids[t, k] == e) in the same order, so the values are bit-identical. The
+    ids must be a top-k over E scores (one_hot needs them in [0, E)), e a constant in [0, E)."""
+    if not is_call(node, "sum") or arg(node, 1, "dim") not in (-1, 1, (-1,), (1,), [-1], [1]):
+        return None
+    keepdim = arg(node, 2, "keepdim", False)
+    mul = arg(node, 0, "input")
+    if node.kwargs.keys() - {"dim", "keepdim"} or not is_call(mul, *_MUL) or len(mul.args) != 2:
+        return None
+    for w, mask in (mul.args, mul.args[::-1]):
+        if isinstance(mask, fx.Node) and is_call(mask, "to", "float", "type_as") and dtype_of(mask.args[0]) == torch.bool:
+            mask = mask.args[0]
+        if not (is_call(mask, "eq", "__eq__") and len(mask.args) == 2 and isinstance(w, fx.Node)):
+            continue
+        ids, e = mask.args
+        if not isinstance(ids, fx.Node) or not isinstance(e, int) or isinstance(e, bool):
+            continue
+        shape = shape_of(ids)
+        E = _range_of(ids)
+        if E is None or len(shape) != 2 or shape_of(w) != shape or not 0 <= e < E:
+            continue
+        dtype = dtype_of(w)
+        if dtype is None or not dtype.is_floating_point or dtype_of(mul) != dtype:
+            continue
+        gates = _gate_matrix(gm, ids, w, E, order)
+        column = (slice(None), slice(e, e + 1)) if keepdim else (slice(None), e)
+        picked = _insert(gm, node, operator.getitem, (gates, column))
+        node.replace_all_uses_with(picked)
+        return f"{node.name} -> {gates.name}[:, {e}{':' + str(e + 1) if keepdim else ''}]"
+    return None
+
+
+def _range_of(ids: fx.Node) -> int | None:
+    """E when ids are the indices of a top-k or max over E scores (each in [0, E)), else None."""
+    source = getitem_of(ids, 1)
+    if not is_call(source, "topk", "max"):
+        return None
+    scores = shape_of(arg(source, 0, "input"))
+    E = scores[-1] if scores else None
+    return E if isinstance(E, int) and _indices_below(ids, E) else None
+
+
+def _gate_matrix(gm: fx.GraphModule, ids: fx.Node, w: fx.Node, E: int, order: dict) -> fx.Node:
+    """The [T, E] `(one_hot(ids, E) * w.unsqueeze(-1)).sum(1)` for (ids, w), made right after the later
+    of the two (one per graph and pair: `gm.meta` remembers it)."""
+    made = gm.meta.setdefault("sonic_gate_matrices", {})
+    if (ids, w) in made and made[(ids, w)].graph is gm.graph:
+        return made[(ids, w)]
+    later = max((ids, w), key=lambda n: order.get(n, -1))
+    at = later.next
+    one_hot = _insert(gm, at, F.one_hot, (ids, E))
+    weights = _insert(gm, at, torch.unsqueeze, (w, -1))
+    product = _insert(gm, at, operator.mul, (one_hot, weights))
+    made[(ids, w)] = _insert(gm, at, torch.sum, (product, 1))
+    return made[(ids, w)]
+
+
+def column_then_none_to_one_index(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`g[:, e][:, None]` -> `g[:, e, None]` on a 2D g: one index, as finders read a gate column."""
+    inner = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
+    if not isinstance(inner, fx.Node) or node.args[1] != (slice(None), None):
+        return None
+    if not (inner.op == "call_function" and inner.target is operator.getitem and len(shape_of(inner.args[0])) == 2):
+        return None
+    index = inner.args[1]
+    if not (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and isinstance(index[1], int)):
+        return None
+    merged = _insert(gm, node, operator.getitem, (inner.args[0], (slice(None), index[1], None)))
+    node.replace_all_uses_with(merged)
+    return f"{node.name} -> {inner.args[0].name}[:, {index[1]}, None]"
+
+
+# --- sums started from zeros -----------------------------------------------------------------
+
+_FRESH_ZEROS = ("zeros", "zeros_like", "new_zeros")
+
+
+def zeros_plus_value_to_value(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`torch.zeros_like(x) + v` -> `v` (a sum started from a fresh zero tensor) when v already has the
+    result's shape and dtype and nothing else reads or writes the zeros. Equal values (0 + v == v;
+    only a -0.0 of v would come out as +0.0)."""
+    if not is_call(node, "add", "__add__") or len(node.args) != 2 or node.kwargs:
+        return None
+    for zeros, value in (node.args, node.args[::-1]):
+        if not (is_call(zeros, *_FRESH_ZEROS) and isinstance(value, fx.Node) and list(zeros.users) == [node]):
+            continue
+        if shape_of(value) != shape_of(node) or dtype_of(value) != dtype_of(node):
+            continue
+        node.replace_all_uses_with(value)
+        return f"{node.name} -> {value.name}"
+    return None
+
+
+# --- offsets: cumsum then cast ------------------------------------------------------------------
+
+_INT_CAST_METHODS = ("to", "int", "type")
+
+
+def cast_cumsum_to_dtype(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    out = dtype_of(node)
+    if out != torch.int32 or not is_call(node, *_INT_CAST_METHODS) or not _plain_cast(node, torch.int32):
+        return None
+    cumsum = node.args[0]
+    if not is_call(cumsum, "cumsum") or len(cumsum.users) != 1 or arg(cumsum, 2, "dtype") is not None:
+        return None
+    counts, dim = arg(cumsum, 0, "input"), arg(cumsum, 1, "dim")
+    src = dtype_of(counts)
+    if src is None or src == torch.bool or not isinstance(dim, int) or not _exact_in_int32(counts, src):
+        return None
+    canonical = _insert(gm, node, torch.cumsum, (counts, dim), {"dtype": torch.int32})
+    node.replace_all_uses_with(canonical)
+    return f"{node.name} -> cumsum({counts.name}, {dim}, dtype=int32)"
+
+
+def _plain_cast(node: fx.Node, dtype: torch.dtype) -> bool:
+    """`.to(dtype)` / `.to(dtype=dtype)` / `.int()` / `.type(dtype)`: a cast and nothing else."""
+    if node.target == "int":
+        return len(node.args) == 1 and not node.kwargs
+    given = node.args[1:] + tuple(node.kwargs.values())
+    return len(given) == 1 and given[0] is dtype and set(node.kwargs) <= {"dtype"}
+
+
+def _exact_in_int32(counts: fx.Node, dtype: torch.dtype) -> bool:
+    """The cumsum of `counts` cast to int32 equals the int32 cumsum: always for integers (both wrap
+    mod 2**32); for float histc counts when no partial sum can exceed the float's exact range."""
+    if not dtype.is_floating_point:
+        return True
+    if not is_call(counts, "histc"):
+        return False
+    counted = shape_of(arg(counts, 0, "input"))
+    numel = 1
+    for size in counted:
+        if not isinstance(size, int):
+            return False
+        numel *= size
+    exact = {torch.float32: 2**24, torch.float64: 2**53}.get(dtype, 0)
+    return numel < exact
+
+
+# --- duplicate reads: casts, views, row selections -------------------------------------------
+
+_PURE_METHODS = ("to", "float", "half", "bfloat16", "double", "type_as", "contiguous", "transpose", "t", "permute",
+                 "view", "reshape", "unsqueeze", "squeeze", "flatten")
+
+
+def merge_duplicate_reads(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """A cast, view or `x[index]` identical to an earlier one, when nothing in the graph writes into
+    either result, nor into what they read between the two."""
+    pure = (node.op == "call_method" and node.target in _PURE_METHODS) or (
+        node.op == "call_function" and node.target is operator.getitem
+        and isinstance(example_value(node.args[0]), torch.Tensor))
+    if not pure or not isinstance(node.args[0], fx.Node):
+        return None
+    if any(isinstance(a, (torch.device, str)) for a in (*node.args, *node.kwargs.values())):
+        return None  # a device move
+    for twin in node.args[0].users:
+        if twin is node or twin not in order or order[twin] > order[node]:
+            continue
+        if twin.op == node.op and twin.target == node.target and twin.args == node.args and twin.kwargs == node.kwargs:
+            if _unwritten(gm, order, twin, node):
+                node.replace_all_uses_with(twin)
+                return f"{node.name} -> {twin.name}"
+            return None
+    return None
+
+
+def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node) -> bool:
+    """No node writes in place into the storage of `first` or `second` anywhere, nor into an input of
+    theirs between the two (storages from the fake tensors, which views share)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(n):
+        value = example_value(n)
+        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+    results = {storage(first), storage(second)} - {None}
+    inputs = {storage(i) for i in second.all_input_nodes} - {None}
+    for writer in gm.graph.nodes:
+        if writer.op != "call_function" and writer.op != "call_method" or not writes_in_place(writer):
+            continue
+        target = writer.args[0] if writer.args and isinstance(writer.args[0], fx.Node) else None
+        ref = storage(target) if target is not None else None
+        if ref is None:
+            return False  # a write into something of unknown storage: assume the worst
+        between = order.get(first, -1) < order.get(writer, -1) < order.get(second, -1)
+        if ref in results or (between and ref in inputs):
+            return False
+    return True
+
+
+RULES = [merge_duplicate_reads, arange_mask_to_one_hot, masked_weight_to_gate_column, column_then_none_to_one_index,
+         zeros_plus_value_to_value, cast_cumsum_to_dtype]

@@ -1,0 +1,350 @@
+"""Verification by evaluation: a candidate region is rewritten only if, run on its own, it computes
+what the op computes.
+
+A finder proves a region's structure; this step checks its value. The region's nodes (everything
+between the op's inputs and the anchor) are copied into a graph of their own and evaluated in
+float64 on random inputs at the graph's own sizes, under several routings chosen to break code that
+is right only on easy ones:
+
+    random       each token's K experts drawn at random, weights of both signs
+    idle         the first and the last expert get no token (when E - 2 >= K)
+    crowded      one expert is among every token's K (all tokens on it for K = 1)
+    ordered      each token's ids in descending order, all weights equal (ties)
+
+Each result is compared with `codegen.reference.torch_moe_experts` on the same float64 inputs
+(per-expert lists stacked, gate and up concatenated, the [T, K] weights gathered from a gate
+matrix, input-scaled rows summed per token, a shared expert's output added) and must agree to
+float64 rounding. Casts between float dtypes evaluate as float64: the rounding they would do is the
+op's dtype policy (see `common.settle_autocast`), not what the region computes. Products with no
+float64 kernel (`torch._grouped_mm`) run as a per-group matmul.
+
+A region that raises, or whose estimated cost exceeds `MAX_FLOPS` / `MAX_BYTES`, is not
+evaluated: the first is rejected, the second keeps the finder's structural proof alone and the
+report says so. Results are cached by the region's structure, so the 48 identical layers of a
+model graph are evaluated once.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from .common import MoEMatch, NoMatch, example_value, is_call, shape_of, writes_in_place
+
+log = logging.getLogger("moe_compiler")
+
+MAX_FLOPS = {"cpu": 2e10, "cuda": 4e12}  # per region, all routings together
+MAX_BYTES = {"cpu": 2 << 30, "cuda": 8 << 30}  # the float64 inputs, once
+RTOL = 1e-9  # float64 rounding over sums of at most a few thousand terms stays far below this
+ROUTINGS = ("random", "idle", "crowded", "ordered")
+_PRODUCTS = ("linear", "mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm", "einsum", "_grouped_mm",
+             "aten::_grouped_mm", "transformers::grouped_mm_fallback")
+_FLOAT_CASTS = ("float", "half", "bfloat16", "double")
+_cache: dict[str, str] = {}
+
+
+def verify(match: MoEMatch) -> str:
+    """Raise NoMatch unless the region computes the op's value; what the report says of the check."""
+    region = _Region(match)
+    cost, size = region.estimate()
+    device = region.device.type if region.device.type in MAX_FLOPS else "cuda"
+    if cost > MAX_FLOPS[device] or size > MAX_BYTES[device]:
+        log.info("sonic.verify: %s not evaluated (%.3g GFLOP, %.3g GB of float64 inputs): structural checks only",
+                 match.module, cost / 1e9, size / 1e9)
+        return f"structural only (evaluation would take {cost / 1e9:.3g} GFLOP)"
+    key = region.signature()
+    if key in _cache:
+        outcome = _cache[key]
+    else:
+        outcome = _cache[key] = region.evaluate()
+    if outcome != "equal":
+        raise NoMatch(f"evaluated against the op, the region differs: {outcome}")
+    return f"evaluated equal on {len(ROUTINGS)} routings"
+
+
+class _Region:
+    """The region's nodes as a graph of their own, inputs first in a fixed order."""
+
+    def __init__(self, match: MoEMatch):
+        self.match = match
+        named = [match.x, match.topk_ids, match.topk_weights, match.w1, match.w_up, match.w2, match.b1, match.b2,
+                 match.added_to]
+        for group in (*(match.expert_lists or ()), *(match.expert_bias_lists or ())):
+            named += list(group)
+        self.inputs: list[fx.Node] = list(dict.fromkeys(n for n in named if isinstance(n, fx.Node)))
+        ours = len(self.inputs)
+        members = (match.region | {match.anchor}) - set(self.inputs)
+        members |= _computed_from_inputs(members, set(self.inputs))
+        self.nodes = nodes = [n for n in match.anchor.graph.nodes if n in members]
+        self.inputs += [i for n in nodes for i in n.all_input_nodes if i not in members and i not in self.inputs]
+        # a tensor the region reads that is none of the op's inputs: its value is not ours to choose
+        self.foreign = [i for i in self.inputs[ours:] if isinstance(example_value(i), torch.Tensor)
+                        and any(u in members and not _reads_shape_only(u, i) for u in i.users)]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for i, node in enumerate(self.inputs):
+            env[node] = graph.placeholder(f"in{i}")
+        for i, node in enumerate(nodes):
+            if node.op == "placeholder":  # a size Dynamo lifted (s0): an input like the others
+                env[node] = graph.placeholder(f"size{i}")
+                self.inputs.append(node)
+                continue
+            env[node] = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, env.__getitem__),
+                                          fx.node.map_arg(node.kwargs, env.__getitem__), name=f"n{i}")
+        # an in-place combine: the accumulator's value once every add ran (the anchor returns None)
+        graph.output(env[match.accumulator if match.accumulator is not None else match.anchor])
+        self.module = fx.GraphModule(match.anchor.graph.owning_module or torch.nn.Module(), graph)
+        value = example_value(match.x)
+        self.device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+
+    def signature(self) -> str:
+        fields = {k: str(getattr(self.match, k)) for k in ("activation", "interleaved", "transposed", "alpha",
+                                                             "limit", "gates", "input_scaled", "flat_top1")}
+        metas = [(tuple(map(_concrete, shape_of(n))), str(getattr(example_value(n), "dtype", type(example_value(n)))))
+                 for n in self.inputs]
+        return repr((self.module.code, metas, sorted(fields.items()), str(self.device)))
+
+    def estimate(self) -> tuple[float, float]:
+        """(float64 multiply-adds x2 over every routing, bytes of the float64 inputs)."""
+        T, K, E = (_concrete(self.match.shape[k]) for k in ("T", "K", "E"))
+        per_expert = max(1, T * K // max(E, 1))
+        flops = 0.0
+        for node in self.nodes:
+            if is_call(node, *_PRODUCTS):
+                out = shape_of(node)
+                first = shape_of(node.args[0]) if node.args else ()
+                numel = 1
+                for s in out:
+                    numel *= _concrete(s, per_expert)
+                flops += 2 * numel * (_concrete(first[-1], per_expert) if first else 1)
+        size = sum(8 * _numel(n) for n in self.inputs)
+        return flops * len(ROUTINGS), float(size)
+
+    def evaluate(self) -> str:
+        """'equal', or the first routing on which the region and the op differ, with the error."""
+        if self.foreign:
+            return f"it reads {self.foreign[0].name}, which is not one of the op's inputs"
+        generator = torch.Generator().manual_seed(0)
+        for routing in ROUTINGS:
+            try:
+                values = self._inputs(routing, generator)
+                got = _Float64(self.module).run(*values)
+                want = self._reference(values)
+            except NoMatch:
+                raise
+            except Exception as exc:  # a region that cannot run on its own is not one we can vouch for
+                return f"it cannot be evaluated on its own ({type(exc).__name__}: {str(exc)[:200]})"
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+                return f"{routing} routing: result {getattr(got, 'shape', type(got))} is not {tuple(want.shape)}"
+            scale = want.abs().max().item() if want.numel() else 0.0
+            err = (got.to(torch.float64) - want).abs().max().item() if want.numel() else 0.0
+            if not err <= RTOL * max(scale, 1e-30):
+                return f"{routing} routing: max error {err:.3g} against values up to {scale:.3g}"
+        return "equal"
+
+    def _inputs(self, routing: str, generator: torch.Generator) -> list:
+        m = self.match
+        T, K, E = (_concrete(m.shape[k]) for k in ("T", "K", "E"))
+        ids, weights = _routing(routing, T, K, E, generator)
+        values = []
+        for node in self.inputs:
+            if node is m.topk_ids:
+                value = ids.reshape(T) if m.flat_top1 else ids
+                value = value.to(example_value(node).dtype)
+            elif node is m.topk_weights:
+                value = weights.reshape(T) if m.flat_top1 else weights
+                if m.gates:  # a [T, E] gate matrix, zero outside the chosen experts
+                    value = torch.zeros(T, E, dtype=torch.float64).scatter_(1, ids, weights)
+            else:
+                value = _random_like(node, generator)
+            if isinstance(value, torch.Tensor):
+                value = _laid_out_as(node, value.to(self.device))
+            values.append(value)
+        return values
+
+    def _reference(self, values: list) -> torch.Tensor:
+        """What the op computes on the same inputs, in float64."""
+        from moe_compiler.codegen.reference import torch_moe_experts
+
+        m = self.match
+        at = {node: value for node, value in zip(self.inputs, values)}
+        x, ids, weights = at[m.x], at[m.topk_ids], at[m.topk_weights]
+        if m.flat_top1:
+            ids, weights = ids.unsqueeze(-1), weights.unsqueeze(-1)
+        if m.gates:
+            weights = torch.gather(weights, 1, ids)
+        w1, w2, b1, b2 = (at.get(n) for n in (m.w1, m.w2, m.b1, m.b2))
+        if m.expert_lists is not None:
+            gate, up, down = ([at[n] for n in group] for group in m.expert_lists)
+            w1 = torch.stack([torch.cat(pair, 0) for pair in zip(gate, up)] if up else gate)
+            w2 = torch.stack(down)
+            if m.expert_bias_lists is not None:
+                bg, bu, bd = ([at[n] for n in group] for group in m.expert_bias_lists)
+                b1 = torch.stack([torch.cat(pair) for pair in zip(bg, bu)] if bu else bg) if bg else None
+                b2 = torch.stack(bd) if bd else None
+        elif m.w_up is not None:
+            w1 = torch.cat([w1, at[m.w_up]], 1)
+        flags = dict(activation=m.activation, interleaved=m.interleaved, transposed=m.transposed, alpha=m.alpha,
+                     limit=m.limit)
+        ids = ids.long()
+        if m.input_scaled:
+            T, K = ids.shape
+            rows = (x.unsqueeze(1) * weights.unsqueeze(-1)).reshape(T * K, -1)
+            ones = torch.ones(T * K, 1, dtype=torch.float64, device=x.device)
+            out = torch_moe_experts(rows, ids.reshape(T * K, 1), ones, w1, w2, b1, b2, **flags)
+            out = out.reshape(T, K, -1).sum(1)
+        else:
+            out = torch_moe_experts(x, ids, weights, w1, w2, b1, b2, **flags)
+        return out if m.added_to is None else at[m.added_to] + out
+
+
+_SHAPE_ONLY = ("zeros_like", "empty_like", "ones_like", "full_like", "new_zeros", "new_empty", "new_ones", "new_full",
+               "size", "dim", "sym_size")
+
+
+def _reads_shape_only(user: fx.Node, value: fx.Node) -> bool:
+    """`user` reads `value` for its shape, dtype or device alone (`torch.zeros_like(probs)`)."""
+    return is_call(user, *_SHAPE_ONLY) and user.args[:1] == (value,) and value not in user.args[1:] \
+        and value not in user.kwargs.values()
+
+
+def _computed_from_inputs(members: set[fx.Node], inputs: set[fx.Node]) -> set[fx.Node]:
+    """Nodes outside the region that it reads and that are computed from the op's inputs and
+    constants alone (`torch.arange(TK)` made once and shared, a bias gathered by the sorted ids
+    before its in-place add): evaluated with the region, from the same inputs."""
+    found: set[fx.Node] = set()
+    changed = True
+    while changed:
+        changed = False
+        for node in {i for n in members | found for i in n.all_input_nodes} - members - found - inputs:
+            todo, cone = [node], set()
+            while todo:
+                current = todo.pop()
+                if current in cone or current in inputs or current in members or current in found:
+                    continue
+                if current.op in ("placeholder", "get_attr", "output") or writes_in_place(current):
+                    break
+                cone.add(current)
+                todo += current.all_input_nodes
+            else:
+                found |= cone
+                changed = True
+    return found
+
+
+def _routing(routing: str, T: int, K: int, E: int, generator: torch.Generator):
+    """([T, K] int64 ids, distinct per token, in [0, E); [T, K] float64 weights) of one routing."""
+    order = torch.argsort(torch.rand(T, E, generator=generator), dim=1)
+    if routing == "idle" and E - 2 >= K:  # experts 0 and E-1 get nothing
+        order = 1 + torch.argsort(torch.rand(T, E - 2, generator=generator), dim=1)
+    ids = order[:, :K]
+    if routing == "crowded":  # expert c among every token's K experts, at a random column
+        c = E // 2
+        has = (ids == c).any(1, keepdim=True)
+        col = torch.randint(0, K, (T, 1), generator=generator)
+        ids = torch.where(has, ids, ids.scatter(1, col, c))
+    weights = torch.randn(T, K, generator=generator, dtype=torch.float64)
+    if routing == "ordered":
+        ids = ids.sort(dim=1, descending=True).values
+        weights = torch.full((T, K), 0.5, dtype=torch.float64)
+    return ids, weights
+
+
+def _laid_out_as(node: fx.Node, value: torch.Tensor) -> torch.Tensor:
+    """`value` with the strides the graph's tensor has (a region's views may rely on them)."""
+    fake = example_value(node)
+    if not isinstance(fake, torch.Tensor):
+        return value.contiguous()
+    try:
+        if tuple(_concrete(s) for s in fake.shape) != tuple(value.shape):
+            return value.contiguous()
+        strides = tuple(_concrete(s) for s in fake.stride())
+        out = torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device)
+    except Exception:  # unbacked strides, overlapping layouts: the plain layout
+        return value.contiguous()
+    return out.copy_(value)
+
+
+def _random_like(node: fx.Node, generator: torch.Generator):
+    value = example_value(node)
+    if not isinstance(value, torch.Tensor):
+        return _concrete(value)
+    shape = tuple(_concrete(s) for s in value.shape)
+    if value.dtype.is_floating_point:
+        fan_in = shape[-1] if shape else 1
+        return torch.randn(shape, generator=generator, dtype=torch.float64) / max(fan_in, 1) ** 0.5
+    if value.dtype == torch.bool:
+        return torch.rand(shape, generator=generator) < 0.5
+    return torch.randint(0, 2, shape, generator=generator).to(value.dtype)
+
+
+def _concrete(size, unknown: int | None = None) -> int:
+    """A size as an int: the hint of a symbolic one; `unknown` (or an error) for an unbacked one."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    if hint is not None:
+        return int(hint)
+    if unknown is not None:
+        return unknown
+    raise NoMatch(f"size {size} has no value to evaluate the region at")
+
+
+def _numel(node: fx.Node) -> int:
+    value = example_value(node)
+    if not isinstance(value, torch.Tensor):
+        return 0
+    count = 1
+    for s in value.shape:
+        count *= _concrete(s, 1)
+    return count
+
+
+class _Float64(fx.Interpreter):
+    """Runs a region with every float dtype read as float64, and `_grouped_mm` as per-group matmuls."""
+
+    def run_node(self, n: fx.Node):
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = _as_float64((args, kwargs))
+        if n.op == "call_function" and is_call(n, "_grouped_mm", "aten::_grouped_mm", "transformers::grouped_mm_fallback"):
+            return _grouped_mm(*args, **kwargs)
+        if n.op == "call_method" and n.target in _FLOAT_CASTS and isinstance(args[0], torch.Tensor) \
+                and args[0].is_floating_point() and len(args) == 1 and not kwargs:
+            return args[0]  # .float(), .bfloat16()...: float64 stays float64
+        if n.op in ("call_function", "call_method", "call_module", "get_attr"):
+            with self._set_current_node(n):
+                return getattr(self, n.op)(n.target, args, kwargs)
+        return super().run_node(n)
+
+
+def _as_float64(tree):
+    """Every float dtype among call arguments becomes float64; float tensors too."""
+    if isinstance(tree, torch.dtype):
+        return torch.float64 if tree.is_floating_point else tree
+    if isinstance(tree, torch.Tensor):
+        return tree.to(torch.float64) if tree.is_floating_point() and tree.dtype != torch.float64 else tree
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_as_float64(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _as_float64(v) for k, v in tree.items()}
+    return tree
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, bias=None, out_dtype=None):
+    """torch._grouped_mm's value: 2D a [M, k] x 3D b [G, k, n] with offs (rows offs[g-1]:offs[g] use
+    b[g]); 3D x 3D is a bmm."""
+    if bias is not None:
+        raise NoMatch("grouped_mm with a bias")
+    if a.dim() == 3 and b.dim() == 3:
+        return torch.bmm(a, b)
+    if a.dim() != 2 or b.dim() != 3 or offs is None:
+        raise NoMatch(f"grouped_mm of {a.dim()}D x {b.dim()}D operands")
+    out = a.new_zeros(a.shape[0], b.shape[-1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out
+
+

@@ -1,0 +1,255 @@
+"""Canonical forms (`patterns.canonical`): two spellings of one computation become one graph, the
+value never changes, and a spelling outside a rule's condition is left as written."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from moe_compiler.options import SonicOptions
+from moe_compiler.passes import run_passes
+from moe_compiler.patterns.canonical import canonicalize
+from moe_compiler.patterns.common import op_name
+
+T, d, E, K = 10, 8, 4, 2
+FLAG = "capture_dynamic_output_shape_ops"
+
+
+def traced(fn, *args) -> fx.GraphModule:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        gm.example_inputs = list(example_inputs)  # the real arguments, in the graph's order
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
+def ops(gm: fx.GraphModule) -> list[str]:
+    """The graph as a sequence of what each call does (names of values dropped)."""
+    return [node.target if node.op == "call_method" else op_name(node.target)
+            for node in gm.graph.nodes if node.op in ("call_function", "call_method")]
+
+
+def same_value(gm: fx.GraphModule, fn, *args):
+    before = fn(*args)
+    gm.recompile()
+    after = gm(*gm.example_inputs)
+    after = after[0] if isinstance(after, (tuple, list)) and not isinstance(before, (tuple, list)) else after
+    torch.testing.assert_close(after, before)
+
+
+def _rows_by_mask(masks, x, w):
+    out = torch.zeros_like(x)
+    for e, mask in enumerate(masks):
+        tok, k = torch.where(mask)
+        out[tok] += w[tok, k, None] * x[tok] * (e + 1)
+    return out
+
+
+def arange_masks(x, scores):
+    w, ids = torch.topk(scores, K)
+    masks = (ids.unsqueeze(-1) == torch.arange(E)).permute(2, 0, 1)
+    return _rows_by_mask(masks, x, w)
+
+
+def one_hot_masks(x, scores):
+    w, ids = torch.topk(scores, K)
+    masks = F.one_hot(ids, E).permute(2, 0, 1)
+    return _rows_by_mask(masks, x, w)
+
+
+def test_a_mask_compared_against_arange_becomes_one_hot():
+    args = (torch.randn(T, d), torch.randn(T, E))
+    arange_form, one_hot_form = traced(arange_masks, *args), traced(one_hot_masks, *args)
+    assert ops(arange_form) != ops(one_hot_form)
+    applied = canonicalize(arange_form)
+    assert [line.split(":")[0] for line in applied] == ["arange_mask_to_one_hot"]
+    assert canonicalize(one_hot_form) == []
+    assert ops(arange_form) == ops(one_hot_form)
+    same_value(arange_form, arange_masks, *args)
+
+
+def test_a_mask_read_as_booleans_stays():
+    """`x[mask]` reads a boolean mask as booleans: one_hot's 0/1 integers would index rows 0 and 1."""
+    def boolean_read(x, scores):
+        _, ids = torch.topk(scores, K)
+        masks = (ids.unsqueeze(-1) == torch.arange(E)).permute(2, 0, 1)
+        return x[masks[0].any(-1)].sum(0)
+
+    gm = traced(boolean_read, torch.randn(T, d), torch.randn(T, E))
+    assert canonicalize(gm) == []
+
+
+def test_ids_of_unknown_range_stay():
+    """one_hot raises on an id outside [0, E) where the comparison gives False: only top-k ids qualify."""
+    def given_ids(x, ids):
+        masks = (ids.unsqueeze(-1) == torch.arange(E)).permute(2, 0, 1)
+        return _rows_by_mask(masks, x, torch.ones(T, K))
+
+    gm = traced(given_ids, torch.randn(T, d), torch.randint(0, E, (T, K)))
+    assert canonicalize(gm) == []
+
+
+def cast_cumsum(counts):
+    return counts.cumsum(0).to(torch.int32)
+
+
+def dtype_cumsum(counts):
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def test_a_cast_cumsum_becomes_an_int32_cumsum():
+    counts = torch.bincount(torch.randint(0, E, (T * K,)), minlength=E)
+    cast_form, dtype_form = traced(cast_cumsum, counts), traced(dtype_cumsum, counts)
+    assert ops(cast_form) != ops(dtype_form)
+    assert len(canonicalize(cast_form)) == 1 and canonicalize(dtype_form) == []
+    assert ops(cast_form) == ops(dtype_form)
+    same_value(cast_form, cast_cumsum, counts)
+
+
+def test_float_counts_become_an_int32_cumsum_only_when_exact():
+    def histc_offsets(ids):
+        return torch.histc(ids.view(-1).float(), bins=E, min=0, max=E).cumsum(0).to(torch.int32)
+
+    ids = torch.randint(0, E, (T, K))
+    small = traced(histc_offsets, ids)
+    assert len(canonicalize(small)) == 1
+    same_value(small, histc_offsets, ids)
+
+    def float_counts(counts):  # not a histogram: fractional values would sum differently
+        return counts.cumsum(0).to(torch.int32)
+
+    assert canonicalize(traced(float_counts, torch.rand(E) * 3)) == []
+
+
+def test_duplicate_casts_and_row_reads_merge():
+    def twice(x, tok):
+        return x.bfloat16() @ x.bfloat16().t() + x[tok].sum() * x[tok].mean()
+
+    args = (torch.randn(T, d), torch.tensor([1, 3, 3]))
+    gm = traced(twice, *args)
+    assert ops(gm).count("bfloat16") == 2 and ops(gm).count("getitem") == 2
+    assert len(canonicalize(gm)) == 2
+    assert ops(gm).count("bfloat16") == 1 and ops(gm).count("getitem") == 1
+    same_value(gm, twice, *args)
+
+
+def test_a_write_between_duplicates_keeps_both():
+    def written(x, tok):
+        a = x[tok]
+        x.mul_(2)
+        b = x[tok]
+        c = x.float()
+        c.add_(1)
+        return (a + b).sum() + (x.float() + c).sum()
+
+    gm = traced(written, torch.randn(T, d), torch.tensor([0, 2]))
+    assert canonicalize(gm) == []
+
+
+def test_the_driver_leaves_a_graph_without_moe_as_traced():
+    gm = traced(arange_masks, torch.randn(T, d), torch.randn(T, E))
+    before = gm.code
+    run_passes(gm, SonicOptions(compiler="eager", fallback=False))
+    assert gm.code == before
+    assert operator.eq in [node.target for node in gm.graph.nodes]
+
+
+class MaskWeighted(torch.nn.Module):
+    """Every expert on every token, a token's weight of expert e as `(w * (ids == e)).sum(-1)`."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+        self.gate = torch.nn.Linear(d, E, bias=False)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(d, 2 * d, bias=False) for _ in range(E))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False) for _ in range(E))
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        if self.spelling == "column":
+            gates = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            g, u = self.up[e](x).chunk(2, dim=-1)
+            y = self.down[e](F.silu(g) * u)
+            if self.spelling == "mask":
+                out = out + (w * (ids == e)).sum(-1)[:, None] * y
+            else:
+                out = out + gates[:, e, None] * y
+        return out
+
+
+def test_a_weight_by_mask_becomes_a_gate_column():
+    torch.manual_seed(0)
+    mask_form, column_form = MaskWeighted("mask"), MaskWeighted("column")
+    column_form.load_state_dict(mask_form.state_dict())
+    x = torch.randn(T, d)
+    masked, columns = traced(mask_form, x), traced(column_form, x)
+    applied = [line.split(":")[0] for line in canonicalize(masked)]
+    assert applied.count("masked_weight_to_gate_column") == E and applied.count("column_then_none_to_one_index") == E
+    assert [line.split(":")[0] for line in canonicalize(columns)] == ["zeros_plus_value_to_value"]
+    assert sorted(ops(masked)) == sorted(ops(columns))
+    masked.recompile()
+    torch.testing.assert_close(masked(*masked.example_inputs)[0], mask_form(x), rtol=0, atol=0)
+
+
+def test_a_mask_weight_of_ids_outside_a_top_k_stays():
+    def weights(w, ids):
+        return (w * (ids == 1)).sum(-1)
+
+    assert canonicalize(traced(weights, torch.rand(T, K), torch.randint(0, E, (T, K)))) == []
+
+
+def test_a_weight_by_mask_layer_is_rewritten_and_equal_to_eager():
+    import moe_compiler
+
+    torch.manual_seed(0)
+    model, x = MaskWeighted("mask"), torch.randn(T, d)
+    cotangent = torch.randn(T, d)
+    params = dict(model.named_parameters())
+
+    def out_and_grads(fn):
+        xg = x.clone().requires_grad_()
+        out = fn(xg)
+        return [out, *torch.autograd.grad((out * cotangent).sum(), [xg, *params.values()])]
+
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.fallback": False})
+    with moe_compiler.capture() as report:
+        got = out_and_grads(compiled)
+    assert [r.idiom for r in report.rewritten] == ["dense_experts"] and not report.rejected, str(report)
+    for g, want in zip(got, out_and_grads(model)):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        from .helpers import profiled_op_names
+
+        assert "sonic::moe_experts_list" in profiled_op_names(lambda: compiled(x))
+
+
+def test_a_sum_started_from_zeros_starts_from_its_first_term():
+    def from_zeros(x, y):
+        out = torch.zeros_like(x)
+        out = out + x * 2
+        return out + y
+
+    def direct(x, y):
+        return x * 2 + y
+
+    args = (torch.randn(T, d), torch.randn(T, d))
+    gm = traced(from_zeros, *args)
+    assert len(canonicalize(gm)) == 1 and ops(gm) == ops(traced(direct, *args))
+    same_value(gm, from_zeros, *args)
+
+    def read_twice(x):
+        z = torch.zeros_like(x)
+        return (z + x) * z.sum()
+
+    assert canonicalize(traced(read_twice, torch.randn(T, d))) == []

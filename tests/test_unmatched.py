@@ -1,0 +1,82 @@
+"""`explain` on graphs where no idiom found a candidate (`patterns.unmatched`): a router that reaches
+expert weights is reported with the closest idiom, a capacity-limited router with the reason it is
+left alone, and a top-k that feeds no experts with nothing."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moe_compiler
+
+T, d, n, E, K = 12, 16, 8, 4, 2
+
+
+class CapacityTop1(nn.Module):
+    """Switch-style top-1 routing with an expert capacity: tokens past it pass nothing."""
+
+    def __init__(self, capacity=4):
+        super().__init__()
+        self.capacity = capacity
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, n), nn.ReLU(), nn.Linear(n, d)) for _ in range(E))
+
+    def forward(self, x):
+        p, ids = self.gate(x).softmax(-1).max(-1)
+        mask = F.one_hot(ids, E)
+        position = torch.cumsum(mask, 0) * mask  # 1-based rank of each token within its expert
+        kept = (position <= self.capacity).all(-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            chosen = (ids == e) & kept
+            out[chosen] = self.experts[e](x[chosen]) * p[chosen, None]
+        return out
+
+
+class EinsumSeparateGateUp(nn.Module):
+    """Every expert on every token through einsums over stacked [E, d, n] gate and up parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(d, E, bias=False)
+        self.w1, self.w3 = nn.Parameter(torch.randn(E, d, n)), nn.Parameter(torch.randn(E, d, n))
+        self.w2 = nn.Parameter(torch.randn(E, n, d))
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), K)
+        gates = torch.zeros(x.shape[0], E).scatter(1, ids, w)
+        h = F.silu(torch.einsum("td,edn->etn", x, self.w1)) * torch.einsum("td,edn->etn", x, self.w3)
+        return torch.einsum("te,etd->td", gates, torch.einsum("etn,end->etd", h, self.w2))
+
+
+def _explain(model):
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        return moe_compiler.explain(model, torch.randn(T, d))
+
+
+def test_a_capacity_limited_router_is_left_alone_with_its_reason():
+    report = _explain(CapacityTop1())
+    (record,) = report.records
+    assert record.status == "rejected" and record.idiom == "unmatched"
+    assert "capacity-limited" in record.reason and "left alone" in record.reason
+
+
+def test_an_unrecognised_experts_layer_names_the_closest_idioms():
+    (record,) = _explain(EinsumSeparateGateUp()).records
+    assert record.idiom == "unmatched" and "E=4 experts" in record.reason
+    assert "w1" in record.reason and "einsum" in record.reason and "dense_bmm" in record.reason
+
+
+def test_a_top_k_that_feeds_no_experts_is_not_reported():
+    class Sampler(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(d, 50)
+            self.mlp = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
+
+        def forward(self, x):
+            values, ids = torch.topk(self.head(self.mlp(x)), 5)
+            return values.softmax(-1), ids
+
+    report = _explain(Sampler())
+    assert report.records == [] and "no MoE candidate found" in str(report)
