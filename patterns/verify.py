@@ -18,9 +18,9 @@ float64 rounding. Casts between float dtypes evaluate as float64: the rounding t
 op's dtype policy (see `common.settle_autocast`), not what the region computes. Products with no
 float64 kernel (`torch._grouped_mm`) run as a per-group matmul.
 
-A region that raises, or whose estimated cost exceeds `MAX_FLOPS` / `MAX_BYTES`, is not
-evaluated: the first is rejected, the second keeps the finder's structural proof alone and the
-report says so. Results are cached by the region's structure, so the 48 identical layers of a
+A region that raises is rejected. One whose estimated cost exceeds `MAX_FLOPS` or `MAX_BYTES`
+(on CUDA also half the free memory), or that runs out of memory, keeps the finder's structural
+proof alone, and the report says so. Results are cached by the region's structure, so the 48 identical layers of a
 model graph are evaluated once.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ from .common import MoEMatch, NoMatch, example_value, is_call, shape_of, writes_
 
 log = logging.getLogger("moe_compiler")
 
-MAX_FLOPS = {"cpu": 2e10, "cuda": 4e12}  # per region, all routings together
-MAX_BYTES = {"cpu": 2 << 30, "cuda": 8 << 30}  # the float64 inputs, once
+MAX_FLOPS = {"cpu": 2e10, "cuda": 2e13}  # per region, all routings together
+MAX_BYTES = {"cpu": 4 << 30, "cuda": 24 << 30}  # float64 inputs and intermediates; on CUDA also <= half the free memory
 RTOL = 1e-9  # float64 rounding over sums of at most a few thousand terms stays far below this
 ROUTINGS = ("random", "idle", "crowded", "ordered")
 _PRODUCTS = ("linear", "mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm", "einsum", "_grouped_mm",
@@ -49,7 +49,10 @@ def verify(match: MoEMatch) -> str:
     region = _Region(match)
     cost, size = region.estimate()
     device = region.device.type if region.device.type in MAX_FLOPS else "cuda"
-    if cost > MAX_FLOPS[device] or size > MAX_BYTES[device]:
+    room = MAX_BYTES[device]
+    if region.device.type == "cuda":
+        room = min(room, torch.cuda.mem_get_info(region.device)[0] // 2)
+    if cost > MAX_FLOPS[device] or size > room:
         log.info("sonic.verify: %s not evaluated (%.3g GFLOP, %.3g GB of float64 inputs): structural checks only",
                  match.module, cost / 1e9, size / 1e9)
         return f"structural only (evaluation would take {cost / 1e9:.3g} GFLOP)"
@@ -57,7 +60,11 @@ def verify(match: MoEMatch) -> str:
     if key in _cache:
         outcome = _cache[key]
     else:
-        outcome = _cache[key] = region.evaluate()
+        try:
+            outcome = _cache[key] = region.evaluate()
+        except torch.OutOfMemoryError:  # the estimate was short: no verdict, the structural proof stands
+            log.info("sonic.verify: %s not evaluated: out of memory", match.module)
+            return "structural only (out of memory evaluating it)"
     if outcome != "equal":
         raise NoMatch(f"evaluated against the op, the region differs: {outcome}")
     return f"evaluated equal on {len(ROUTINGS)} routings"
@@ -118,7 +125,8 @@ class _Region:
                 for s in out:
                     numel *= _concrete(s, per_expert)
                 flops += 2 * numel * (_concrete(first[-1], per_expert) if first else 1)
-        size = sum(8 * _numel(n) for n in self.inputs)
+        largest = max((_numel(n, per_expert) for n in self.nodes), default=0)
+        size = sum(8 * _numel(n) for n in self.inputs) + 3 * 8 * largest  # a few intermediates live at once
         return flops * len(ROUTINGS), float(size)
 
     def evaluate(self) -> str:
@@ -126,12 +134,18 @@ class _Region:
         if self.foreign:
             return f"it reads {self.foreign[0].name}, which is not one of the op's inputs"
         generator = torch.Generator().manual_seed(0)
+        try:  # everything but the routing, drawn once on the region's device
+            on_device = torch.Generator(device=self.device).manual_seed(0)
+            fixed = {node: _random_like(node, on_device, self.device) for node in self.inputs
+                     if node is not self.match.topk_ids and node is not self.match.topk_weights}
+        except Exception as exc:
+            return f"its inputs cannot be made ({type(exc).__name__}: {str(exc)[:200]})"
         for routing in ROUTINGS:
             try:
-                values = self._inputs(routing, generator)
+                values = self._inputs(routing, generator, fixed)
                 got = _Float64(self.module).run(*values)
                 want = self._reference(values)
-            except NoMatch:
+            except (NoMatch, torch.OutOfMemoryError):
                 raise
             except Exception as exc:  # a region that cannot run on its own is not one we can vouch for
                 return f"it cannot be evaluated on its own ({type(exc).__name__}: {str(exc)[:200]})"
@@ -143,7 +157,7 @@ class _Region:
                 return f"{routing} routing: max error {err:.3g} against values up to {scale:.3g}"
         return "equal"
 
-    def _inputs(self, routing: str, generator: torch.Generator) -> list:
+    def _inputs(self, routing: str, generator: torch.Generator, fixed: dict) -> list:
         m = self.match
         T, K, E = (_concrete(m.shape[k]) for k in ("T", "K", "E"))
         ids, weights = _routing(routing, T, K, E, generator)
@@ -157,10 +171,9 @@ class _Region:
                 if m.gates:  # a [T, E] gate matrix, zero outside the chosen experts
                     value = torch.zeros(T, E, dtype=torch.float64).scatter_(1, ids, weights)
             else:
-                value = _random_like(node, generator)
-            if isinstance(value, torch.Tensor):
-                value = _laid_out_as(node, value.to(self.device))
-            values.append(value)
+                values.append(fixed[node])
+                continue
+            values.append(_laid_out_as(node, value.to(self.device)))
         return values
 
     def _reference(self, values: list) -> torch.Tensor:
@@ -266,17 +279,20 @@ def _laid_out_as(node: fx.Node, value: torch.Tensor) -> torch.Tensor:
     return out.copy_(value)
 
 
-def _random_like(node: fx.Node, generator: torch.Generator):
+def _random_like(node: fx.Node, generator: torch.Generator, device: torch.device):
+    """A random float64 (or integer/bool) tensor shaped and laid out as `node`'s value, on `device`."""
     value = example_value(node)
     if not isinstance(value, torch.Tensor):
         return _concrete(value)
     shape = tuple(_concrete(s) for s in value.shape)
     if value.dtype.is_floating_point:
         fan_in = shape[-1] if shape else 1
-        return torch.randn(shape, generator=generator, dtype=torch.float64) / max(fan_in, 1) ** 0.5
-    if value.dtype == torch.bool:
-        return torch.rand(shape, generator=generator) < 0.5
-    return torch.randint(0, 2, shape, generator=generator).to(value.dtype)
+        out = torch.randn(shape, generator=generator, dtype=torch.float64, device=device) / max(fan_in, 1) ** 0.5
+    elif value.dtype == torch.bool:
+        out = torch.rand(shape, generator=generator, device=device) < 0.5
+    else:
+        out = torch.randint(0, 2, shape, generator=generator, device=device).to(value.dtype)
+    return _laid_out_as(node, out)
 
 
 def _concrete(size, unknown: int | None = None) -> int:
@@ -291,13 +307,13 @@ def _concrete(size, unknown: int | None = None) -> int:
     raise NoMatch(f"size {size} has no value to evaluate the region at")
 
 
-def _numel(node: fx.Node) -> int:
+def _numel(node: fx.Node, unknown: int = 1) -> int:
     value = example_value(node)
     if not isinstance(value, torch.Tensor):
         return 0
     count = 1
     for s in value.shape:
-        count *= _concrete(s, 1)
+        count *= _concrete(s, unknown)
     return count
 
 
