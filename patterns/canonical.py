@@ -21,6 +21,12 @@ Rules (eager spelling -> canonical form):
     offs = counts.cumsum(0).to(torch.int32)       ->  offs = torch.cumsum(counts, 0, dtype=torch.int32)
         # integer counts: sums mod 2**32 agree whether truncated before or after; float counts
         # (histc) only where their sum, at most the static number of counted ids, is below 2**24
+    perm = torch.argsort(v, stable=s)             ->  perm = torch.sort(v, stable=s)[1]
+    counts = torch.histc(v.float(), ...)          ->  counts = torch.histc(torch.sort(v)[0].float(), ...)
+        # when v is sorted in the graph: a histogram does not depend on the order it counts in
+    out = torch.empty_like(y); out[perm] = y      ->  inv = torch.empty_like(perm); inv[perm] = torch.arange(N)
+                                                      out = y[inv]
+        # un-sorting rows by scatter or by gather through the inverse permutation (perm from a sort)
     a = x.bfloat16(); b = x.bfloat16()            ->  b is a
     a = x[tok]; b = x[tok]                        ->  b is a
         # duplicate casts, views and row selections of one tensor (torchtitan casts x once per
@@ -35,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .common import arg, dtype_of, example_value, fake_mode_of, getitem_of, is_call, shape_of, writes_in_place
+from .common import arg, dtype_of, example_value, fake_mode_of, getitem_of, is_call, op_name, shape_of, writes_in_place
 
 
 def canonicalize(gm: fx.GraphModule) -> list[str]:
@@ -58,7 +64,7 @@ def _erase_if_dead(graph: fx.Graph, node: fx.Node, order: dict) -> None:
     todo = [node]
     while todo:
         node = todo.pop()
-        if node.users or node.op not in ("call_function", "call_method") or node.is_impure() or writes_in_place(node):
+        if node not in order or node.users or node.op not in ("call_function", "call_method") or node.is_impure() or writes_in_place(node):
             continue
         inputs = node.all_input_nodes
         graph.erase_node(node)
@@ -247,6 +253,78 @@ def zeros_plus_value_to_value(gm: fx.GraphModule, node: fx.Node, order: dict) ->
     return None
 
 
+# --- sorting by expert: argsort, histograms, un-sorting ------------------------------------------
+
+def argsort_to_sort(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`torch.argsort(v, stable=s)` -> `torch.sort(v, stable=s)[1]` (the same permutation, always)."""
+    if not is_call(node, "argsort") or node.kwargs.keys() - {"dim", "descending", "stable"} or len(node.args) > 2:
+        return None
+    v = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    if not isinstance(v, fx.Node) or len(shape_of(v)) != 1 or dim not in (0, -1):
+        return None
+    kwargs = {"stable": bool(node.kwargs.get("stable", False)), "descending": bool(node.kwargs.get("descending", False))}
+    sort = _insert(gm, node, torch.sort, (v,), kwargs)
+    perm = _insert(gm, node, operator.getitem, (sort, 1))
+    node.replace_all_uses_with(perm)
+    return f"{node.name} -> sort({v.name})[1]"
+
+
+def histogram_of_sorted_values(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`histc(v)` / `bincount(v)` (through casts) -> the same of `sort(v).values` when v is sorted in
+    the graph: a histogram does not depend on the order of what it counts."""
+    if not is_call(node, "histc", "bincount"):
+        return None
+    chain, v = [], arg(node, 0, "input")
+    while is_call(v, "float", "int", "long", "to") and len(v.users) == 1:
+        chain.append(v)
+        v = v.args[0]
+    if not isinstance(v, fx.Node) or len(shape_of(v)) != 1:
+        return None
+    first = chain[-1] if chain else node
+    sort = next((u for u in v.users if is_call(u, "sort") and u.args[0] is v and order.get(u, len(order)) < order[first]
+                 and arg(u, 1, "dim", -1) in (0, -1)), None)
+    if sort is None:
+        return None
+    values = next((u for u in sort.users if getitem_of(u, 0) is sort), None) or _insert(gm, sort.next, operator.getitem,
+                                                                                          (sort, 0))
+    if order.get(values, -1) > order[first]:
+        return None  # the sorted values are taken after the count
+    first.replace_input_with(v, values)
+    return f"{node.name} counts {values.name}"
+
+
+def scatter_unsort_to_gather(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`out = torch.empty_like(y); out[perm] = y` -> `out = y[inv]` with `inv = torch.empty_like(perm);
+    inv[perm] = torch.arange(N)`: for a permutation perm of the N rows both put row i at perm[i]. perm
+    must come from a sort or argsort of N elements, and `out` is written by that setitem alone."""
+    if not (node.op == "call_function" and op_name(node.target) == "setitem" and len(node.args) == 3):
+        return None
+    out, perm, y = node.args
+    if not (is_call(out, "empty_like") and out.args[0] is y and isinstance(perm, fx.Node)):
+        return None
+    sort = getitem_of(perm, 1)
+    if not is_call(sort, "sort") or len(shape_of(perm)) != 1 or not shape_of(y):
+        return None
+    N = shape_of(perm)[0]
+    if not (isinstance(N, int) and shape_of(y)[0] == N):
+        return None
+    if [u for u in out.users if u is not node and order.get(u, len(order)) < order[node]]:
+        return None  # out is read before it is written
+    if any(writes_in_place(u) and u is not node for u in out.users):
+        return None
+    inv = _insert(gm, node, torch.empty_like, (perm,))
+    rows = _insert(gm, node, torch.arange, (N,), {"device": example_value(perm).device})
+    write = _insert(gm, node, operator.setitem, (inv, perm, rows))
+    write.meta.pop("example_value", None)
+    gathered = _insert(gm, node, operator.getitem, (y, inv))
+    out.replace_all_uses_with(gathered, delete_user_cb=lambda u: u is not node)
+    for dead in (node, out):
+        gm.graph.erase_node(dead)
+        order.pop(dead, None)
+    return f"{out.name} = {y.name}[inverse of {perm.name}]"
+
+
 # --- offsets: cumsum then cast ------------------------------------------------------------------
 
 _INT_CAST_METHODS = ("to", "int", "type")
@@ -345,4 +423,5 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 
 RULES = [merge_duplicate_reads, arange_mask_to_one_hot, masked_weight_to_gate_column, column_then_none_to_one_index,
-         zeros_plus_value_to_value, cast_cumsum_to_dtype]
+         zeros_plus_value_to_value, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
+         scatter_unsort_to_gather]

@@ -253,3 +253,89 @@ def test_a_sum_started_from_zeros_starts_from_its_first_term():
         return (z + x) * z.sum()
 
     assert canonicalize(traced(read_twice, torch.randn(T, d))) == []
+
+
+def test_an_argsort_becomes_a_sort_permutation():
+    def by_argsort(v):
+        return torch.argsort(v, stable=True)
+
+    def by_sort(v):
+        return torch.sort(v, stable=True)[1]
+
+    v = torch.randint(0, E, (T * K,))
+    a, b = traced(by_argsort, v), traced(by_sort, v)
+    assert len(canonicalize(a)) == 1 and canonicalize(b) == [] and ops(a) == ops(b)
+    same_value(a, by_argsort, v)
+
+
+def test_a_histogram_counts_the_sorted_values_when_there_are_some():
+    def unsorted_count(v):
+        values, perm = torch.sort(v)
+        return torch.histc(v.float(), bins=E, min=0, max=E - 1), perm, values
+
+    def sorted_count(v):
+        values, perm = torch.sort(v)
+        return torch.histc(values.float(), bins=E, min=0, max=E - 1), perm, values
+
+    v = torch.randint(0, E, (T * K,))
+    a, b = traced(unsorted_count, v), traced(sorted_count, v)
+    assert len(canonicalize(a)) == 1 and canonicalize(b) == [] and ops(a) == ops(b)
+    a.recompile()
+    torch.testing.assert_close(a(*a.example_inputs)[0], unsorted_count(v)[0])
+
+
+def scatter_unsort(y, v):
+    perm = torch.sort(v)[1]
+    out = torch.empty_like(y)
+    out[perm] = y
+    return out.view(T, K, d).sum(1)
+
+
+def gather_unsort(y, v):
+    perm = torch.sort(v)[1]
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(T * K)
+    return y[inv].view(T, K, d).sum(1)
+
+
+def test_rows_unsorted_by_scatter_are_unsorted_by_the_inverse_permutation():
+    y, v = torch.randn(T * K, d), torch.randint(0, E, (T * K,))
+    a, b = traced(scatter_unsort, y, v), traced(gather_unsort, y, v)
+    assert len(canonicalize(a)) == 1 and canonicalize(b) == []
+    assert sorted(ops(a)) == sorted(ops(b))
+    same_value(a, scatter_unsort, y, v)
+
+
+def grouped_mm_written_out(x, wr, w1, w2):
+    """transformers' grouped_mm experts as many people write them: argsort, a histogram of the
+    unsorted ids, a cast cumsum, and rows un-sorted by a scatter."""
+    w, ids = torch.topk(torch.softmax(x @ wr.t(), -1, dtype=torch.float32), K)
+    w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+    flat = ids.reshape(-1)
+    perm = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.histc(flat.float(), bins=E, min=0, max=E - 1), 0).to(torch.int32)
+    g, u = torch._grouped_mm(x[perm // K], w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, w2.transpose(1, 2), offs=offs) * w.reshape(-1)[perm].unsqueeze(-1)
+    out = torch.empty_like(y)
+    out[perm] = y
+    return out.view(x.shape[0], K, -1).sum(1)
+
+
+def test_grouped_mm_written_out_is_rewritten_and_close_to_eager():
+    """torch._grouped_mm takes bf16 only on the CPU: the output is as close to float32 as eager's."""
+    import moe_compiler
+    from moe_compiler.testing import closeness
+
+    g = torch.Generator().manual_seed(0)
+    n = 16
+    args32 = (torch.randn(T, d, generator=g), torch.randn(E, d, generator=g) * 0.3,
+              torch.randn(E, 2 * n, d, generator=g) * 0.3, torch.randn(E, d, n, generator=g) * 0.3)
+    args = [a.bfloat16() for a in args32]
+    compiled = torch.compile(grouped_mm_written_out, backend="sonic",
+                             options={"sonic.compiler": "aot_eager", "sonic.fallback": False})
+    with moe_compiler.capture() as report:
+        got = compiled(*args)
+    assert [r.idiom for r in report.rewritten] == ["hf_grouped_mm"] and not report.rejected, str(report)
+    truth = grouped_mm_written_out(*[a.float() for a in args])
+    ok, why = closeness(got.float(), grouped_mm_written_out(*args).float(), truth, torch.bfloat16)
+    assert ok, why
