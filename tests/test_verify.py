@@ -185,3 +185,18 @@ def test_the_driver_refuses_a_finders_wrong_proposal(monkeypatch):
         torch._dynamo.config.capture_dynamic_output_shape_ops = False
     (record,) = [r for r in report.records if r.idiom == "expert_loop"]
     assert record.status == "rejected" and "evaluated against the op, the region differs" in record.reason
+
+
+def test_bench_verify_smoke(tmp_path):
+    """benchmarks/bench_verify.py at a tiny shape on the CPU: both rows, the region rewritten, verified."""
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_verify
+
+    bench_verify.main(["--shapes", "tiny", "--device", "cpu", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "verify.json").read_text())["rows"]
+    assert [(r["verify"], r["rewritten"]) for r in rows] == [(True, 1), (False, 1)]
+    assert rows[0]["outcome"] == f"evaluated equal on {len(ROUTINGS)} routings" and rows[1]["outcome"] == "-"
