@@ -1,14 +1,15 @@
 """Why a router's experts were not rewritten when no idiom even found a candidate.
 
-Runs on a graph where every finder came back empty. For each top-k (or max / argmax) over [T, E]
-router scores whose ids reach expert weights (a stacked [E, ., .] tensor, or Linear weights of at
+Runs on a graph where every finder came back empty. For each top-k (or max / argmax) over the last
+dim of [..., E] router scores whose ids reach expert weights (a stacked [E, ., .] tensor, or Linear weights of at
 least two experts) it reports one rejection naming the closest idiom and the first thing that
 idiom looks for and did not find, so `explain` never says only "no MoE candidate found" about a
 graph that holds an MoE. Descriptive only: nothing here edits the graph or decides a rewrite.
 
 Capacity-limited routers (GShard, Switch, NLLB-MoE, st-moe) count each expert's tokens with a
 running sum over the tokens and drop those past a capacity. The op computes every routed token, so
-such a region is left alone, and the reason says so.
+such a region is left alone, and the reason says so, also where a graph break leaves the experts in
+another graph (transformers' Switch Transformers).
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def explain_unmatched(gm: fx.GraphModule) -> list[Rejection]:
         reached += [n for n in _feeding(reached) if n not in reached and n not in scoring]  # products it meets
         stacked = _stacked_weights(reached, E)
         linears = [n for n in reached if is_call(n, "linear")]
-        if not stacked and len({n.args[1] for n in linears if len(n.args) > 1}) < 2:
-            continue  # a top-k that feeds no experts (sampling, a metric)
+        feeds_experts = stacked or len({n.args[1] for n in linears if len(n.args) > 1}) >= 2
+        if not feeds_experts and _capacity(reached) is None:
+            continue  # a top-k that feeds no experts (sampling, a metric); a capacity router is named anyway
         out.append(Rejection(IDIOM, module_path(router), _reason(router, reached, stacked, linears, E)))
     return out
 
@@ -47,7 +49,7 @@ def _routers(gm: fx.GraphModule):
         else:
             continue
         scores = shape_of(arg(node, 0, "input"))
-        if ids is None or len(scores) != 2 or dim not in (-1, 1):
+        if ids is None or len(scores) < 2 or dim not in (-1, len(scores) - 1):
             continue
         E = scores[-1]
         if isinstance(E, int) and E >= 2:
@@ -101,7 +103,7 @@ def _capacity(reached: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
 
 
 def _reason(router: fx.Node, reached: list[fx.Node], stacked: list[fx.Node], linears: list[fx.Node], E: int) -> str:
-    head = f"{router.name} picks among E={E} experts whose weights it reaches"
+    head = f"{router.name} picks among E={E} experts" + (" whose weights it reaches" if stacked or linears else "")
     capacity = _capacity(reached)
     if capacity is not None:
         return (f"{head}, but the routing is capacity-limited: a running count of each expert's tokens "

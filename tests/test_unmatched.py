@@ -80,3 +80,19 @@ def test_a_top_k_that_feeds_no_experts_is_not_reported():
 
     report = _explain(Sampler())
     assert report.records == [] and "no MoE candidate found" in str(report)
+
+
+def test_transformers_switch_router_is_named_capacity_limited():
+    """Switch Transformers' top-1 router drops tokens past `expert_capacity`; its experts loop sits in
+    another graph (a graph break), and the router's graph alone says why the layer is left alone."""
+    from transformers import SwitchTransformersConfig
+    from transformers.models.switch_transformers import modeling_switch_transformers as switch
+
+    config = SwitchTransformersConfig(d_model=32, d_ff=64, num_experts=4, expert_capacity=4, num_layers=2,
+                                      num_heads=4, d_kv=8)
+    torch.manual_seed(0)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        report = moe_compiler.explain(switch.SwitchTransformersSparseMLP(config), torch.randn(2, 8, 32))
+    assert not report.rewritten
+    capacity = [r for r in report.records if r.idiom == "unmatched"]
+    assert len(capacity) == 1 and "capacity-limited" in capacity[0].reason, str(report)
