@@ -26,7 +26,8 @@ Rules (eager spelling -> canonical form):
         # when v is sorted in the graph: a histogram does not depend on the order it counts in
     out = torch.empty_like(y); out[perm] = y      ->  inv = torch.empty_like(perm); inv[perm] = torch.arange(N)
                                                       out = y[inv]
-        # un-sorting rows by scatter or by gather through the inverse permutation (perm from a sort)
+        # un-sorting rows by scatter or by gather through the inverse permutation (perm from a sort;
+        # zeros_like as well: the permutation writes every row)
     a = x.bfloat16(); b = x.bfloat16()            ->  b is a
     a = x[tok]; b = x[tok]                        ->  b is a
         # duplicate casts, views and row selections of one tensor (torchtitan casts x once per
@@ -301,8 +302,9 @@ def scatter_unsort_to_gather(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
     if not (node.op == "call_function" and op_name(node.target) == "setitem" and len(node.args) == 3):
         return None
     out, perm, y = node.args
-    if not (is_call(out, "empty_like") and out.args[0] is y and isinstance(perm, fx.Node)):
-        return None
+    if not (is_call(out, "empty_like", "zeros_like") and out.args[0] is y and isinstance(perm, fx.Node)
+            and set(out.kwargs) <= {"memory_format"}):
+        return None  # (a permutation writes every row: what the buffer held before is never read)
     sort = getitem_of(perm, 1)
     if not is_call(sort, "sort") or len(shape_of(perm)) != 1 or not shape_of(y):
         return None

@@ -87,8 +87,8 @@ def looks_scattered(calls: list[fx.Node]) -> bool:
 def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     results = []
     for offs, calls in grouped_calls(gm).items():
-        if looks_scattered(calls):
-            continue  # sorted_grouped_mm's (a scatter-add back to the tokens)
+        if looks_scattered(calls) or len(calls) == 3:
+            continue  # sorted_grouped_mm's (a scatter-add back to the tokens; separate gate and up projections)
         module = module_path(calls[0])
         try:
             results.append(_check(offs, calls))

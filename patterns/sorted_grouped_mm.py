@@ -50,6 +50,7 @@ from .common import (
     module_path,
     same_size,
     shape_of,
+    summed_per_token,
 )
 from .hf_grouped_mm import SCATTERS, _weight_of as _grouped_weight, grouped_calls, looks_scattered
 from .module_list import through_float_casts, topk_routing
@@ -62,8 +63,8 @@ _INT_CASTS = ("float", "int", "long", "to", "double")
 def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     results = []
     for offs, calls in grouped_calls(gm).items():
-        if not looks_scattered(calls):
-            continue  # hf_grouped_mm's
+        if not looks_scattered(calls) and len(calls) != 3:
+            continue  # hf_grouped_mm's (an up and a down projection un-sorted by the inverse permutation)
         try:
             results.append(_check(offs, calls))
         except NoMatch as exc:
@@ -258,7 +259,11 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
         topk_weights = found[1]
         src = mul
     src = _forward_float_casts(src, walk)
-    anchor, added_to, acc = _scatter_back(src, tok, T, d, walk)
+    reader = walk.only_reader(src)
+    if reader is not None and reader.op == "call_function" and reader.target is operator.getitem:
+        anchor, added_to, acc = _unsorted_back(src, perm, T, K, walk), None, None
+    else:
+        anchor, added_to, acc = _scatter_back(src, tok, T, d, walk)
     expect(shape_of(topk_weights) == shape_of(topk_ids), "top-k weights and ids differ in shape")
     expect(dtype_of(anchor) == dtype_of(x), f"the combine is in {dtype_of(anchor)}, the hidden states in {dtype_of(x)}")
     match = finish_match(IDIOM, ups[0], walk, anchor, x, topk_ids, topk_weights, w1, w2, None, None, transposed, act,
@@ -277,6 +282,23 @@ def _forward_float_casts(node: fx.Node, walk: RegionWalk) -> fx.Node:
             return node
         walk.mark(user)
         node = user
+
+
+def _unsorted_back(src: fx.Node, perm: fx.Node, T, K, walk: RegionWalk) -> fx.Node:
+    """The anchor of the combine `src[inv].view(T, K, d).sum(1)` with `inv = torch.empty_like(perm);
+    inv[perm] = torch.arange(TK)`: slot t*K + k reads its row back, and each token sums its K rows
+    (transformers' combine; `out[perm] = src` reaches this form as a canonical one)."""
+    unsort = walk.only_reader(src)
+    inv = unsort.args[1]
+    expect(is_call(inv, "empty_like") and inv.args[0] is perm, "the rows are un-sorted by an index that is not perm's inverse")
+    setters = [u for u in inv.users if u is not unsort]
+    expect(len(setters) == 1 and is_call(setters[0], "setitem"), "the inverse permutation is not a single scatter")
+    setter = setters[0]
+    rng = setter.args[2]
+    expect(setter.args[1] is perm and is_call(rng, "arange") and len(rng.args) == 1
+           and same_size(shape_of(rng)[0], shape_of(perm)[0]), "the inverse permutation is not inv[perm] = arange(TK)")
+    walk.mark(unsort, inv, setter, rng)
+    return summed_per_token(unsort, walk, T, K)
 
 
 def _scatter_back(src: fx.Node, tok: fx.Node, T, d, walk: RegionWalk) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:

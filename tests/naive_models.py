@@ -716,7 +716,7 @@ class SortedGroupedMoE(Router):
     rows: "gather" (torch.gather of the expanded tokens), "index" (x[tok])
     sort: "argsort" (stable), "sort" (torch.sort of the ids, counts of its values, max=E-1)
     combine: "scatter_add" (into zeros_like), "scatter_add_" (in place), "index_add", "shared" (into a
-             shared expert's output)
+             shared expert's output), "unsort" (`u = zeros_like(y); u[perm] = y; u.view(T, K, d).sum(1)`)
     casts: torchtitan's `.bfloat16()` on the rows and weights (no-ops on a bf16 model)
     offsets: "dtype" (`torch.cumsum(counts, 0, dtype=torch.int32)`), "cast" (`counts.cumsum(0).to(torch.int32)`)
     Knobs that break it (the negative grid): histc_max (another histc range), tok_k (perm // another K),
@@ -777,5 +777,9 @@ class SortedGroupedMoE(Router):
             return out
         if self.combine == "index_add":
             return torch.zeros_like(x).index_add(0, tok, y)
+        if self.combine == "unsort":
+            unsorted = torch.zeros_like(y)
+            unsorted[perm] = y
+            return unsorted.view(T, self.K, d).sum(1)
         base = self.shared(x) if self.combine == "shared" else torch.zeros_like(x)
         return base.scatter_add(dim=0, index=index, src=y)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -298,12 +299,30 @@ def gather_unsort(y, v):
     return y[inv].view(T, K, d).sum(1)
 
 
-def test_rows_unsorted_by_scatter_are_unsorted_by_the_inverse_permutation():
+def scatter_unsort_into_zeros(y, v):
+    perm = torch.sort(v)[1]
+    out = torch.zeros_like(y)
+    out[perm] = y
+    return out.view(T, K, d).sum(1)
+
+
+@pytest.mark.parametrize("spelling", [scatter_unsort, scatter_unsort_into_zeros])
+def test_rows_unsorted_by_scatter_are_unsorted_by_the_inverse_permutation(spelling):
     y, v = torch.randn(T * K, d), torch.randint(0, E, (T * K,))
-    a, b = traced(scatter_unsort, y, v), traced(gather_unsort, y, v)
+    a, b = traced(spelling, y, v), traced(gather_unsort, y, v)
     assert len(canonicalize(a)) == 1 and canonicalize(b) == []
     assert sorted(ops(a)) == sorted(ops(b))
-    same_value(a, scatter_unsort, y, v)
+    same_value(a, spelling, y, v)
+
+
+def test_a_partial_scatter_stays():
+    """Rows scattered by something that is not a sort's permutation may leave rows unwritten."""
+    def partial(y, idx):
+        out = torch.zeros_like(y)
+        out[idx] = y[: idx.shape[0]]
+        return out
+
+    assert canonicalize(traced(partial, torch.randn(T * K, d), torch.tensor([0, 3, 5]))) == []
 
 
 def grouped_mm_written_out(x, wr, w1, w2):

@@ -26,6 +26,10 @@ VARIANTS = {
     "index_add-scores-before": dict(combine="index_add", score_before=True),
     "K_eq_E": dict(K=4, gate_up="fused"),
     "cast-offsets": dict(offsets="cast"),  # counts.cumsum(0).to(torch.int32): a canonical form
+    # rows un-sorted by a scatter into a [TK, d] buffer and summed per token (transformers' combine;
+    # torchtitan 0.2's without its padding), gate and up as two grouped_mm
+    "unsort-separate": dict(combine="unsort"),
+    "unsort-separate-scores-before-index": dict(combine="unsort", score_before=True, rows="index"),
 }
 
 
