@@ -93,7 +93,11 @@ def _litgpt_layer(variant: str, dtype=torch.float32, device="cpu"):
                   padded_vocab_size=64, n_layer=1, n_head=4, bias=False)
     fields.update(LITGPT[variant])
     torch.manual_seed(0)
-    return model.LLaMAMoE(config.Config(**fields)).to(device, dtype)
+    layer = model.LLaMAMoE(config.Config(**fields))
+    with torch.no_grad():  # litgpt leaves initialisation to its GPT (the grouped router's weight is torch.empty)
+        for param in layer.parameters():
+            param.normal_(std=fields["n_embd"] ** -0.5)
+    return layer.to(device, dtype)
 
 
 @pytest.mark.parametrize("variant", LITGPT)
