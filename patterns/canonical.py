@@ -14,7 +14,7 @@ Rules (eager spelling -> canonical form):
         # permute/transpose/select/unbind down to a one-argument torch.where or nonzero.
     wt = (w * (ids == e)).sum(-1)                 ->  G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1); wt = G[:, e]
         # a token's weight of expert e by a mask multiplied in, as a column of the [T, E] gate
-        # matrix (one per ids and w); same terms in the same order: bit-identical
+        # matrix (one per ids and w); the same terms, at most one nonzero: equal values
     g[:, e][:, None]                              ->  g[:, e, None]
     out = torch.zeros_like(x); out = out + v      ->  out = v
         # a sum started from a fresh zero tensor nothing else reads (values equal: 0 + v == v)
@@ -162,8 +162,9 @@ _MUL = ("mul", "__mul__", "__rmul__")
 def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`(w * (ids == e)).sum(-1)` -> `G[:, e]` (keepdim: `G[:, e:e+1]`) with the [T, E] gate matrix
     `G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1)`, built once per (ids, w): each G[t, e] sums
-    the very terms w[t, k] * (ids[t, k] == e) in the same order, so the values are bit-identical. The
-    ids must be a top-k over E scores (one_hot needs them in [0, E)), e a constant in [0, E)."""
+    the very terms w[t, k] * (ids[t, k] == e), of which at most one is nonzero (top-k ids are
+    distinct), so the values are equal (up to the sign of a zero). The ids must be a top-k over E
+    scores (one_hot needs them in [0, E)), e a constant in [0, E)."""
     if not is_call(node, "sum") or arg(node, 1, "dim") not in (-1, 1, (-1,), (1,), [-1], [1]):
         return None
     keepdim = arg(node, 2, "keepdim", False)

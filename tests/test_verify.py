@@ -122,6 +122,17 @@ def test_a_region_that_cannot_run_on_its_own_is_refused(monkeypatch):
         verify(match)
 
 
+def test_deterministic_mode_is_kept_and_restored():
+    """Under torch.use_deterministic_algorithms(True) the evaluation runs (CUDA's index_add would
+    raise there), and the user's setting is back afterwards."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert verify(traced_match(dense_moe)).startswith("evaluated equal")
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_a_region_over_the_cost_cap_keeps_the_structural_proof(monkeypatch):
     monkeypatch.setitem(verify_module.MAX_FLOPS, "cpu", 1.0)
     assert verify(traced_match(dense_moe)).startswith("structural only")
