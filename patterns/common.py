@@ -702,6 +702,20 @@ def scaled_by_routing_weights(y: fx.Node, walk: RegionWalk, topk_ids: fx.Node, p
     return mul, topk_weights
 
 
+def check_inverse_permutation(unsort: fx.Node, perm: fx.Node, walk: RegionWalk) -> None:
+    """`rows[inv]` (the `unsort` node) reads rows back through perm's inverse: `inv =
+    torch.empty_like(perm); inv[perm] = torch.arange(TK)`, one scatter over every row."""
+    inv = unsort.args[1]
+    expect(is_call(inv, "empty_like") and inv.args[0] is perm, "the rows are un-sorted by an index that is not perm's inverse")
+    setters = [u for u in inv.users if u is not unsort]
+    expect(len(setters) == 1 and is_call(setters[0], "setitem"), "the inverse permutation is not a single scatter")
+    setter = setters[0]
+    rng = setter.args[2]
+    expect(setter.args[1] is perm and is_call(rng, "arange") and len(rng.args) == 1
+           and same_size(shape_of(rng)[0], shape_of(perm)[0]), "the inverse permutation is not inv[perm] = arange(TK)")
+    walk.mark(unsort, inv, setter, rng)
+
+
 def summed_per_token(rows: fx.Node, walk: RegionWalk, T, K) -> fx.Node:
     """The `rows.view(T, K, d).sum(1)` node, [T, d]: the anchor the fused op replaces."""
     view = walk.only_reader(rows)

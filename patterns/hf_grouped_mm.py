@@ -43,6 +43,7 @@ from .common import (
     Rejection,
     arg,
     backward_slice,
+    check_inverse_permutation,
     dtype_of,
     expect,
     expert_bias,
@@ -176,15 +177,7 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     weighted = walk.forward(mul)
     unsort = walk.only_reader(weighted)
     expect(unsort is not None and unsort.op == "call_function" and unsort.target is operator.getitem, "weighted rows are not un-permuted")
-    inv = unsort.args[1]
-    expect(is_call(inv, "empty_like") and inv.args[0] is perm, "inverse permutation is not built from perm")
-    setters = [u for u in inv.users if u is not unsort]
-    expect(len(setters) == 1 and is_call(setters[0], "setitem"), "inverse permutation is not a single scatter")
-    setter = setters[0]
-    rng = setter.args[2]
-    expect(setter.args[1] is perm and is_call(rng, "arange"), "inverse permutation is not inv[perm] = arange")
-    expect(len(rng.args) == 1 and same_size(shape_of(rng)[0], shape_of(perm)[0]), "arange does not span all rows")
-    walk.mark(unsort, inv, setter, rng)
+    check_inverse_permutation(unsort, perm, walk)
 
     # out = unsorted.view(T, K, d).sum(1)
     anchor = summed_per_token(unsort, walk, T, K)

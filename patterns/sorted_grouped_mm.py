@@ -41,6 +41,7 @@ from .common import (
     Rejection,
     arg,
     backward_slice,
+    check_inverse_permutation,
     dtype_of,
     expect,
     finish_match,
@@ -289,15 +290,7 @@ def _unsorted_back(src: fx.Node, perm: fx.Node, T, K, walk: RegionWalk) -> fx.No
     inv[perm] = torch.arange(TK)`: slot t*K + k reads its row back, and each token sums its K rows
     (transformers' combine; `out[perm] = src` reaches this form as a canonical one)."""
     unsort = walk.only_reader(src)
-    inv = unsort.args[1]
-    expect(is_call(inv, "empty_like") and inv.args[0] is perm, "the rows are un-sorted by an index that is not perm's inverse")
-    setters = [u for u in inv.users if u is not unsort]
-    expect(len(setters) == 1 and is_call(setters[0], "setitem"), "the inverse permutation is not a single scatter")
-    setter = setters[0]
-    rng = setter.args[2]
-    expect(setter.args[1] is perm and is_call(rng, "arange") and len(rng.args) == 1
-           and same_size(shape_of(rng)[0], shape_of(perm)[0]), "the inverse permutation is not inv[perm] = arange(TK)")
-    walk.mark(unsort, inv, setter, rng)
+    check_inverse_permutation(unsort, perm, walk)
     return summed_per_token(unsort, walk, T, K)
 
 
