@@ -275,8 +275,8 @@ def argsort_to_sort(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | Non
 def histogram_of_sorted_values(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`histc(v)` / `bincount(v)` (through casts) -> the same of `sort(v).values` when v is sorted in
     the graph: a histogram does not depend on the order of what it counts."""
-    if not is_call(node, "histc", "bincount"):
-        return None
+    if not is_call(node, "histc", "bincount") or (is_call(node, "bincount") and arg(node, 1, "weights") is not None):
+        return None  # (weights pair with the unsorted order)
     chain, v = [], arg(node, 0, "input")
     while is_call(v, "float", "int", "long", "to") and len(v.users) == 1:
         chain.append(v)

@@ -358,3 +358,13 @@ def test_grouped_mm_written_out_is_rewritten_and_close_to_eager():
     truth = grouped_mm_written_out(*[a.float() for a in args])
     ok, why = closeness(got.float(), grouped_mm_written_out(*args).float(), truth, torch.bfloat16)
     assert ok, why
+
+
+def test_a_weighted_bincount_keeps_counting_the_unsorted_ids():
+    """bincount's weights pair with the ids in their own order: counting the sorted ids instead
+    would pair each weight with another id."""
+    def weighted(v, weights):
+        values, perm = torch.sort(v)
+        return torch.bincount(v, weights, minlength=E), perm, values
+
+    assert canonicalize(traced(weighted, torch.randint(0, E, (T * K,)), torch.rand(T * K))) == []
