@@ -42,7 +42,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .common import arg, dtype_of, example_value, fake_mode_of, getitem_of, is_call, op_name, shape_of, writes_in_place
+from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, getitem_of, is_call, op_name, shape_of,
+                     storage_of, writes_in_place)
 
 
 def canonicalize(gm: fx.GraphModule) -> list[str]:
@@ -236,9 +237,6 @@ def column_then_none_to_one_index(gm: fx.GraphModule, node: fx.Node, order: dict
 
 # --- sums started from zeros -----------------------------------------------------------------
 
-_FRESH_ZEROS = ("zeros", "zeros_like", "new_zeros")
-
-
 def zeros_plus_value_to_value(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`torch.zeros_like(x) + v` -> `v` (a sum started from a fresh zero tensor) when v already has the
     result's shape and dtype and nothing else reads or writes the zeros. Equal values (0 + v == v;
@@ -246,7 +244,7 @@ def zeros_plus_value_to_value(gm: fx.GraphModule, node: fx.Node, order: dict) ->
     if not is_call(node, "add", "__add__") or len(node.args) != 2 or node.kwargs:
         return None
     for zeros, value in (node.args, node.args[::-1]):
-        if not (is_call(zeros, *_FRESH_ZEROS) and isinstance(value, fx.Node) and list(zeros.users) == [node]):
+        if not (is_call(zeros, *ZEROS) and isinstance(value, fx.Node) and list(zeros.users) == [node]):
             continue
         if shape_of(value) != shape_of(node) or dtype_of(value) != dtype_of(node):
             continue
@@ -404,19 +402,13 @@ def merge_duplicate_reads(gm: fx.GraphModule, node: fx.Node, order: dict) -> str
 def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node) -> bool:
     """No node writes in place into the storage of `first` or `second` anywhere, nor into an input of
     theirs between the two (storages from the fake tensors, which views share)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    def storage(n):
-        value = example_value(n)
-        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
-
-    results = {storage(first), storage(second)} - {None}
-    inputs = {storage(i) for i in second.all_input_nodes} - {None}
+    results = {storage_of(first), storage_of(second)} - {None}
+    inputs = {storage_of(i) for i in second.all_input_nodes} - {None}
     for writer in gm.graph.nodes:
         if writer.op != "call_function" and writer.op != "call_method" or not writes_in_place(writer):
             continue
         target = writer.args[0] if writer.args and isinstance(writer.args[0], fx.Node) else None
-        ref = storage(target) if target is not None else None
+        ref = storage_of(target) if target is not None else None
         if ref is None:
             return False  # a write into something of unknown storage: assume the worst
         between = order.get(first, -1) < order.get(writer, -1) < order.get(second, -1)

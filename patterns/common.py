@@ -71,6 +71,13 @@ class MoEMatch:
     flat_top1: bool = False
     verified: str = "-"  # what verification by evaluation found (`patterns.verify`), for the report
 
+    def op_inputs(self) -> list[fx.Node]:
+        """The graph nodes the op reads: x, the routing, every weight and bias (lists included)."""
+        inputs = [self.x, self.topk_ids, self.topk_weights, self.w1, self.w_up, self.w2, self.b1, self.b2]
+        for group in (*(self.expert_lists or ()), *(self.expert_bias_lists or ())):
+            inputs += list(group)
+        return [node for node in inputs if isinstance(node, fx.Node)]
+
     def describe(self) -> dict:
         layout = ("interleaved" if self.interleaved else "concatenated") + (", transposed" if self.transposed else "")
         if self.expert_lists is not None:
@@ -100,7 +107,7 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
 
 
 # Matrix products as they appear in a Dynamo graph (functions, methods, operator.matmul, ops)
-_PRODUCTS = ("linear", "mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm", "addbmm", "einsum", "_grouped_mm",
+PRODUCTS = ("linear", "mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm", "addbmm", "einsum", "_grouped_mm",
              "aten::_grouped_mm", "transformers::grouped_mm_fallback")
 
 
@@ -119,7 +126,7 @@ def settle_autocast(match: MoEMatch) -> None:
     """
     outs, lowered = set(), False
     for node in match.region | {match.anchor}:
-        if not is_call(node, *_PRODUCTS):
+        if not is_call(node, *PRODUCTS):
             continue
         out = dtype_of(node)
         operands = {dt for dt in map(dtype_of, node.all_input_nodes) if dt is not None and dt.is_floating_point}
@@ -649,6 +656,7 @@ def _replace_accumulator(graph: fx.Graph, match: MoEMatch, result: fx.Node) -> N
             match.region.discard(node)
 
 
+ZEROS = ("zeros", "zeros_like", "new_zeros")  # a fresh tensor of zeros
 _FRESH_BUFFERS = ("empty", "empty_like", "zeros", "zeros_like", "new_empty", "new_zeros")
 
 
@@ -799,23 +807,14 @@ def check_inputs_unmutated(match: MoEMatch) -> None:
     that storage is seen by both (Qwen3's router divides its top-k values in place, `/=`, before the
     experts read them). Storage identity comes from the fake tensors, which share one storage
     between a tensor and its views."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    def storage(node):
-        value = example_value(node)
-        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
-
-    inputs = [match.x, match.topk_ids, match.topk_weights, match.w1, match.w_up, match.w2, match.b1, match.b2]
-    for group in (*(match.expert_lists or ()), *(match.expert_bias_lists or ())):
-        inputs += list(group)
-    watched = {ref: node for node in inputs if isinstance(node, fx.Node) and (ref := storage(node)) is not None}
+    watched = {ref: node for node in match.op_inputs() if (ref := storage_of(node)) is not None}
     region = match.region | {match.anchor}
     read: set = set()  # the watched storages a region node has read so far
     for node in match.anchor.graph.nodes:
         if node is match.anchor:
             return
         if node in region:
-            read |= {ref for inp in node.all_input_nodes if (ref := storage(inp)) in watched}
+            read |= {ref for inp in node.all_input_nodes if (ref := storage_of(inp)) in watched}
             continue
         if not read:
             continue
@@ -823,10 +822,18 @@ def check_inputs_unmutated(match: MoEMatch) -> None:
         if writes_in_place(node) and node.args and isinstance(node.args[0], fx.Node):
             written.append(node.args[0])
         for target in written:
-            ref = storage(target)
+            ref = storage_of(target)
             expect(ref is not None, f"{node.name} writes in place into {target.name} inside the region, of no known storage")
             expect(ref not in read, f"{node.name} writes in place into {watched.get(ref, target).name} (or a view of it) "
                    f"inside the region, which the op would read only where the region ends")
+
+
+def storage_of(node):
+    """The storage of a node's fake tensor (views share their base's), or None for a non-tensor."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    value = example_value(node)
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
 
 def check_closed(region: set[fx.Node], walk: RegionWalk) -> None:

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch.fx as fx
 
 from .common import (
+    ZEROS,
     MoEMatch,
     NoMatch,
     RegionWalk,
@@ -52,7 +53,6 @@ from .module_list import (
 )
 
 IDIOM = "dense_experts"
-_ZEROS = ("zeros", "zeros_like", "new_zeros")
 _ADD = ("add", "__add__")
 _MUL = ("mul", "__mul__")
 
@@ -281,7 +281,7 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
     scatter = base = None
     if is_call(gates, "scatter", "scatter_"):
         scatter, base = gates, gates.args[0]
-    elif is_call(gates, *_ZEROS, *_FULL):
+    elif is_call(gates, *ZEROS, *_FULL):
         base = gates
         inplace = [u for u in gates.users if is_call(u, "scatter_") and u.args[0] is gates]
         expect(len(inplace) == 1, not_sparse)
@@ -304,7 +304,7 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
 
 def _fill_value(node) -> float | None:
     """The constant a zeros / full tensor is filled with, or None."""
-    if is_call(node, *_ZEROS):
+    if is_call(node, *ZEROS):
         return 0.0
     if is_call(node, "full", "full_like"):
         value = arg(node, 1, "fill_value")

@@ -74,6 +74,7 @@ import torch
 import torch.fx as fx
 
 from .common import (
+    ZEROS,
     MoEMatch,
     NoMatch,
     RegionWalk,
@@ -103,7 +104,6 @@ HINT = (
     f"torch.where/nonzero graph-broke, so the loop never reaches the backend; if it is one, set {FLAG} = True "
     f"before torch.compile: the loop then becomes one graph that backend='sonic' rewrites"
 )
-_ZEROS = ("zeros", "zeros_like", "new_zeros")
 _ZEROS_KWARGS = {"dtype", "device", "layout", "pin_memory", "requires_grad", "memory_format"}
 
 
@@ -332,7 +332,7 @@ def _loop_routing(ids: fx.Node, walk: RegionWalk) -> tuple[int, int, bool]:
 def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> bool:
     """A fresh zeros [T, d] accumulator, added to only (in place or chained), read after the last add.
     Returns whether the adds are in place."""
-    expect(is_call(acc, *_ZEROS), f"the loop accumulates into {acc.name}, not a fresh torch.zeros/zeros_like")
+    expect(is_call(acc, *ZEROS), f"the loop accumulates into {acc.name}, not a fresh torch.zeros/zeros_like")
     expect(set(acc.kwargs) <= _ZEROS_KWARGS, f"accumulator is created with {sorted(set(acc.kwargs) - _ZEROS_KWARGS)}")
     expect(len(shape_of(acc)) == 2, "accumulator is not [T, d]")
     walk.mark(acc)

@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from .activation_probe import identify_activation, identify_pair_activation
 from .common import (
+    ZEROS,
     MoEMatch,
     NoMatch,
     RegionWalk,
@@ -57,7 +58,6 @@ from .hf_grouped_mm import SCATTERS, _weight_of as _grouped_weight, grouped_call
 from .module_list import through_float_casts, topk_routing
 
 IDIOM = "sorted_grouped_mm"
-_ZEROS = ("zeros", "zeros_like", "new_zeros")
 _INT_CASTS = ("float", "int", "long", "to", "double")
 
 
@@ -315,7 +315,7 @@ def _scatter_back(src: fx.Node, tok: fx.Node, T, d, walk: RegionWalk) -> tuple[f
     expect(len(shape_of(base)) == 2 and same_size(shape_of(base)[0], T) and same_size(shape_of(base)[1], d),
            f"the combine adds into {shape_of(base)}, not [T, d]")
     walk.mark(add)
-    fresh = is_call(base, *_ZEROS)
+    fresh = is_call(base, *ZEROS)
     inplace = str(add.target).endswith("_")
     if inplace:
         expect(fresh, f"{add.name} adds in place into {base.name}, not a fresh zeros")

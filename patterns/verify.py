@@ -31,7 +31,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from .common import MoEMatch, NoMatch, example_value, is_call, shape_of, writes_in_place
+from .common import PRODUCTS, MoEMatch, NoMatch, example_value, is_call, shape_of, writes_in_place
 
 log = logging.getLogger("moe_compiler")
 
@@ -39,8 +39,6 @@ MAX_FLOPS = {"cpu": 2e10, "cuda": 2e13}  # per region, all routings together
 MAX_BYTES = {"cpu": 4 << 30, "cuda": 24 << 30}  # float64 inputs and intermediates; on CUDA also <= half the free memory
 RTOL = 1e-9  # float64 rounding over sums of at most a few thousand terms stays far below this
 ROUTINGS = ("random", "idle", "crowded", "ordered")
-_PRODUCTS = ("linear", "mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm", "einsum", "_grouped_mm",
-             "aten::_grouped_mm", "transformers::grouped_mm_fallback")
 _FLOAT_CASTS = ("float", "half", "bfloat16", "double")
 _CACHE_SIZE = 256  # region structures remembered; a model has a handful
 _cache: dict[str, str] = {}
@@ -95,11 +93,8 @@ class _Region:
 
     def __init__(self, match: MoEMatch):
         self.match = match
-        named = [match.x, match.topk_ids, match.topk_weights, match.w1, match.w_up, match.w2, match.b1, match.b2,
-                 match.added_to]
-        for group in (*(match.expert_lists or ()), *(match.expert_bias_lists or ())):
-            named += list(group)
-        self.inputs: list[fx.Node] = list(dict.fromkeys(n for n in named if isinstance(n, fx.Node)))
+        named = [*match.op_inputs(), *([match.added_to] if match.added_to is not None else [])]
+        self.inputs: list[fx.Node] = list(dict.fromkeys(named))
         ours = len(self.inputs)
         members = (match.region | {match.anchor}) - set(self.inputs)
         members |= _computed_from_inputs(members, set(self.inputs))
@@ -138,7 +133,7 @@ class _Region:
         per_expert = max(1, T * K // max(E, 1))
         flops = 0.0
         for node in self.nodes:
-            if is_call(node, *_PRODUCTS):
+            if is_call(node, *PRODUCTS):
                 out = shape_of(node)
                 first = shape_of(node.args[0]) if node.args else ()
                 numel = 1
