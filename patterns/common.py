@@ -85,7 +85,7 @@ class MoEMatch:
             gated = w_up or shape_of(w_gate[0])[0] == 2 * self.shape.get("n", -1)
             layout = "per-expert list" + (", separate gate/up" if w_up else f", fused gate/up {layout}" if gated else "")
         elif self.w_up is not None:
-            layout = "separate gate/up (two stacked parameters)"
+            layout = "separate gate/up (two stacked parameters" + (", transposed)" if self.transposed else ")")
         if self.b1 is not None or self.b2 is not None or self.expert_bias_lists is not None:
             layout += ", bias"
         if self.input_scaled:
@@ -562,7 +562,8 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         ids, weights, slot_token = (insert(operator.getitem, (rounded, i)) for i in range(3))
 
     if match.w_up is not None:  # two stacked parameters: the list op on their per-expert views
-        lists = tuple(_unbound(cast(t), match.shape["E"], insert) for t in (match.w1, match.w_up, match.w2))
+        lists = tuple(_unbound(cast(t), match.shape["E"], insert, match.transposed)
+                      for t in (match.w1, match.w_up, match.w2))
         call = experts("moe_experts_list",
                        _list_call_args(match, lists, cast(match.b1), cast(match.b2), x, ids, weights, slot_token))
     elif match.expert_lists is None:
@@ -600,11 +601,14 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     return call
 
 
-def _unbound(stacked: fx.Node, E: int, insert) -> list[fx.Node]:
+def _unbound(stacked: fx.Node, E: int, insert, transposed: bool = False) -> list[fx.Node]:
     """The E views `stacked[e]` of an [E, ., .] tensor, from one unbind (its backward stacks the
-    experts' gradients once, where E selects would each add a zero-filled [E, ., .] tensor)."""
+    experts' gradients once, where E selects would each add a zero-filled [E, ., .] tensor);
+    `transposed` ([E, in, out] storage): each view's `.t()`, the [out, in] slice the list op takes
+    (strided, no copy: the kernels read any strides the experts share)."""
     parts = insert(torch.unbind, (stacked, 0))
-    return [insert(operator.getitem, (parts, e)) for e in range(E)]
+    views = [insert(operator.getitem, (parts, e)) for e in range(E)]
+    return [insert(torch.t, (v,)) for v in views] if transposed else views
 
 
 def _stacked_list_biases(bias_lists, insert) -> tuple[fx.Node | None, fx.Node | None]:
@@ -754,7 +758,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     x_dtype = dtype_of(x)
     expect(x_dtype == dtype_of(w1) == dtype_of(w2), f"hidden states ({x_dtype}) and expert weights ({dtype_of(w1)}) differ in dtype")
     if w_up is not None:
-        expect(not transposed and GATED[act["activation"]], "separate gate and up parameters need a gated activation, [E, n, d]")
+        expect(GATED[act["activation"]], "separate gate and up parameters need a gated activation")
         expect(shape_of(w_up) == shape_of(w1) and dtype_of(w_up) == x_dtype,
                f"up weights {shape_of(w_up)} ({dtype_of(w_up)}) are not shaped as the gate's {shape_of(w1)} ({x_dtype})")
         expect(b1 is None, "biases on separate stacked gate and up parameters are not supported")

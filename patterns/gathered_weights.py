@@ -271,8 +271,6 @@ def _check(ids: fx.Node, x: fx.Node, ups: list[fx.Node]) -> MoEMatch:
             w1, w_up = gate.gather.args[0], None
         else:
             w1, w_up = gate.gather.args[0], up.gather.args[0]
-            expect(not transposed, f"gate and up are two stacked parameters ({w1.name}, {w_up.name}) in [E, in, out]: "
-                   f"the list op takes [out, in] slices; keep gate and up in one [E, d, 2n] parameter, or store them as [E, n, d]")
         walk.mark(*backward_slice([a], stop=set(ups)))
     y, b2 = _biased(down, ids, walk)
     anchor, weights = _combine(y, T, K, d, walk)

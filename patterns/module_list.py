@@ -357,10 +357,7 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     expect(len(experts) == E, f"{len(experts)} experts for E={E}")
     w1, w_up, w2, transposed = _stacked_params(experts, E)
     b1, b2 = _stacked_biases(experts, E)
-    if w_up is not None:
-        expect(not transposed, f"gate and up are two stacked parameters ({w1.name}, {w_up.name}) read as rows @ W[e] "
-               f"([E, in, out]): the stacked op takes them as one w1 (a copy) and the list op as [out, in] slices; "
-               f"keep gate and up in one [E, d, 2n] parameter, or store them as [E, n, d]")
+    if w_up is not None and not transposed:
         # the list op on the slices W[e] themselves: views of the stacked parameters, read where they are
         # (bias slices B[e], if any, are stacked by the rewrite as Linear biases are)
         return finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts, **kw)
@@ -372,13 +369,18 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     w1_in, w1_out = (s1[1], s1[2]) if transposed else (s1[2], s1[1])
     n, w2_out = (s2[1], s2[2]) if transposed else (s2[2], s2[1])
     expect(w1_in == d and w2_out == d, f"stacked expert weights {s1} / {s2} do not map d={d}")
+    if w_up is not None:  # [E, in, out] gate and up: the rewrite hands the list op each W[e].t() (views)
+        expect(experts[0].biases[0] is None and experts[0].biases[1] is None,
+               "biases on separate stacked gate and up parameters are not supported")
+        expect(shape_of(w_up) == s1 and dtype_of(w_up) == x_dtype, f"up weights {shape_of(w_up)} are not shaped as the gate's {s1}")
+        w1_out *= 2
     expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
     check_stacked_biases(b1, b2, E=E, w1_out=w1_out, d=d, x_dtype=x_dtype)
-    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2) if b is not None}
+    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2, w_up) if b is not None}
     region = _closed_region(walk, anchors, inputs, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
                          shape={"T": T, "d": d, "n": n, "E": E, "K": K}, w1=w1, w2=w2, b1=b1, b2=b2,
-                         transposed=transposed)
+                         transposed=transposed, w_up=w_up)
 
 
 def _stacked_biases(experts: list[ExpertMLP], E: int) -> tuple[fx.Node | None, fx.Node | None]:

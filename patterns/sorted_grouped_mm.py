@@ -244,8 +244,6 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
         expect(not isinstance(found, str), str(found))
         act, swapped = found
         w1, w_up = (layouts[1][0], layouts[0][0]) if swapped else (layouts[0][0], layouts[1][0])
-        expect(not transposed, f"gate and up are two stacked parameters ({w1.name}, {w_up.name}) in [E, in, out]: "
-               f"the list op takes [out, in] slices; keep gate and up in one [E, d, 2n] parameter, or store them as [E, n, d]")
         walk.mark(*backward_slice([a], stop=set(hs)))
 
     # y, scaled by the sorted weights unless the inputs were, then scattered back to the tokens

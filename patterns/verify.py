@@ -212,7 +212,7 @@ class _Region:
                 b1 = torch.stack([torch.cat(pair) for pair in zip(bg, bu)] if bu else bg) if bg else None
                 b2 = torch.stack(bd) if bd else None
         elif m.w_up is not None:
-            w1 = torch.cat([w1, at[m.w_up]], 1)
+            w1 = torch.cat([w1, at[m.w_up]], 2 if m.transposed else 1)
         flags = dict(activation=m.activation, interleaved=m.interleaved, transposed=m.transposed, alpha=m.alpha,
                      limit=m.limit)
         ids = ids.long()

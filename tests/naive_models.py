@@ -719,21 +719,23 @@ class SortedGroupedMoE(Router):
              shared expert's output), "unsort" (`u = zeros_like(y); u[perm] = y; u.view(T, K, d).sum(1)`)
     casts: torchtitan's `.bfloat16()` on the rows and weights (no-ops on a bf16 model)
     offsets: "dtype" (`torch.cumsum(counts, 0, dtype=torch.int32)`), "cast" (`counts.cumsum(0).to(torch.int32)`)
+    orient: "out_in" (weights [E, out, in], transposed for grouped_mm), "in_out" ([E, in, out] handed to
+            grouped_mm as they are: torchtune's GroupedExperts, gate [E, d, n], up [E, d, n], down [E, n, d])
     Knobs that break it (the negative grid): histc_max (another histc range), tok_k (perm // another K),
     scatter_rows ("perm": the rows scattered by perm, not perm // K), descending
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", score_before=False, rows="gather", sort="argsort",
                  combine="scatter_add", casts=False, histc_max=None, tok_k=None, scatter_rows=None, descending=False,
-                 offsets="dtype"):
+                 offsets="dtype", orient="out_in"):
         super().__init__(d, E, K)
-        self.casts, self.offsets = casts, offsets
+        self.casts, self.offsets, self.orient = casts, offsets, orient
         self.gate_up, self.score_before, self.rows, self.sort, self.combine = gate_up, score_before, rows, sort, combine
         self.histc_max, self.tok_k, self.scatter_rows, self.descending = histc_max, tok_k, scatter_rows, descending
-        self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, "out_in")
+        self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, orient)
         if gate_up == "separate":
-            self.w3 = stacked_param(E, n, d, "out_in")
-        self.w2 = stacked_param(E, d, n, "out_in")
+            self.w3 = stacked_param(E, n, d, orient)
+        self.w2 = stacked_param(E, d, n, orient)
         if combine == "shared":
             self.shared = GatedExpert(d, n)
 
@@ -756,17 +758,18 @@ class SortedGroupedMoE(Router):
             offs = counts.cumsum(0).to(torch.int32)
         else:
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        B = (lambda w: w) if self.orient == "in_out" else (lambda w: w.transpose(-2, -1))  # B[e] [in, out]
         if self.gate_up == "separate" and self.casts:  # torchtitan's _run_experts_grouped_mm, bf16 casts and all
             h = F.silu(torch._grouped_mm(rows.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
             h = h * torch._grouped_mm(rows.bfloat16(), self.w3.bfloat16().transpose(-2, -1), offs=offs)
         elif self.gate_up == "separate":
-            h = F.silu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(rows, self.w3.transpose(-2, -1), offs=offs)
+            h = F.silu(torch._grouped_mm(rows, B(self.w1), offs=offs))
+            h = h * torch._grouped_mm(rows, B(self.w3), offs=offs)
         else:
-            g, u = torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            g, u = torch._grouped_mm(rows, B(self.w1), offs=offs).chunk(2, dim=-1)
             h = F.silu(g) * u
         w2 = self.w2.bfloat16() if self.casts else self.w2
-        y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).type_as(x)
+        y = torch._grouped_mm(h, B(w2), offs=offs).type_as(x)
         if not self.score_before:
             y = (y.to(torch.float32) * w_sorted.reshape(-1, 1)).to(x.dtype)
         if self.scatter_rows == "perm":

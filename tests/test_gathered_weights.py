@@ -25,6 +25,7 @@ LIST_OP, STACKED_OP = "sonic::moe_experts_list", "sonic::moe_experts"
 VARIANTS = {  # kwargs, the op, the reported layout
     "gpt-fast": (dict(), LIST_OP, "separate gate/up (two stacked parameters)"),
     "separate-mul_sum-letters": (dict(combine="mul_sum", letters=True), LIST_OP, "separate gate/up (two stacked parameters)"),
+    "separate-in_out": (dict(orient="in_out"), LIST_OP, "separate gate/up (two stacked parameters, transposed)"),
     "fused-out_in": (dict(gate_up="fused"), STACKED_OP, "concatenated"),
     "fused-in_out-w_first": (dict(gate_up="fused", orient="in_out", combine="einsum_w_first"), STACKED_OP,
                              "concatenated, transposed"),
@@ -87,7 +88,6 @@ NEGATIVE = {
     "summed-over-d": (dict(sum_dim=2), "not summed over each token's K experts"),
     "orientation-mismatch": (dict(gate_up="plain", down_orient="in_out"), "two orientations"),
     "gather-read-elsewhere": (dict(gather_read=True), "read more than once"),
-    "separate-in_out": (dict(orient="in_out"), "gate and up are two stacked parameters"),
     "up-matmul": (dict(up_matmul=True), "not by an einsum with the hidden states"),
     "separate-gate-bias": (dict(gate_bias=True), "biases on separate stacked gate and up parameters"),
     "cut-up-first": (dict(gate_up="cut", cut_swapped=True), "[up | gate] in one parameter is not a layout"),

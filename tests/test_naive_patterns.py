@@ -412,6 +412,8 @@ STACKED_VARIANTS = {
     "T-fused": (dict(gate_up="fused"), "sonic::moe_experts", "concatenated"),
     "linear-plain": (dict(orient="linear", gate_up="plain"), "sonic::moe_experts", "concatenated"),
     "in_out-fused": (dict(orient="in_out", gate_up="fused"), "sonic::moe_experts", "concatenated, transposed"),
+    # [E, in, out] gate and up: the list op on each slice's .t() (views, no copy)
+    "in_out-separate": (dict(orient="in_out"), OP, "separate gate/up (two stacked parameters, transposed)"),
     # d == n: [E, in, out] and [E, out, in] have one shape; only the graph's (absent) transpose tells
     "in_out-plain-square": (dict(n=D, orient="in_out", gate_up="plain"), "sonic::moe_experts", "concatenated, transposed"),
     "T-fused-square": (dict(n=D // 2, gate_up="fused"), "sonic::moe_experts", "concatenated"),
@@ -515,7 +517,6 @@ NEGATIVE = {
     "stacked-subset": (lambda: StackedLoopMoE(experts_used=[0, 1, 3]), "not every expert"),
     # d == n: the down weight has w1's [E, out, in] shape but is read as [in, out]; the shapes cannot tell
     "stacked-square-orientation-mismatch": (lambda: StackedLoopMoE(n=D, gate_up="plain", down_orient="in_out"), "read both as [out, in]"),
-    "stacked-separate-in_out": (lambda: StackedLoopMoE(orient="in_out"), "gate and up are two stacked parameters"),
     "stacked-weight-modified-in-loop": (lambda: StackedLoopMoE(mutate=True), "is modified in the graph"),
     "dense-softmax-gates": (lambda: DenseMoE(gates="probs"), "not provably zero outside the top-k"),
     "dense-softmax-gate-columns": (lambda: DenseMoE(gates="probs", combine="slices"), "not provably zero outside the top-k"),

@@ -30,6 +30,9 @@ VARIANTS = {
     # torchtitan 0.2's without its padding), gate and up as two grouped_mm
     "unsort-separate": dict(combine="unsort"),
     "unsort-separate-scores-before-index": dict(combine="unsort", score_before=True, rows="index"),
+    # torchtune's GroupedExperts: gate and up [E, d, n], down [E, n, d], handed to grouped_mm untransposed
+    "in_out-separate": dict(orient="in_out", score_before=True),
+    "in_out-fused": dict(orient="in_out", gate_up="fused"),
 }
 
 
@@ -71,6 +74,6 @@ def test_sorted_grouped_mm_negative_untouched(case, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["torchtitan", "scores-after-scatter_add", "fused-index-sort"])
+@pytest.mark.parametrize("variant", ["torchtitan", "scores-after-scatter_add", "fused-index-sort", "in_out-separate"])
 def test_sorted_grouped_mm_gpu_bf16(variant):
     _check_gpu_bf16(lambda: SortedGroupedMoE(**VARIANTS[variant]), IDIOM)
