@@ -683,6 +683,18 @@ def moe_experts(
     return out
 
 
+def drop_slots_from(topk_ids: Tensor, topk_weights: Tensor, E: int) -> tuple[Tensor, Tensor, Tensor]:
+    """[T, K] routing in which every slot with an id >= E is dropped (expert parallelism's sentinels:
+    the experts of other ranks), as the slot form `moe_experts` takes: (ids [T K] with those slots
+    -1, padding; a negative id becomes -2, refused as any id out of range is), weights [T K], and
+    each slot's token. Elementwise, on the device, no host sync; the op computes no row for a
+    dropped slot and gives its weight a zero gradient. `patterns.common` inserts the same nodes."""
+    flat = topk_ids.reshape(-1)
+    ids = torch.where(flat >= E, -1, torch.where(flat < 0, -2, flat))
+    slot_token = torch.cumsum(torch.ones_like(flat, dtype=torch.int32), 0, dtype=torch.int32) - 1
+    return ids, topk_weights.reshape(-1), slot_token // topk_ids.shape[1]
+
+
 def validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1=None, b2=None, *, activation,
                              interleaved=False, slot_token=None):
     """`validate_moe_inputs` for the list form: E experts, each list of one shape, dtype and device;

@@ -7,13 +7,16 @@ family a path that calls `sonic::moe_experts` directly, in and out of `torch.com
     import moe_compiler
     moe_compiler.register_hf_experts()
     model = AutoModelForCausalLM.from_config(config, experts_implementation="sonic")
+
+Under an expert-parallel plan (`_is_expert_parallel`), the ids of other ranks' experts arrive as
+the sentinel `num_experts`; those slots are dropped on the device (`codegen.ops.drop_slots_from`).
 """
 from __future__ import annotations
 
 import torch
 
 from moe_compiler.codegen.activations import GATED
-from moe_compiler.codegen.ops import moe_experts
+from moe_compiler.codegen.ops import drop_slots_from, moe_experts
 from moe_compiler.patterns.activation_probe import name_activation
 
 NAME = "sonic"
@@ -41,8 +44,8 @@ def _experts_spec(module) -> dict:
 
 def sonic_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     """transformers' experts signature: hidden [T, d], top_k_index/top_k_weights [T, K] -> [T, d]."""
-    if getattr(self, "_is_expert_parallel", False) or getattr(self, "has_post_expert_norm", False):
-        raise NotImplementedError("experts_implementation='sonic' does not support expert parallelism or post-expert norms yet")
+    if getattr(self, "has_post_expert_norm", False):
+        raise NotImplementedError("experts_implementation='sonic' does not support post-expert norms yet")
     spec = _experts_spec(self)
     gated = getattr(self, "has_gate", True)
     w1 = self.gate_up_proj if gated else self.up_proj
@@ -51,7 +54,11 @@ def sonic_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         b1 = self.gate_up_proj_bias if gated else self.up_proj_bias
         b2 = self.down_proj_bias
     assert GATED[spec["activation"]] == gated
-    out = moe_experts(hidden_states.to(w1.dtype), top_k_index, top_k_weights, w1, self.down_proj, b1, b2, **spec)
+    routing = (top_k_index, top_k_weights)
+    if getattr(self, "_is_expert_parallel", False):  # ids of other ranks' experts are the sentinel num_experts
+        *routing, slot_token = drop_slots_from(top_k_index, top_k_weights, self.num_experts)
+        spec = {**spec, "slot_token": slot_token}
+    out = moe_experts(hidden_states.to(w1.dtype), *routing, w1, self.down_proj, b1, b2, **spec)
     return out.to(hidden_states.dtype)
 
 

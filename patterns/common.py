@@ -69,6 +69,10 @@ class MoEMatch:
     input_scaled: bool = False
     # topk_ids / topk_weights are [T] (a top-1 `max` over the scores): the rewrite hands the op [T, 1]
     flat_top1: bool = False
+    # Slots whose id is >= this add nothing to their token (expert parallelism's sentinels: the ids of
+    # experts on other ranks, masked out by the region). The rewrite calls the op in the slot form
+    # with those slots as padding. None: every id lies in [0, E) or the op reports it.
+    drops_from: int | None = None
     verified: str = "-"  # what verification by evaluation found (`patterns.verify`), for the report
 
     def op_inputs(self) -> list[fx.Node]:
@@ -169,6 +173,7 @@ class RegionWalk:
         self.seen: set[fx.Node] = set()
         self.num_experts = num_experts
         self.sorted_ids: fx.Node | None = None
+        self.sentinel_masks: set[fx.Node] = set()
 
     def mark(self, *nodes):
         for node in nodes:
@@ -189,7 +194,19 @@ class RegionWalk:
         ok = is_call(mask, "ge", "__ge__") and mask.args[0] is self.sorted_ids and mask.args[1] == self.num_experts
         if ok:
             self.mark(node, *chain)
+            self.sentinel_masks.add(node)
         return ok
+
+    def masks_sentinel_rows(self, node: fx.Node) -> bool:
+        """Whether the rows of `node` reach their single consumer through a sentinel mask: each row
+        whose sorted id is >= E is zeroed there, whatever the experts computed for it."""
+        while True:
+            users = self.readers(node)
+            if len(users) != 1 or not (is_noop_cast(users[0]) or self.is_sentinel_mask(users[0])):
+                return False
+            if users[0] in self.sentinel_masks:
+                return True
+            node = users[0]
 
     def is_harmless_inplace(self, node: fx.Node) -> bool:
         """In-place nodes of the region that change no value for ids in [0, E)."""
@@ -554,6 +571,10 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         ids = insert(torch.reshape, (ids, (-1, 1)))
         weights = insert(torch.ones_like, (ids,), {"dtype": dtype_of(match.topk_weights)})
     x = cast(x)  # after the scaling, which the region computes before its products too
+    if match.drops_from is not None:
+        if token_rounding is not None:
+            raise ValueError("token rounding does not apply to routing with dropped (expert-parallel) slots")
+        ids, weights, slot_token = _dropped_as_padding(ids, weights, match.drops_from, insert)
     if token_rounding is not None:
         if match.router_probs is None:
             raise ValueError("token rounding needs the router probabilities, which this region does not show")
@@ -599,6 +620,19 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         _replace_accumulator(graph, match, result)
     erase_dead(graph, match.region | {match.anchor})
     return call
+
+
+def _dropped_as_padding(ids: fx.Node, weights: fx.Node, E: int, insert) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """`codegen.ops.drop_slots_from` as graph nodes (elementwise: Inductor fuses them): [R, K]
+    routing whose ids >= E are dropped, in the op's slot form (ids, weights, each slot's row)."""
+    K = shape_of(ids)[1]
+    flat = insert(torch.reshape, (ids, (-1,)))
+    checked = insert(torch.where, (insert(torch.lt, (flat, 0)), -2, flat))
+    slot_ids = insert(torch.where, (insert(torch.ge, (flat, E)), -1, checked))
+    ones = insert(torch.ones_like, (flat,), {"dtype": torch.int32})
+    position = insert(torch.sub, (insert(torch.cumsum, (ones, 0), {"dtype": torch.int32}), 1))
+    slot_token = insert(torch.floor_divide, (position, K)) if K != 1 else position
+    return slot_ids, insert(torch.reshape, (weights, (-1,))), slot_token
 
 
 def _unbound(stacked: fx.Node, E: int, insert, transposed: bool = False) -> list[fx.Node]:

@@ -18,8 +18,12 @@ Eager code it matches (transformers/integrations/moe.py, `grouped_mm_experts_for
 
 `grouped_mm` is `torch._grouped_mm` / `F.grouped_mm` (bf16 under compile) or the opaque
 `transformers::grouped_mm_fallback` (fp32/fp16). transformers 5.17 also inserts expert-parallel
-sentinel nodes (`expert_ids_g >= E` masks, `clamp_`, `masked_fill(_)`); with ids in [0, E), which
-top-k guarantees and the op checks, they change nothing and are absorbed into the region.
+sentinel nodes (`expert_ids_g >= E` masks, `clamp_`, `masked_fill(_)`; transformers >= 5.20 under
+an expert-parallel plan only). With ids from a top-k over the E experts they change nothing and are
+absorbed into the region. Where the ids come from elsewhere (an expert-parallel plan writes E, the
+sentinel, for the experts of other ranks) and the down projection's rows pass through such a mask,
+a slot with id >= E adds nothing: the match's `drops_from` is E and the op runs in the slot form
+with those slots as padding (no rows computed for them).
 
 It becomes:
 
@@ -57,6 +61,7 @@ from .common import (
     summed_per_token,
     users_getitem,
 )
+from .module_list import ranked_over
 
 IDIOM = "hf_grouped_mm"
 GROUPED_MM = ("_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback")
@@ -181,6 +186,9 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
 
     # out = unsorted.view(T, K, d).sum(1)
     anchor = summed_per_token(unsort, walk, T, K)
-    return finish_match(
+    match = finish_match(
         IDIOM, up, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, E=E, K=K, T=T, d=d
     )
+    if walk.masks_sentinel_rows(down) and not ranked_over(topk_ids, E):
+        match.drops_from = E  # expert parallelism: the region zeroes the rows of ids >= E, the op drops them
+    return match

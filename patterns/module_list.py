@@ -40,6 +40,7 @@ import torch.fx as fx
 from .activation_probe import identify_activation, identify_pair_activation
 from .common import (
     MoEMatch,
+    NoMatch,
     RegionWalk,
     arg,
     backward_slice,
@@ -257,6 +258,16 @@ def topk_routing(topk_ids: fx.Node, walk: RegionWalk) -> tuple[int, int]:
     expect(isinstance(K, int) and isinstance(shape[1], int), "top-k width or expert count is not static")
     expect(shape_of(topk_ids) == (shape[0], K), f"top-k ids are not [T, K={K}]")
     return shape[1], K
+
+
+def ranked_over(topk_ids: fx.Node, E: int) -> bool:
+    """Whether the ids are a top-k over E experts' scores in this graph, so every one lies in [0, E)
+    (none is an expert-parallel sentinel)."""
+    try:
+        ranked, _ = topk_routing(topk_ids, RegionWalk())
+    except NoMatch:
+        return False
+    return ranked == E
 
 
 def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts: list[ExpertMLP], *,

@@ -92,8 +92,9 @@ def match_router(call: fx.Node, routing: tuple[fx.Node, fx.Node] | None = None) 
     expect(is_call(call, "sonic::moe_experts", "sonic::moe_experts_list"), f"{call.name} is not a sonic MoE call")
     ids, weights = call.args[1], call.args[2]
     slot_form = call.args[13]  # slot_token, in both forms (x, ids, weights, 3 weights or lists, b1, b2, 5 flags, save_h)
-    expect(slot_form is None and not is_call(_src(ids), "sonic::round_routing_slots"),
+    expect(not is_call(_src(ids), "sonic::round_routing_slots"),
            "token rounding reads the router probabilities (sonic::round_routing_slots)")
+    expect(slot_form is None, "the call takes the slot form (slots dropped: an expert-parallel plan's sentinels)")
     if routing is not None:
         ids, weights = routing
     while _cast_dtype(weights) is not None:  # casts after the router stay in the graph

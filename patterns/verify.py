@@ -10,6 +10,8 @@ is right only on easy ones:
     idle         the first and the last expert get no token (when E - 2 >= K)
     crowded      one expert is among every token's K (all tokens on it for K = 1)
     ordered      each token's ids in descending order, all weights equal (ties)
+    sentinel     (regions that drop ids >= E) random ids with about a third of the slots E, one
+                 token's every slot among them
 
 Each result is compared with `codegen.reference.torch_moe_experts` on the same float64 inputs
 (per-expert lists stacked, gate and up concatenated, the [T, K] weights gathered from a gate
@@ -70,7 +72,12 @@ def verify(match: MoEMatch) -> str:
             return "structural only (out of memory evaluating it)"
     if outcome != "equal":
         raise NoMatch(f"evaluated against the op, the region differs: {outcome}")
-    return f"evaluated equal on {len(ROUTINGS)} routings"
+    return f"evaluated equal on {len(_routings(match))} routings"
+
+
+def _routings(match: MoEMatch) -> tuple[str, ...]:
+    """The routings a region is evaluated on: the sentinel one too where it drops ids >= E."""
+    return ROUTINGS + (("sentinel",) if match.drops_from is not None else ())
 
 
 @contextlib.contextmanager
@@ -122,7 +129,8 @@ class _Region:
 
     def signature(self) -> str:
         fields = {k: str(getattr(self.match, k)) for k in ("activation", "interleaved", "transposed", "alpha",
-                                                             "limit", "gates", "input_scaled", "flat_top1")}
+                                                             "limit", "gates", "input_scaled", "flat_top1",
+                                                             "drops_from")}
         metas = [(tuple(map(_concrete, shape_of(n))), str(getattr(example_value(n), "dtype", type(example_value(n)))))
                  for n in self.inputs]
         return repr((self.module.code, metas, sorted(fields.items()), str(self.device)))
@@ -142,7 +150,7 @@ class _Region:
                 flops += 2 * numel * (_concrete(first[-1], per_expert) if first else 1)
         largest = max((_numel(n, per_expert) for n in self.nodes), default=0)
         size = sum(8 * _numel(n) for n in self.inputs) + 3 * 8 * largest  # a few intermediates live at once
-        return flops * len(ROUTINGS), float(size)
+        return flops * len(_routings(self.match)), float(size)
 
     def evaluate(self) -> str:
         """'equal', or the first routing on which the region and the op differ, with the error."""
@@ -155,7 +163,7 @@ class _Region:
                      if node is not self.match.topk_ids and node is not self.match.topk_weights}
         except Exception as exc:
             return f"its inputs cannot be made ({type(exc).__name__}: {str(exc)[:200]})"
-        for routing in ROUTINGS:
+        for routing in _routings(self.match):
             try:
                 values = self._inputs(routing, generator, fixed)
                 got = _Float64(self.module).run(*values)
@@ -176,6 +184,9 @@ class _Region:
         m = self.match
         T, K, E = (_concrete(m.shape[k]) for k in ("T", "K", "E"))
         ids, weights = _routing(routing, T, K, E, generator)
+        if routing == "sentinel":
+            ids = torch.where(torch.rand(T, K, generator=generator) < 1 / 3, m.drops_from, ids)
+            ids[0] = m.drops_from
         values = []
         for node in self.inputs:
             if node is m.topk_ids:
@@ -202,6 +213,9 @@ class _Region:
             ids, weights = ids.unsqueeze(-1), weights.unsqueeze(-1)
         if m.gates:
             weights = torch.gather(weights, 1, ids)
+        if m.drops_from is not None:  # a dropped slot adds nothing: weight 0 on a real expert, exactly
+            keep = ids < m.drops_from
+            ids, weights = torch.where(keep, ids, 0), torch.where(keep, weights, 0)
         w1, w2, b1, b2 = (at.get(n) for n in (m.w1, m.w2, m.b1, m.b2))
         if m.expert_lists is not None:
             gate, up, down = ([at[n] for n in group] for group in m.expert_lists)
