@@ -69,10 +69,11 @@ class MoEMatch:
     input_scaled: bool = False
     # topk_ids / topk_weights are [T] (a top-1 `max` over the scores): the rewrite hands the op [T, 1]
     flat_top1: bool = False
-    # Slots whose id is >= this add nothing to their token (expert parallelism's sentinels: the ids of
-    # experts on other ranks, masked out by the region). The rewrite calls the op in the slot form
-    # with those slots as padding. None: every id lies in [0, E) or the op reports it.
-    drops_from: int | None = None
+    # What the region does with an id >= E (expert parallelism's sentinel for an expert on another
+    # rank): "drop" (the slot adds nothing: the rewrite calls the op in the slot form with those
+    # slots as padding), "clamp" (the slot runs expert E-1, as the region's clamp makes it: the op
+    # gets the clamped ids). None: ids are a top-k over E, or an id out of range is the op's error.
+    sentinels: str | None = None
     verified: str = "-"  # what verification by evaluation found (`patterns.verify`), for the report
 
     def op_inputs(self) -> list[fx.Node]:
@@ -571,10 +572,12 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         ids = insert(torch.reshape, (ids, (-1, 1)))
         weights = insert(torch.ones_like, (ids,), {"dtype": dtype_of(match.topk_weights)})
     x = cast(x)  # after the scaling, which the region computes before its products too
-    if match.drops_from is not None:
-        if token_rounding is not None:
-            raise ValueError("token rounding does not apply to routing with dropped (expert-parallel) slots")
-        ids, weights, slot_token = _dropped_as_padding(ids, weights, match.drops_from, insert)
+    if match.sentinels is not None and token_rounding is not None:
+        raise ValueError("token rounding does not apply to routing with expert-parallel sentinels")
+    if match.sentinels == "drop":
+        ids, weights, slot_token = _dropped_as_padding(ids, weights, match.shape["E"], insert)
+    elif match.sentinels == "clamp":
+        ids = insert(torch.clamp, (ids, 0, match.shape["E"] - 1))
     if token_rounding is not None:
         if match.router_probs is None:
             raise ValueError("token rounding needs the router probabilities, which this region does not show")

@@ -14,12 +14,14 @@ Eager code it matches (transformers/integrations/moe.py, `batched_mm_experts_for
 It becomes the same `moe_experts` call as the grouped_mm path (its small-T regime), which reads
 each expert's weights in place instead of gathering a [TK, 2n, d] copy of them.
 transformers clamps the ids used for the weight gather (`ids.clamp(0, E - 1)`, for
-expert-parallel sentinels: always in 5.17, under an expert-parallel plan from 5.20); for ids in
-[0, E) that is the identity and is absorbed into the region. Under a plan, the ids of other ranks'
-experts are the sentinel E and their weights are masked to 0 (`w.masked_fill(ids >= E, 0)`): where
-that mask is in the region and the ids are not a top-k over the E experts in the graph, the match
-drops ids >= E (`drops_from`) and the op computes no row for them. (An expert returning inf or nan
-for a sentinel slot's clamped row gives nan there; the op gives 0.)
+expert-parallel sentinels: always in 5.17, under an expert-parallel plan from 5.20); for ids from
+a top-k over the E experts in the graph that is the identity and is absorbed into the region.
+Otherwise (a plan writes E, the sentinel, for the experts of other ranks) the match says what the
+region does with an id >= E (`sentinels`): transformers >= 5.20 also masks those slots' weights to
+0 (`w.masked_fill(ids >= E, 0)`), so they add nothing ("drop": the op computes no row for them; an
+expert returning inf or nan on a sentinel slot's clamped row gives nan there, the op 0); 5.17 does
+not, so a sentinel slot runs expert E-1 with its own weight ("clamp": the op gets the clamped ids;
+transformers' router has zeroed those weights beforehand).
 """
 from __future__ import annotations
 
@@ -139,6 +141,7 @@ def _check(up_bmm: fx.Node) -> MoEMatch:
     expect(not isinstance(act, str), str(act))
     walk.mark(*backward_slice([a], stop={h}))
 
+    clamped = gather_ids is not flat_ids and arg(gather_ids, 1, "min") == 0  # into [0, E-1], as the op takes it
     masked = set(walk.sentinel_masks)
     mul, topk_weights = scaled_by_routing_weights(walk.forward(y), walk, topk_ids)
     weights_masked = bool(walk.sentinel_masks - masked)  # w.masked_fill(ids >= E, 0) on the way to the product
@@ -146,6 +149,6 @@ def _check(up_bmm: fx.Node) -> MoEMatch:
     match = finish_match(
         IDIOM, up_bmm, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, E=E, K=K, T=T, d=d
     )
-    if weights_masked and not ranked_over(topk_ids, E):
-        match.drops_from = E  # expert parallelism: a slot with id >= E is weighted 0, the op drops it
+    if (weights_masked or clamped) and not ranked_over(topk_ids, E):  # expert parallelism's sentinels
+        match.sentinels = "drop" if weights_masked else "clamp"
     return match

@@ -22,7 +22,7 @@ sentinel nodes (`expert_ids_g >= E` masks, `clamp_`, `masked_fill(_)`; transform
 an expert-parallel plan only). With ids from a top-k over the E experts they change nothing and are
 absorbed into the region. Where the ids come from elsewhere (an expert-parallel plan writes E, the
 sentinel, for the experts of other ranks) and the down projection's rows pass through such a mask,
-a slot with id >= E adds nothing: the match's `drops_from` is E and the op runs in the slot form
+a slot with id >= E adds nothing: the match's `sentinels` is "drop" and the op runs in the slot form
 with those slots as padding (no rows computed for them).
 
 It becomes:
@@ -190,5 +190,5 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
         IDIOM, up, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, E=E, K=K, T=T, d=d
     )
     if walk.masks_sentinel_rows(down) and not ranked_over(topk_ids, E):
-        match.drops_from = E  # expert parallelism: the region zeroes the rows of ids >= E, the op drops them
+        match.sentinels = "drop"  # expert parallelism: the region zeroes the rows of ids >= E, the op drops them
     return match

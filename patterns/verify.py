@@ -77,7 +77,7 @@ def verify(match: MoEMatch) -> str:
 
 def _routings(match: MoEMatch) -> tuple[str, ...]:
     """The routings a region is evaluated on: the sentinel one too where it drops ids >= E."""
-    return ROUTINGS + (("sentinel",) if match.drops_from is not None else ())
+    return ROUTINGS + (("sentinel",) if match.sentinels is not None else ())
 
 
 @contextlib.contextmanager
@@ -130,7 +130,7 @@ class _Region:
     def signature(self) -> str:
         fields = {k: str(getattr(self.match, k)) for k in ("activation", "interleaved", "transposed", "alpha",
                                                              "limit", "gates", "input_scaled", "flat_top1",
-                                                             "drops_from")}
+                                                             "sentinels")}
         metas = [(tuple(map(_concrete, shape_of(n))), str(getattr(example_value(n), "dtype", type(example_value(n)))))
                  for n in self.inputs]
         return repr((self.module.code, metas, sorted(fields.items()), str(self.device)))
@@ -185,8 +185,8 @@ class _Region:
         T, K, E = (_concrete(m.shape[k]) for k in ("T", "K", "E"))
         ids, weights = _routing(routing, T, K, E, generator)
         if routing == "sentinel":
-            ids = torch.where(torch.rand(T, K, generator=generator) < 1 / 3, m.drops_from, ids)
-            ids[0] = m.drops_from
+            ids = torch.where(torch.rand(T, K, generator=generator) < 1 / 3, E, ids)
+            ids[0] = E
         values = []
         for node in self.inputs:
             if node is m.topk_ids:
@@ -213,9 +213,6 @@ class _Region:
             ids, weights = ids.unsqueeze(-1), weights.unsqueeze(-1)
         if m.gates:
             weights = torch.gather(weights, 1, ids)
-        if m.drops_from is not None:  # a dropped slot adds nothing: weight 0 on a real expert, exactly
-            keep = ids < m.drops_from
-            ids, weights = torch.where(keep, ids, 0), torch.where(keep, weights, 0)
         w1, w2, b1, b2 = (at.get(n) for n in (m.w1, m.w2, m.b1, m.b2))
         if m.expert_lists is not None:
             gate, up, down = ([at[n] for n in group] for group in m.expert_lists)
@@ -230,6 +227,11 @@ class _Region:
         flags = dict(activation=m.activation, interleaved=m.interleaved, transposed=m.transposed, alpha=m.alpha,
                      limit=m.limit)
         ids = ids.long()
+        if m.sentinels == "drop":  # a dropped slot adds nothing: weight 0 on a real expert, exactly
+            keep = ids < w1.shape[0]
+            ids, weights = torch.where(keep, ids, 0), torch.where(keep, weights, 0)
+        elif m.sentinels == "clamp":
+            ids = ids.clamp(0, w1.shape[0] - 1)
         if m.input_scaled:
             T, K = ids.shape
             rows = (x.unsqueeze(1) * weights.unsqueeze(-1)).reshape(T * K, -1)

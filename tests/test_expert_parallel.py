@@ -43,12 +43,27 @@ class OneRankEP(nn.Module):
         self.experts.down_proj = nn.Parameter(torch.randn(E, d, n)[mine] / n ** 0.5)
         self.experts.num_experts = self.local
         self.experts._is_expert_parallel = True
+        if implementation == "clamped":
+            self.experts.forward = clamped_batched_experts.__get__(self.experts)
 
     def forward(self, x):
         _, weights, ids = self.gate(x)
         off_rank = ids // self.local != self.rank
         local_ids = torch.where(off_rank, self.local, ids % self.local)
         return self.experts(x, local_ids, weights.masked_fill(off_rank, 0.0))
+
+
+def clamped_batched_experts(self, hidden_states, top_k_index, top_k_weights):
+    """transformers 5.17's batched_mm experts path, written out: every slot gathers the weights of
+    expert `id.clamp(0, E - 1)` (a sentinel E runs expert E-1) and keeps its own weight (5.17's
+    router hook has zeroed the weights of sentinel slots before)."""
+    K, (T, d) = top_k_index.shape[-1], hidden_states.shape
+    rows = hidden_states.repeat_interleave(K, dim=0)
+    ids = top_k_index.reshape(-1).clamp(0, self.num_experts - 1)
+    h = torch.bmm(self.gate_up_proj[ids], rows.unsqueeze(-1)).squeeze(-1)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.bmm(self.down_proj[ids], (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    return (y * top_k_weights.reshape(-1).unsqueeze(-1)).view(T, K, d).sum(dim=1)
 
 
 def _loss_and_grads(model, x, dy):
@@ -61,7 +76,7 @@ def _loss_and_grads(model, x, dy):
     return out.detach(), x.grad.clone(), grads
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "sonic"])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "sonic", "clamped"])
 def test_one_rank_drops_other_ranks_slots(implementation):
     """Output, dx and every gradient equal eager (the grouped_mm path's); one region rewritten, or
     the registered "sonic" experts forward; the op runs."""
@@ -87,6 +102,26 @@ def test_one_rank_drops_other_ranks_slots(implementation):
         assert_close_to_eager(got[2][name], eager[2][name], what=f"grad {name}")
     names = profiled_op_names(lambda: compiled(x))
     assert any(n.startswith("sonic::moe_experts") for n in names), sorted(names)[:20]
+    if implementation != "sonic":
+        assert report.rewritten[0].details["verified"] == "evaluated equal on 5 routings", str(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_one_rank_drops_other_ranks_slots_gpu_bf16(implementation):
+    """bf16 on the GPU: output and every gradient as close to the fp32 model as eager bf16 is."""
+    g = torch.Generator().manual_seed(1)
+    x, dy = (torch.randn(512, 16, generator=g).cuda() for _ in range(2))
+    truth = _loss_and_grads(OneRankEP(implementation=implementation).cuda(), x, dy)
+    model = OneRankEP(implementation=implementation).cuda().to(torch.bfloat16)
+    eager = _loss_and_grads(model, x.bfloat16(), dy.bfloat16())
+    with moe_compiler.capture() as report:
+        got = _loss_and_grads(compile_sonic(model), x.bfloat16(), dy.bfloat16())
+    assert len(report.rewritten) == 1 and not report.rejected, str(report)
+    for a, b, c, what in ((got[0], eager[0], truth[0], "output"), (got[1], eager[1], truth[1], "dx")):
+        assert_close_to_eager(a.float(), b.float(), c, torch.bfloat16, what)
+    for name in truth[2]:
+        assert_close_to_eager(got[2][name].float(), eager[2][name].float(), truth[2][name], torch.bfloat16, name)
 
 
 def test_one_rank_region_is_verified_on_sentinel_routing():
@@ -97,3 +132,37 @@ def test_one_rank_region_is_verified_on_sentinel_routing():
     (match,) = report.rewritten
     assert match.details["verified"] == "evaluated equal on 5 routings", str(report)
     assert "slot form" in match.details["router"], str(report)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_expert_parallel_plans(tmp_path):
+    """Two gloo processes under transformers' plan (`DistributedConfig(tp_size=2, ep_size=2)`):
+    each rank rewrites both MoE layers at inference (the all-reduce plan: other ranks' experts as
+    sentinels) and in training (the all-to-all plan), runs one `sonic::` forward call per layer, and
+    matches a one-process eager run: logits, loss, and its own experts' gradients."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .ep_plan_worker import LAYERS, RANKS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "tests.ep_plan_worker", str(tmp_path), str(_free_port())], cwd=root,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for rank in range(RANKS):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (got["infer_rewritten"], got["infer_rejected"]) == (LAYERS, 0), got
+        assert (got["train_rewritten"], got["train_rejected"]) == (LAYERS, 0), got
+        assert got["infer_calls"] == got["train_calls"] == LAYERS, got
+        assert all("slots dropped" in r for r in got["dropped"]), got
+        assert got["logits_err"] < 1e-5 and got["loss_err"] < 1e-5, got
+        assert got["expert_grads"] == 2 * LAYERS and got["grad_err"] < 1e-4 * got["grad_scale"], got
