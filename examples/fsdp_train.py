@@ -163,7 +163,9 @@ def summarize(provider: str, ranks: list[dict], reference: dict | None) -> dict:
     return out
 
 
-def report(results: list[dict], args, world: int) -> None:
+def report(results: list[dict], args, world: int, label: str | None = None) -> None:
+    """The provider table and the loss-per-step table; `label` names the sharded runs (FSDP xN)."""
+    label = label or f"FSDP x{world}"
     base = next((r for r in results if r["provider"] == "eager"), results[0])
     inductor = next((r for r in results if r["provider"] == "inductor"), None)
     print_table(
@@ -177,7 +179,7 @@ def report(results: list[dict], args, world: int) -> None:
           str([c[SONIC_OPS[0]] for c in r["sonic_op_calls"]]), r.get("max_rel_loss_diff")] for r in results],
         {"tokens/s per GPU": ".0f", "step ms": ".1f", f"x {base['provider']}": ".2f", "x inductor": ".2f",
          "peak GiB per GPU": ".2f", "first step s": ".1f", "max rel loss diff vs 1 process": ".2e"})
-    names = [(r["provider"], f"FSDP x{world}", r["losses"]) for r in results]
+    names = [(r["provider"], label, r["losses"]) for r in results]
     names += [(r["provider"], "1 process", r["reference_losses"]) for r in results if "reference_losses" in r]
     print_table(["step", *(f"{p} {how}" for p, how, _ in names)],
                 [[step, *(losses[step] for _, _, losses in names)] for step in range(args.steps)],

@@ -67,12 +67,14 @@ REAL = {
 PROVIDERS = ("eager", "inductor", "sonic")
 
 
-def build_model(name: str, scale: str, layers: int, dtype: torch.dtype, device: str, seed: int):
+def build_model(name: str, scale: str, layers: int, dtype: torch.dtype, device: str, seed: int, **config):
+    """The model `name` at `scale` with `layers` decoder layers; `config`: further config fields."""
     from moe_compiler.testing import tiny_moe_model
 
     overrides = {"num_hidden_layers": layers}
     if scale == "real":
         overrides.update(REAL[name])
+    overrides.update(config)
     with torch.device(device):
         model = tiny_moe_model(name, dtype, seed=seed, **overrides)
     model.config.use_cache = False  # training: no KV cache to build every step
