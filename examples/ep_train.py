@@ -38,8 +38,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from fsdp_train import compile_kwargs, init_distributed, report, sonic_op_calls, summarize
-from hf_train import _train_steps, add_training_args, build_model, resolve_training_args
+from fsdp_train import compile_kwargs, init_distributed, report, run_steps, summarize
+from hf_train import add_training_args, build_model, resolve_training_args
 
 from moe_compiler.benchmarking import command_line, progress_printer, save_figure, write_json
 
@@ -89,36 +89,11 @@ def prepare(provider: str, args, folder: str, world: int):
 
 
 def train(provider: str, args, batches, folder: str, rank: int, world: int, progress) -> dict:
-    """This rank's run of one provider: every rank trains on the whole batch (the plan's ranks share it)."""
-    import moe_compiler
-
+    """This rank's run of one provider: every rank trains on the whole batch (the plan's ranks share
+    it), so a step counts the batch's tokens / GPUs for each."""
     model = prepare(provider, args, folder, world)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    with moe_compiler.capture() as found:
-        label = f"{provider} EP x{world}" if world > 1 else f"{provider} 1-proc"
-        _train_steps(model, opt, batches, args, label, progress, losses, times)
-        calls = sonic_op_calls(model, model, batches[0])
-    counters = torch._dynamo.utils.counters
-    result = {
-        "losses": losses,
-        "step_s": times,
-        "tokens": batches[0].numel() / world,  # the batch's tokens per GPU
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan"),
-        "graphs": counters["stats"]["unique_graphs"],
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "moe_regions_rewritten": len(found.rewritten),
-        "sonic_op_calls": calls,
-    }
-    del model, opt
-    torch._dynamo.reset()
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    return result
+    label = f"{provider} EP x{world}" if world > 1 else f"{provider} 1-proc"
+    return run_steps(model, model, batches, args, label, progress, tokens=batches[0].numel() / world)
 
 
 def draw_results(results: list[dict], path: str, title: str) -> bool:

@@ -107,24 +107,31 @@ def sonic_op_calls(run, model, ids) -> dict[str, int]:
 def train(provider: str, args, batches, rank: int, world: int, progress, shard: bool = True) -> dict:
     """This rank's share of one provider's run: slice `rank` of `world` of each global batch's rows
     (the single-process reference: rank 0 of 1, not sharded)."""
+    model, run = prepare(provider, args, shard)
+    rows = [ids.tensor_split(world)[rank] for ids in batches]
+    label = f"{provider} x{world}" if shard else f"{provider} 1-proc"
+    return run_steps(model, run, rows, args, label, progress, tokens=rows[0].numel())
+
+
+def run_steps(model, run, batches, args, label: str, progress, *, tokens: float) -> dict:
+    """Train `model` (called through `run`) one step per batch; this rank's losses, step times,
+    peak memory, graphs and breaks, MoE regions rewritten and sonic:: op calls per step. `tokens`:
+    the tokens a step counts for this rank (tokens/s per GPU). Drops the model afterwards."""
     import moe_compiler
 
-    model, run = prepare(provider, args, shard)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    rows = [ids.tensor_split(world)[rank] for ids in batches]
     losses, times = [], []
     with moe_compiler.capture() as report:
-        label = f"{provider} x{world}" if shard else f"{provider} 1-proc"
-        _train_steps(run, opt, rows, args, label, progress, losses, times)
-        calls = sonic_op_calls(run, model, rows[0])
+        _train_steps(run, opt, batches, args, label, progress, losses, times)
+        calls = sonic_op_calls(run, model, batches[0])
     counters = torch._dynamo.utils.counters
     result = {
         "losses": losses,
         "step_s": times,
-        "tokens": rows[0].numel(),
+        "tokens": tokens,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan"),
         "graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
