@@ -133,7 +133,7 @@ def main(argv=None):
     folder = save_model(args, rank)
     progress = progress_printer(args.steps) if rank == 0 else lambda *_, **__: None
     results = []
-    try:
+    try:  # no collective here on the way out: a rank that raised must not wait for the others
         for provider in providers:
             ranks = [None] * world
             dist.all_gather_object(ranks, train(provider, args, batches, folder, rank, world, progress))
@@ -143,7 +143,6 @@ def main(argv=None):
             dist.barrier()
             results.append(summarize(provider, ranks, reference))
     finally:
-        dist.barrier()
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
 
