@@ -121,11 +121,10 @@ def main(argv=None):
                         help="expert count, for families whose config calls it num_experts (default: the model's)")
     parser.add_argument("--no-reference", action="store_true", help="skip the one-process replay on rank 0")
     args = parser.parse_args(argv)
+    rank, world = init_distributed(args.device)  # first: on CUDA it picks this rank's GPU, where the batches go
     providers, batches = resolve_training_args(parser, args, tiny_batch=4)
     # `compile_kwargs` and `summarize` are examples/fsdp_train.py's; the plan needs no per-layer scope choice
     args.compile_scope = "layers"
-
-    rank, world = init_distributed(args.device)
     if rank == 0:
         print(f"{args.model} ({args.scale}, {args.layers} layers{f', {args.experts} experts' if args.experts else ''}), "
               f"{args.dtype}, {args.device} x{world} ({dist.get_backend()}), expert parallel x{world}, "
