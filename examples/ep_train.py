@@ -93,7 +93,10 @@ def train(provider: str, args, batches, folder: str, rank: int, world: int, prog
     it), so a step counts the batch's tokens / GPUs for each."""
     model = prepare(provider, args, folder, world)
     label = f"{provider} EP x{world}" if world > 1 else f"{provider} 1-proc"
-    return run_steps(model, model, batches, args, label, progress, tokens=batches[0].numel() / world)
+    # foreach=False: under transformers 5.17's plan on CUDA the multi-tensor SGD step gets DTensor and
+    # plain tensors in one list and raises ("got mixed torch.Tensor and DTensor"); one add per parameter does not
+    return run_steps(model, model, batches, args, label, progress, tokens=batches[0].numel() / world,
+                     foreach=False)
 
 
 def draw_results(results: list[dict], path: str, title: str) -> bool:

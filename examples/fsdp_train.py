@@ -113,13 +113,14 @@ def train(provider: str, args, batches, rank: int, world: int, progress, shard: 
     return run_steps(model, run, rows, args, label, progress, tokens=rows[0].numel())
 
 
-def run_steps(model, run, batches, args, label: str, progress, *, tokens: float) -> dict:
+def run_steps(model, run, batches, args, label: str, progress, *, tokens: float, foreach: bool | None = None) -> dict:
     """Train `model` (called through `run`) one step per batch; this rank's losses, step times,
     peak memory, graphs and breaks, MoE regions rewritten and sonic:: op calls per step. `tokens`:
-    the tokens a step counts for this rank (tokens/s per GPU). Drops the model afterwards."""
+    the tokens a step counts for this rank (tokens/s per GPU); `foreach`: SGD's. Drops the model
+    afterwards."""
     import moe_compiler
 
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=foreach)
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
