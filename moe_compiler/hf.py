@@ -55,8 +55,8 @@ def sonic_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         b2 = self.down_proj_bias
     assert GATED[spec["activation"]] == gated
     routing = (top_k_index, top_k_weights)
-    if getattr(self, "_is_expert_parallel", False):  # ids of other ranks' experts are the sentinel num_experts
-        *routing, slot_token = drop_slots_from(top_k_index, top_k_weights, self.num_experts)
+    if getattr(self, "_is_expert_parallel", False):  # ids of other ranks' experts: the sentinel, this rank's count
+        *routing, slot_token = drop_slots_from(top_k_index, top_k_weights, w1.shape[0])
         spec = {**spec, "slot_token": slot_token}
     out = moe_experts(hidden_states.to(w1.dtype), *routing, w1, self.down_proj, b1, b2, **spec)
     return out.to(hidden_states.dtype)
