@@ -102,6 +102,8 @@ def token_rounding_for(match: MoEMatch, options: SonicOptions) -> tuple[str | No
     if training is None:
         log.info("sonic.token_rounding: cannot read %s.training from the frame; grad is enabled, so rounding",
                  match.module)
+    if match.sentinels is not None:
+        return None, "off (expert-parallel sentinels: the slot form is taken by the dropped slots)"
     if match.router_probs is None:
         log.warning("sonic.token_rounding: %s keeps plain top-k: its router does not rank by softmax/sigmoid "
                     "probabilities that the graph shows (%s)", match.module, match.router)

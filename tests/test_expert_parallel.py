@@ -124,6 +124,19 @@ def test_one_rank_drops_other_ranks_slots_gpu_bf16(implementation):
         assert_close_to_eager(got[2][name].float(), eager[2][name].float(), truth[2][name], torch.bfloat16, name)
 
 
+def test_one_rank_under_token_rounding_keeps_plain_routing():
+    """sonic.token_rounding does not apply where sentinel slots are dropped: the rewrite stands,
+    rounding off with the reason, output equal to eager."""
+    model = OneRankEP()
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+    want = model(x)
+    with moe_compiler.capture() as report:
+        got = compile_sonic(model, token_rounding="nearest")(x)
+    (match,) = report.rewritten
+    assert match.details["token_rounding"].startswith("off (expert-parallel sentinels"), str(report)
+    assert_close_to_eager(got.detach(), want.detach(), what="output")
+
+
 def test_one_rank_region_is_verified_on_sentinel_routing():
     """The sentinel routing is part of the evaluation: the report shows the region equal on it."""
     model = OneRankEP()
