@@ -687,7 +687,7 @@ def drop_slots_from(topk_ids: Tensor, topk_weights: Tensor, E: int) -> tuple[Ten
     """[T, K] routing in which every slot with an id >= E is dropped (expert parallelism's sentinels:
     the experts of other ranks), as the slot form `moe_experts` takes: (ids [T K] with those slots
     -1, padding; a negative id becomes -2, refused as any id out of range is), weights [T K], and
-    each slot's token. Elementwise, on the device, no host sync; the op computes no row for a
+    each slot's token. Elementwise ops and a cumsum on the device, no host sync; the op computes no row for a
     dropped slot and gives its weight a zero gradient. `patterns.common` inserts the same nodes."""
     flat = topk_ids.reshape(-1)
     ids = torch.where(flat >= E, -1, torch.where(flat < 0, -2, flat))

@@ -626,7 +626,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
 
 
 def _dropped_as_padding(ids: fx.Node, weights: fx.Node, E: int, insert) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """`codegen.ops.drop_slots_from` as graph nodes (elementwise: Inductor fuses them): [R, K]
+    """`codegen.ops.drop_slots_from` as graph nodes (elementwise and a cumsum, for Inductor): [R, K]
     routing whose ids >= E are dropped, in the op's slot form (ids, weights, each slot's row)."""
     K = shape_of(ids)[1]
     flat = insert(torch.reshape, (ids, (-1,)))
