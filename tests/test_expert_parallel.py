@@ -2,9 +2,11 @@
 
 Under an expert-parallel plan each rank keeps E / ranks experts; the ids of experts on other ranks
 reach its experts module as the sentinel E_local with weight 0 (transformers' all-reduce plan,
-`AllReduceEP` / `EpRouterParallel`), and the experts forward drops those slots. The rewrite must
-drop them too, on the device, with no rows computed for them. `OneRankEP` is that rank's view, in
-one process; the two-process plans themselves run in `test_expert_parallel_plans` (gloo).
+`AllReduceEP` / `EpRouterParallel`), and the experts forward drops those slots (or, transformers
+5.17's batched_mm, clamps them to expert E_local - 1). The rewrite must compute the same, on the
+device. `OneRankEP` is that rank's view, in one process; the plans themselves run in two gloo
+processes in `test_expert_parallel_plans` (tests/ep_plan_worker.py) and
+`test_ep_train_example_matches_one_process` (examples/ep_train.py under torchrun).
 """
 from __future__ import annotations
 
