@@ -95,6 +95,8 @@ class MoEMatch:
             layout += ", bias"
         if self.input_scaled:
             layout += ", router-scaled inputs"
+        if self.sentinels is not None:
+            layout += ", ids >= E " + ("dropped" if self.sentinels == "drop" else "clamped to E-1") + " (expert parallel)"
         return {
             "activation": self.activation,
             "layout": layout,

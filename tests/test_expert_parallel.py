@@ -105,7 +105,10 @@ def test_one_rank_drops_other_ranks_slots(implementation):
     names = profiled_op_names(lambda: compiled(x))
     assert any(n.startswith("sonic::moe_experts") for n in names), sorted(names)[:20]
     if implementation != "sonic":
-        assert report.rewritten[0].details["verified"] == "evaluated equal on 5 routings", str(report)
+        details = report.rewritten[0].details
+        assert details["verified"] == "evaluated equal on 5 routings", str(report)
+        rule = "clamped to E-1" if implementation == "clamped" else "dropped"
+        assert details["layout"].endswith(f", ids >= E {rule} (expert parallel)"), str(report)
 
 
 @pytest.mark.gpu
