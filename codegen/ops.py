@@ -683,16 +683,28 @@ def moe_experts(
     return out
 
 
-def drop_slots_from(topk_ids: Tensor, topk_weights: Tensor, E: int) -> tuple[Tensor, Tensor, Tensor]:
+def _call(fn, args, kwargs=None):
+    return fn(*args, **(kwargs or {}))
+
+
+def drop_slots_from(topk_ids, topk_weights, E: int, *, K: int | None = None, apply=_call) -> tuple:
     """[T, K] routing in which every slot with an id >= E is dropped (expert parallelism's sentinels:
     the experts of other ranks), as the slot form `moe_experts` takes: (ids [T K] with those slots
     -1, padding; a negative id becomes -2, refused as any id out of range is), weights [T K], and
-    each slot's token. Elementwise ops and a cumsum on the device, no host sync; the op computes no row for a
-    dropped slot and gives its weight a zero gradient. `patterns.common` inserts the same nodes."""
-    flat = topk_ids.reshape(-1)
-    ids = torch.where(flat >= E, -1, torch.where(flat < 0, -2, flat))
-    slot_token = torch.cumsum(torch.ones_like(flat, dtype=torch.int32), 0, dtype=torch.int32) - 1
-    return ids, topk_weights.reshape(-1), slot_token // topk_ids.shape[1]
+    each slot's token. Elementwise ops and a cumsum on the device, no host sync; the op computes no
+    row for a dropped slot and gives its weight a zero gradient.
+
+    `apply(fn, args, kwargs)` performs each step (default: calls it); the rewrite
+    (`patterns.common.rewrite`) passes its node inserter and graph nodes, with K given, to put the
+    same steps into the graph."""
+    K = topk_ids.shape[1] if K is None else K
+    flat = apply(torch.reshape, (topk_ids, (-1,)))
+    checked = apply(torch.where, (apply(torch.lt, (flat, 0)), -2, flat))
+    ids = apply(torch.where, (apply(torch.ge, (flat, E)), -1, checked))
+    ones = apply(torch.ones_like, (flat,), {"dtype": torch.int32})
+    position = apply(torch.sub, (apply(torch.cumsum, (ones, 0), {"dtype": torch.int32}), 1))
+    slot_token = apply(torch.floor_divide, (position, K)) if K != 1 else position
+    return ids, apply(torch.reshape, (topk_weights, (-1,))), slot_token
 
 
 def validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1=None, b2=None, *, activation,

@@ -205,10 +205,12 @@ class RegionWalk:
         whose sorted id is >= E is zeroed there, whatever the experts computed for it."""
         while True:
             users = self.readers(node)
-            if len(users) != 1 or not (is_noop_cast(users[0]) or self.is_sentinel_mask(users[0])):
+            if len(users) != 1:
                 return False
-            if users[0] in self.sentinel_masks:
+            if self.is_sentinel_mask(users[0]):
                 return True
+            if not is_noop_cast(users[0]):
+                return False
             node = users[0]
 
     def is_harmless_inplace(self, node: fx.Node) -> bool:
@@ -531,7 +533,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     the op's `nograd` overload (`codegen.nograd`: the same op without its Python autograd layer).
     """
     from moe_compiler.codegen.nograd import overload
-    from moe_compiler.codegen.ops import validate_moe_inputs
+    from moe_compiler.codegen.ops import drop_slots_from, validate_moe_inputs
     from moe_compiler.codegen.token_rounding import M_TILE
 
     graph = gm.graph
@@ -576,8 +578,8 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     x = cast(x)  # after the scaling, which the region computes before its products too
     if match.sentinels is not None and token_rounding is not None:
         raise ValueError("token rounding does not apply to routing with expert-parallel sentinels")
-    if match.sentinels == "drop":
-        ids, weights, slot_token = _dropped_as_padding(ids, weights, match.shape["E"], insert)
+    if match.sentinels == "drop":  # the slot form with the dropped slots as padding: the same steps as eager
+        ids, weights, slot_token = drop_slots_from(ids, weights, match.shape["E"], K=shape_of(ids)[1], apply=insert)
     elif match.sentinels == "clamp":
         ids = insert(torch.clamp, (ids, 0, match.shape["E"] - 1))
     if token_rounding is not None:
@@ -625,19 +627,6 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         _replace_accumulator(graph, match, result)
     erase_dead(graph, match.region | {match.anchor})
     return call
-
-
-def _dropped_as_padding(ids: fx.Node, weights: fx.Node, E: int, insert) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """`codegen.ops.drop_slots_from` as graph nodes (elementwise and a cumsum, for Inductor): [R, K]
-    routing whose ids >= E are dropped, in the op's slot form (ids, weights, each slot's row)."""
-    K = shape_of(ids)[1]
-    flat = insert(torch.reshape, (ids, (-1,)))
-    checked = insert(torch.where, (insert(torch.lt, (flat, 0)), -2, flat))
-    slot_ids = insert(torch.where, (insert(torch.ge, (flat, E)), -1, checked))
-    ones = insert(torch.ones_like, (flat,), {"dtype": torch.int32})
-    position = insert(torch.sub, (insert(torch.cumsum, (ones, 0), {"dtype": torch.int32}), 1))
-    slot_token = insert(torch.floor_divide, (position, K)) if K != 1 else position
-    return slot_ids, insert(torch.reshape, (weights, (-1,))), slot_token
 
 
 def _unbound(stacked: fx.Node, E: int, insert, transposed: bool = False) -> list[fx.Node]:
