@@ -1,10 +1,12 @@
 """Named invariants shared by the tests: run eager vs compiled, compare with a reasoned tolerance."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import torch
 
@@ -55,3 +57,21 @@ def run_interpreted_child(test_file: str, *pytest_args: str, timeout: int) -> di
     assert proc.returncode == 0, (
         f"interpreted tests of {os.path.basename(test_file)} failed ({summary}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}")
     return {word: int(num) for num, word in re.findall(r"(\d+) (passed|skipped|failed)", summary)}
+
+
+@contextlib.contextmanager
+def nan_filled_buffers():
+    """Inside: every floating tensor made by `torch.empty_like` or `Tensor.new_empty` starts as NaN, so
+    a kernel that reads memory it never wrote shows it (fresh memory tends to hold zeros)."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def nan_like(t, *args, **kwargs):
+        out = empty_like(t, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    def new_nan(t, *size, **kwargs):
+        out = new_empty(t, *size, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    with mock.patch.object(torch, "empty_like", nan_like), mock.patch.object(torch.Tensor, "new_empty", new_nan):
+        yield

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 import moe_compiler
 
-from .helpers import assert_close_to_eager, compile_sonic, profiled_op_names
+from .helpers import assert_close_to_eager, compile_sonic, nan_filled_buffers, profiled_op_names
 
 
 class OneRankEP(nn.Module):
@@ -127,6 +127,83 @@ def test_one_rank_drops_other_ranks_slots_gpu_bf16(implementation):
         assert_close_to_eager(a.float(), b.float(), c, torch.bfloat16, what)
     for name in truth[2]:
         assert_close_to_eager(got[2][name].float(), eager[2][name].float(), truth[2][name], torch.bfloat16, name)
+
+
+@pytest.mark.gpu
+def test_one_rank_at_kernel_sizes_gpu_bf16():
+    """grouped_mm experts at sizes where the TMA and Gluon kernels run (d 1024, n 512, 32 of 64
+    experts, top-8, 4096 tokens: half the slots dropped; the batched_mm path's eager fp32 run would
+    gather 128 GiB of weights), our buffers starting as NaN: output, dx and every gradient as close to
+    the fp32 model as eager bf16 is (finite included), over three steps."""
+    sizes = dict(E=64, K=8, d=1024, n=512, implementation="grouped_mm")
+    g = torch.Generator().manual_seed(2)
+    x, dy = (torch.randn(4096, 1024, generator=g).cuda() for _ in range(2))
+    truth = _loss_and_grads(OneRankEP(**sizes).cuda(), x, dy)
+    model = OneRankEP(**sizes).cuda().to(torch.bfloat16)
+    eager = _loss_and_grads(model, x.bfloat16(), dy.bfloat16())
+    compiled = compile_sonic(model)
+    with moe_compiler.capture() as report:
+        for _ in range(3):
+            with nan_filled_buffers():
+                got = _loss_and_grads(compiled, x.bfloat16(), dy.bfloat16())
+            for a, b, c, what in ((got[0], eager[0], truth[0], "output"), (got[1], eager[1], truth[1], "dx")):
+                assert_close_to_eager(a.float(), b.float(), c, torch.bfloat16, what)
+            for name in truth[2]:
+                assert_close_to_eager(got[2][name].float(), eager[2][name].float(), truth[2][name], torch.bfloat16,
+                                      name)
+    assert len(report.rewritten) == 1 and not report.rejected, str(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgrad", ["triton", "gluon", "grouped_mm"])
+def test_dropped_slots_with_a_small_last_expert_at_kernel_sizes_gpu(wgrad):
+    """The op on one rank's routing at sizes where the TMA and Gluon kernels run: half of the
+    [T, K] slots dropped (ids >= E), the last expert given 5 rows (fewer than any tile has), each
+    weight-gradient kernel pinned in turn, our buffers starting as NaN. Output, dx,
+    the kept slots' weight gradients and dW1, dW2 are as close to the fp32 reference as the bf16
+    reference is; the dropped slots' weight gradients are 0. (A weight-gradient box that runs past
+    the last expert's rows reads the padding rows of dH and A': they must hold zeros.)"""
+    from moe_compiler.codegen import wgrad_choice
+    from moe_compiler.codegen.ops import drop_slots_from, moe_experts
+    from moe_compiler.codegen.reference import torch_moe_experts
+
+    T, d, n, E, K = 4096, 1024, 512, 32, 8
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ids = torch.rand(T, 2 * E, device="cuda", generator=g).argsort(dim=1)[:, :K]  # distinct ids of 2E experts
+    last = (ids == E - 1).nonzero()
+    ids[last[5:, 0], last[5:, 1]] = E  # expert E-1 keeps 5 rows; ids >= E are other ranks' (dropped)
+    ids = torch.where(ids >= E, E, ids)
+    w = torch.rand(T, K, device="cuda", generator=g)
+    x, dy = (torch.randn(T, d, device="cuda", generator=g) for _ in range(2))
+    w1 = torch.randn(E, 2 * n, d, device="cuda", generator=g) / d ** 0.5
+    w2 = torch.randn(E, d, n, device="cuda", generator=g) / n ** 0.5
+    kept = ids < E
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w, w1, w2)]
+        out = fn(*leaves)
+        out.backward(dy.to(dtype))
+        return [out.detach().float()] + [t.grad.float() for t in leaves]
+
+    def reference(x_, w_, w1_, w2_):  # the dropped slots as expert 0 with weight 0
+        return torch_moe_experts(x_, torch.where(kept, ids, 0), w_ * kept, w1_, w2_)
+
+    def ours(x_, w_, w1_, w2_):
+        slot_ids, slot_w, slot_token = drop_slots_from(ids, w_, E)
+        return moe_experts(x_, slot_ids, slot_w, w1_, w2_, slot_token=slot_token)
+
+    truth, eager = grads(reference, torch.float32), grads(reference, torch.bfloat16)
+    saved = wgrad_choice.PINNED
+    wgrad_choice.PINNED = wgrad
+    try:
+        with nan_filled_buffers():
+            got = grads(ours, torch.bfloat16)
+    finally:
+        wgrad_choice.PINNED = saved
+    assert (got[2][~kept] == 0).all(), "a dropped slot's weight got a gradient"
+    got[2], eager[2], truth[2] = got[2][kept], eager[2][kept], truth[2][kept]
+    for a, b, c, what in zip(got, eager, truth, ("output", "dx", "d_weights", "dW1", "dW2")):
+        assert_close_to_eager(a, b, c, torch.bfloat16, what)
 
 
 def test_one_rank_under_token_rounding_keeps_plain_routing():

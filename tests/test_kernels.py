@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from moe_compiler.codegen.activations import ACTIVATIONS, GATED
 from moe_compiler.codegen.reference import torch_moe_experts, torch_moe_experts_fwd, torch_route
 
-from .helpers import run_interpreted_child
+from .helpers import nan_filled_buffers, run_interpreted_child
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read once: this process is the child
 _FLAGS = dict(activation="swiglu", interleaved=False, transposed=False, alpha=1.702, limit=7.0)
@@ -489,6 +489,28 @@ def test_slot_form_padding_anywhere(tm):
     (out, *_), (dx, dw, *_) = _run_ours(tm, slots, go, _FLAGS)
     assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.equal(dx[3], torch.zeros_like(dx[3]))
     assert torch.equal(dw[[1, 6, 7, 12]], torch.zeros(4))
+
+
+def test_slot_form_padding_rows_of_dh_and_a_are_zeros(tm):
+    """dH and A' (expert order) hold zeros on the slot form's padding rows, past offsets[E], where
+    the kernels' buffers start as NaN: the weight-gradient kernels reduce over boxes of expert-ordered
+    rows, and a box that runs past the last expert's rows (the Gluon kernel's, for an expert with
+    fewer rows than a box) must read zeros there, never unwritten memory (0 * NaN is NaN)."""
+    inputs, go = _make(9, 32, 16, 4, 2, torch.float32, seed=3)
+    slots = _slot_form(inputs, drop=(0, 5, 6, 11, 17))
+    E, n = inputs["w1"].shape[0], inputs["w2"].shape[2]
+    _, h, rows, offs = tm.forward.triton_moe_experts_fwd(**slots, save_h=True, **_FLAGS)
+    real = int(offs[E])
+    assert real < rows.numel(), "the routing has padding rows"
+    h[real:] = float("nan")  # the forward leaves them unwritten
+    W2 = tm.launch._stacked_banks(slots["w1"], slots["w2"], False)[1]
+    row_token = tm.routing._row_token(slots["slot_token"], rows)
+    with nan_filled_buffers():
+        dh, a_scaled, _ = tm.backward.triton_moe_dact(go, W2, h, slots["topk_weights"], rows, offs, n=n, top_k=1,
+                                                      row_token=row_token, **_FLAGS)
+    assert dh[:real].isfinite().all() and a_scaled[:real].isfinite().all()
+    assert torch.equal(dh[real:], torch.zeros_like(dh[real:])), "dH's padding rows"
+    assert torch.equal(a_scaled[real:], torch.zeros_like(a_scaled[real:])), "A''s padding rows"
 
 
 @pytest.mark.parametrize("form", ["topk", "slots"])

@@ -23,7 +23,7 @@ def _act_grad_kernel(
     h_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order (pre-activation, from the forward)
     s_ptr,  # [TK] router weights (any float dtype), slot order
     sorted_rows_ptr,  # [TK] int32, flat slot of each expert-ordered row
-    offsets_ptr,  # [E+1] int32; rows from offsets[E] on are padding (slot form) and are skipped
+    offsets_ptr,  # [E+1] int32; rows from offsets[E] on are padding (slot form): dH and A' get zeros there
     dh_ptr,  # [TK, w1_out] x.dtype, contiguous, expert order, H's gate/up layout
     a_scaled_ptr,  # [TK, n] x.dtype, contiguous, expert order: A' = s * A (may be da_ptr: written in place)
     ds_ptr,  # [TK] float, slot order: dS = <dA', A>, summed in float32 (padding slots are not written)
@@ -42,6 +42,11 @@ def _act_grad_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < tl.load(offsets_ptr + E)
+    # dH and A' are stored on every row, the slot form's padding rows (past offsets[E]) as zeros:
+    # the weight-gradient kernels reduce over whole boxes of expert-ordered rows, and a box may run
+    # past the last expert's end (the Gluon wgrad's, for an expert of fewer than BLOCK_M rows), where
+    # a zero-filled gathered row times unwritten memory (NaN) would give NaN.
+    out_rows = rows < TK
     rows64 = rows.to(tl.int64)
     slots = tl.load(sorted_rows_ptr + rows, mask=row_mask, other=0)
     s = tl.load(s_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
@@ -51,6 +56,7 @@ def _act_grad_kernel(
     for c0 in range(0, n, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = row_mask[:, None] & (cols < n)[None, :]
+        out_mask = out_rows[:, None] & (cols < n)[None, :]
         if GATED:
             if INTERLEAVED:
                 gate_cols = 2 * cols
@@ -65,6 +71,7 @@ def _act_grad_kernel(
         if GATED and INTERLEAVED:  # H's gate/up pairs read (and dH's written) as one contiguous tile
             pair_cols = 2 * c0 + tl.arange(0, 2 * BLOCK_C)
             pair_mask = row_mask[:, None] & (pair_cols < w1_out)[None, :]
+            out_pair_mask = out_rows[:, None] & (pair_cols < w1_out)[None, :]
             h = tl.load(h_ptr + rows64[:, None] * w1_out + pair_cols[None, :], mask=pair_mask, other=0.0)
             g, u = tl.split(tl.reshape(h.to(tl.float32), (BLOCK_R, BLOCK_C, 2)))
         else:
@@ -78,14 +85,15 @@ def _act_grad_kernel(
         # A' may be written over dA' (the launcher passes one buffer for both): every thread's loads
         # of this tile come before any thread's stores, whatever layouts the compiler gives them
         tl.debug_barrier()
+        # padding rows: da, h and s load as 0, so dg, du and a * s are 0 (every activation maps 0 to a finite value)
         if GATED and INTERLEAVED:
             dh = tl.reshape(tl.join(dg, du), (BLOCK_R, 2 * BLOCK_C))
-            tl.store(dh_ptr + rows64[:, None] * w1_out + pair_cols[None, :], dh.to(out_dtype), mask=pair_mask)
+            tl.store(dh_ptr + rows64[:, None] * w1_out + pair_cols[None, :], dh.to(out_dtype), mask=out_pair_mask)
         else:
-            tl.store(dh_ptr + rows64[:, None] * w1_out + gate_cols[None, :], dg.to(out_dtype), mask=mask)
+            tl.store(dh_ptr + rows64[:, None] * w1_out + gate_cols[None, :], dg.to(out_dtype), mask=out_mask)
             if GATED:
-                tl.store(dh_ptr + rows64[:, None] * w1_out + up_cols[None, :], du.to(out_dtype), mask=mask)
-        tl.store(a_scaled_ptr + rows64[:, None] * n + cols[None, :], (a * s[:, None]).to(out_dtype), mask=mask)
+                tl.store(dh_ptr + rows64[:, None] * w1_out + up_cols[None, :], du.to(out_dtype), mask=out_mask)
+        tl.store(a_scaled_ptr + rows64[:, None] * n + cols[None, :], (a * s[:, None]).to(out_dtype), mask=out_mask)
     tl.store(ds_ptr + slots, ds.to(ds_ptr.dtype.element_ty), mask=row_mask)
 
 
