@@ -46,7 +46,9 @@ with the router's top-k on int64 keys (`codegen.router.NARROW_KEYS = False`) whe
 would give int32 ones; "ours-compiled-slot-order" with the Gluon scatter GEMMs storing Y and dX~ in
 slot order (`codegen.forward.set_scatter_tiles(False)`) instead of TILE order; "ours-compiled-default-ops" with
 the compiled graphs calling our ops' `default` overloads, through custom_op's Python layers
-(`codegen.nograd.USE_NOGRAD = False`), instead of `nograd`.
+(`codegen.nograd.USE_NOGRAD = False`), instead of `nograd`; "ours-compiled-triton-launch" with every kernel
+launched through Triton's `kernel[grid]` (`codegen.direct_launch.ENABLED = False`) instead of the cached
+compiled kernel's launcher.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ from moe_compiler.codegen.router import route as sonic_route
 PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order",
              "ours-no-gluon", "ours-interleaved", "ours-list", "ours-compiled", "ours-compiled-nofold",
              "ours-compiled-per-tile-up", "ours-compiled-wide-keys", "ours-compiled-slot-order",
-             "ours-compiled-default-ops", "sonic", "liger",
+             "ours-compiled-default-ops", "ours-compiled-triton-launch", "sonic", "liger",
              "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
@@ -193,7 +195,7 @@ def build_provider(name, master, shape):
     if name == "grouped_mm":
         return (lambda x: layer_grouped_mm(params, x, K)), params
     if name in ("ours-compiled", "ours-compiled-nofold", "ours-compiled-per-tile-up", "ours-compiled-wide-keys",
-                "ours-compiled-slot-order", "ours-compiled-default-ops"):
+                "ours-compiled-slot-order", "ours-compiled-default-ops", "ours-compiled-triton-launch"):
         import moe_compiler  # noqa: F401  (registers backend="sonic" without the entry point too)
 
         fold = name != "ours-compiled-nofold"
@@ -246,10 +248,12 @@ def bench_one(name, master, shape, x, dy, ref, args):
     backward's products in one fixed order (`codegen.backward.BACKWARD_STEPS`) whatever the shape,
     ours-no-gluon without the Gluon kernels (the choices measured afresh among the others)."""
     from moe_compiler import codegen
-    from moe_compiler.codegen import nograd, router, wgrad_choice
+    from moe_compiler.codegen import direct_launch, nograd, router, wgrad_choice
 
     use_nograd = nograd.USE_NOGRAD
     nograd.USE_NOGRAD = use_nograd and not name.endswith("-default-ops")
+    direct = direct_launch.ENABLED
+    direct_launch.ENABLED = direct and not name.endswith("-triton-launch")
     saved = (codegen.launch.USE_TMA, wgrad_choice.PINNED, codegen.launch.WIDE_UP, codegen.backward.backward_order,
              codegen.launch.GLUON_TRITON_VERSIONS, dict(codegen.launch._GLUON), dict(wgrad_choice._CHOSEN),
              codegen.launch.PERSISTENT_UP, codegen.forward.SCATTER_TILES)
@@ -285,6 +289,7 @@ def bench_one(name, master, shape, x, dy, ref, args):
         codegen.forward.set_scatter_tiles(saved[8])
         router.NARROW_KEYS = narrow_keys
         nograd.USE_NOGRAD = use_nograd
+        direct_launch.ENABLED = direct
         if name == "ours-no-gluon":
             codegen.launch.GLUON_TRITON_VERSIONS = saved[4]
             codegen.launch._GLUON.clear()

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from . import forward, wgrad_choice
 from .activations import GATED
+from .direct_launch import launch
 from .forward import triton_moe_gather_sum, triton_moe_scatter_gemm, triton_moe_up
 from .ints import cdiv, pow2
 from .kernels.backward import _act_grad_kernel
@@ -112,7 +113,7 @@ def triton_moe_dact(grad_out, w2: Bank, h, s_flat, sorted_rows, offsets, *, n, t
     # A' overwrites dA' in place (the kernel's barrier orders each tile's loads before its stores),
     # and dA' is not needed afterwards: one [TK, n] buffer less while dH and A' are live
     a_scaled = da
-    _act_grad_kernel[(cdiv(TK, block_r),)](
+    launch(_act_grad_kernel, (cdiv(TK, block_r),),
         da, h, s_flat, sorted_rows, offsets, dh, a_scaled, ds,
         TK, n, E, float(alpha), float(limit),
         ACTIVATION=_ACT_CODE[activation], GATED=gated, INTERLEAVED=bool(interleaved and gated),

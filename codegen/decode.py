@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .activations import GATED
+from .direct_launch import launch
 from .ints import cdiv, pow2
 from .kernels.decode import _decode_down_kernel, _decode_up_kernel
 from .launch import _ACT_CODE, Bank
@@ -68,7 +69,7 @@ def triton_moe_decode(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, 
     w1_ptr, w1_table, w1_has_table, w1_align = W1.kernel_args()
     b1c = b1.contiguous() if b1 is not None else x
     block_n = _decode_blocks(TK, n)
-    _decode_up_kernel[(TK, cdiv(n, block_n))](
+    launch(_decode_up_kernel, (TK, cdiv(n, block_n)),
         x, topk_ids, w1_ptr, w1_table, b1c, a, sorted_rows, offsets, ok, TK, d, n, E, x.stride(0), x.stride(1),
         *W1.strides,
         _w1_out(n, activation) if b1 is not None else 0, 1, float(alpha), float(limit),
@@ -82,7 +83,7 @@ def triton_moe_decode(x, topk_ids, topk_weights, W1: Bank, W2: Bank, b1, b2, *, 
     w2_ptr, w2_table, w2_has_table, w2_align = W2.kernel_args()
     b2c = b2.contiguous() if b2 is not None else x
     block_d = _decode_blocks(T, d)
-    _decode_down_kernel[(T, cdiv(d, block_d))](
+    launch(_decode_down_kernel, (T, cdiv(d, block_d)),
         a, topk_ids, topk_weights, w2_ptr, w2_table, b2c, out, d, n, E, *W2.strides, d if b2 is not None else 0, 1,
         TOP_K=K, HAS_B2=b2 is not None, W_TABLE=w2_has_table, W_ALIGN=w2_align, BLOCK_D=block_d,
         BLOCK_N=DECODE_CHUNK_DOWN, num_warps=DECODE_WARPS,

@@ -24,6 +24,7 @@ from torch import Tensor
 from . import wgrad_choice
 from .activations import GATED
 from .decode import decode_path, triton_moe_decode, _w1_out
+from .direct_launch import launch
 from .ints import cdiv, pow2
 from .kernels.combine import _gather_sum_kernel, _gather_sum_product_kernel
 from .kernels.routing import e_pow2
@@ -228,7 +229,7 @@ def gather_sum_product_launch(d: int, J: int, K: int) -> ProductLaunch:
 
 def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_dtype: torch.dtype,
                           slots: tuple[Tensor, Tensor] | None = None,
-                          product: tuple[Tensor, Tensor] | None = None, launch: ProductLaunch | None = None,
+                          product: tuple[Tensor, Tensor] | None = None, product_launch: ProductLaunch | None = None,
                           row_map: Tensor | None = None) -> Tensor:
     """out [T, d] = sum_k (s[t, k]) y[t*K + k] (+ L[t] @ R), float32 accumulation; y [T*K, d] in slot order,
     or, given row_map [TK] (`triton_moe_scatter_gemm(row_map=True)`), slot j's row at y[row_map[j]].
@@ -236,7 +237,7 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
     slots = (ids [TK], token_offsets [T+1]) for the slot form: token t sums its real slots in
     [token_offsets[t], token_offsets[t+1]). product = (L [T, J], R [J, d]), both of one float dtype,
     any strides, and no weights: a dense term added in float32 before the result is rounded (x's
-    gradient through the router, folded in by `moe_compiler.grad_fold`); `launch` overrides how.
+    gradient through the router, folded in by `moe_compiler.grad_fold`); `product_launch` overrides how.
     """
     d = y.shape[1]
     out = torch.empty(T, d, dtype=out_dtype, device=y.device)
@@ -247,17 +248,17 @@ def triton_moe_gather_sum(y: Tensor, s: Tensor | None, T: int, top_k: int, out_d
     if product is None:
         block_t, block_d = gather_sum_blocks(d)
         grid = (cdiv(T, block_t), cdiv(d, block_d))
-        _gather_sum_kernel[grid](y, _or(s, y), ids, offs, _or(row_map, ids), out, T, d, TOP_K=K,
-                                 HAS_WEIGHTS=s is not None, SLOTS=slots is not None, ROW_MAP=row_map is not None,
-                                 BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+        launch(_gather_sum_kernel, grid, y, _or(s, y), ids, offs, _or(row_map, ids), out, T, d, TOP_K=K,
+               HAS_WEIGHTS=s is not None, SLOTS=slots is not None, ROW_MAP=row_map is not None,
+               BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
         return out
     lhs, rhs = product
     J = lhs.shape[1]
     if s is not None or lhs.shape != (T, J) or rhs.shape != (J, d) or lhs.dtype != rhs.dtype:
         raise ValueError(f"gather-sum product: L {tuple(lhs.shape)} {lhs.dtype} and R {tuple(rhs.shape)} {rhs.dtype} "
                          f"do not make a [{T}, {d}] term (or weights were given)")
-    lp = launch or gather_sum_product_launch(d, J, K)
-    _gather_sum_product_kernel[lp.grid(T, d, _programs(y.device))](
+    lp = product_launch or gather_sum_product_launch(d, J, K)
+    launch(_gather_sum_product_kernel, lp.grid(T, d, _programs(y.device)),
         y, ids, offs, _or(row_map, ids), lhs, rhs, out, T, d, J, lhs.stride(0), lhs.stride(1), rhs.stride(0),
         rhs.stride(1), TOP_K=K, SLOTS=slots is not None, ROW_MAP=row_map is not None, BLOCK_T=lp.block_t,
         BLOCK_D=lp.block_d, BLOCK_J=lp.block_j,

@@ -45,6 +45,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activations import ACTIVATIONS, GATED
+from .direct_launch import launch
 from .ints import cdiv
 from .kernels.backward import _wgrad_kernel
 from .kernels.grouped_gemm import (
@@ -287,7 +288,7 @@ def _launch(tuner, grid, *args, **kwargs) -> None:
     config, meta = tuned
     if config.pre_hook is not None:
         config.pre_hook({**dict(zip(tuner.arg_names, args)), **kwargs, **meta})
-    tuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **meta)
+    launch(tuner.fn, grid, *args, **kwargs, **meta)
 
 
 def forget_tuned_launches() -> None:

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .direct_launch import launch
 from .ints import cdiv, pow2
 from .nograd import overload, register_nograd
 from .launch import FORCE_REFERENCE
@@ -207,7 +208,7 @@ def triton_router_fwd(logits, bias, k, score, topk_first, renorm, eps, scale, n_
     BLOCK_T, BLOCK_E, BLOCK_K, grid, num_warps = _blocks(T, E, k, block_t, num_warps)
     if grid == 0:
         return w, ids
-    _route_fwd_kernel[(grid,)](
+    launch(_route_fwd_kernel, (grid,),
         logits, logits if bias is None else bias.contiguous(), w, ids, T, E,
         logits.stride(0), w.stride(0), ids.stride(0), float(eps), float(scale), float(fill),
         _in_dtype(renorm_min, compute_dtype),
@@ -232,7 +233,7 @@ def triton_router_bwd(grad_w, logits, ids, k, score, topk_first, renorm, eps, sc
                                                          gathered=topk_first or score == "sigmoid")
     if grid == 0:
         return grad
-    _route_bwd_kernel[(grid,)](
+    launch(_route_bwd_kernel, (grid,),
         grad_w, logits, ids, grad, T, E,
         grad_w.stride(0), logits.stride(0), ids.stride(0), grad.stride(0), float(eps), float(scale),
         float(renorm_min),

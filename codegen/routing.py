@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .direct_launch import launch
 from .ints import cdiv, pow2
 from .kernels.routing import (
     _route_count_kernel,
@@ -76,10 +77,10 @@ def _route_pieces(flat: Tensor, E: int, padded: bool, buckets: int) -> tuple[Ten
     sorted_rows = torch.empty(TK, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
     meta = dict(PADDED=padded, B_POW2=buckets, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8)
-    _route_count_kernel[(pieces,)](flat, counts[0], counts[1], TK, E, pieces, **meta)
-    _route_prefix_kernel[(buckets,)](counts[0], counts[1], offsets, pieces, E, BLOCK_P=1024, num_warps=4)
-    _route_place_kernel[(pieces,)](flat, counts[1], offsets, sorted_rows, TK, E, pieces, SORT=ROUTE_BY_SORT,
-                                   BLOCK=max(16, min(1024, 8192 // buckets)), **meta)
+    launch(_route_count_kernel, (pieces,), flat, counts[0], counts[1], TK, E, pieces, **meta)
+    launch(_route_prefix_kernel, (buckets,), counts[0], counts[1], offsets, pieces, E, BLOCK_P=1024, num_warps=4)
+    launch(_route_place_kernel, (pieces,), flat, counts[1], offsets, sorted_rows, TK, E, pieces, SORT=ROUTE_BY_SORT,
+           BLOCK=max(16, min(1024, 8192 // buckets)), **meta)
     return sorted_rows, offsets
 
 
@@ -127,8 +128,8 @@ def route(topk_ids: Tensor, E: int, padded: bool = False) -> tuple[Tensor, Tenso
     if small:
         sorted_rows = torch.empty(TK, dtype=torch.int32, device=flat.device)
         offsets = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
-        _route_small_kernel[(1,)](flat, sorted_rows, offsets, TK, E, PADDED=padded, B_POW2=buckets,
-                                  BLOCK=small, num_warps=4)
+        launch(_route_small_kernel, (1,), flat, sorted_rows, offsets, TK, E, PADDED=padded, B_POW2=buckets,
+               BLOCK=small, num_warps=4)
         return sorted_rows, offsets
     if buckets <= _PIECES_MAX_BUCKETS:
         return _route_pieces(flat, E, padded, buckets)
@@ -159,8 +160,8 @@ def _slot_routing(topk_ids, slot_token, T, check=True):
     if check and slot_token.numel():
         ok = torch.ones(1, dtype=torch.int32, device=slot_token.device)
         S = slot_token.numel()
-        _slot_check_kernel[(cdiv(S, 1024),)](topk_ids.reshape(-1), slot_token.reshape(-1), ok, S, T, PAD=PAD,
-                                             BLOCK=1024, num_warps=4)
+        launch(_slot_check_kernel, (cdiv(S, 1024),), topk_ids.reshape(-1), slot_token.reshape(-1), ok, S, T,
+               PAD=PAD, BLOCK=1024, num_warps=4)
         torch._assert_async(ok, "sonic.moe_experts: slot_token must be nondecreasing with real slots' tokens in "
                             "[0, T)")
     return 1, (topk_ids, token_offsets(slot_token, T))

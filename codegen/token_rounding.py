@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .direct_launch import launch
+from .ints import cdiv
 from .launch import M_TILE, runs_triton
 from .nograd import register_nograd
 
@@ -205,26 +207,26 @@ def _round_routing_triton(router_probs, topk_ids, topk_weights, tile, mode, keep
     assign = torch.empty(E, T, dtype=torch.int8, device=device)
     per_token = torch.empty(T, dtype=torch.int32, device=device)
     n_swap = torch.zeros(E, dtype=torch.int32, device=device)
-    kr._transpose_kernel[(triton.cdiv(T, 64), triton.cdiv(E, 64))](
+    launch(kr._transpose_kernel, (cdiv(T, 64), cdiv(E, 64)),
         router_probs, topk_ids, probs_t, assign, T, E, *router_probs.stride(), *topk_ids.stride(),
         K=K, BLOCK_T=64, BLOCK_E=64)
     e_pow2 = triton.next_power_of_2(E)
     block = min(triton.next_power_of_2(T), _SELECT_BLOCK)
     block_t = max(1, 8192 // e_pow2)
-    token_grid = (triton.cdiv(T, block_t),)
+    token_grid = (cdiv(T, block_t),)
     token_args = (assign, topk_ids, topk_weights, per_token, n_swap, T, E, *topk_ids.stride(), *topk_weights.stride(),
                   K)
     token_meta = dict(K_POW2=triton.next_power_of_2(K), BLOCK_T=block_t, E_POW2=e_pow2)
     cap = min(T, _SELECT_CAP)
     scratch = torch.empty(E, cap, dtype=torch.int32, device=device)
     select_args = (probs_t, assign, n_swap, per_token, scratch, T, tile, cap)
-    kr._select_kernel[(E,)](*select_args, MODE=kr.MODES[mode], BLOCK_T=block, num_warps=16)
-    kr._token_pass_kernel[token_grid](*token_args, KEEP=keep_every_token, FIRST=True, **token_meta)
+    launch(kr._select_kernel, (E,), *select_args, MODE=kr.MODES[mode], BLOCK_T=block, num_warps=16)
+    launch(kr._token_pass_kernel, token_grid, *token_args, KEEP=keep_every_token, FIRST=True, **token_meta)
     if keep_every_token:
-        kr._select_kernel[(E,)](*select_args, MODE=kr.MODES["swap"], BLOCK_T=block, num_warps=16)
-        kr._token_pass_kernel[token_grid](*token_args, KEEP=True, FIRST=False, **token_meta)
+        launch(kr._select_kernel, (E,), *select_args, MODE=kr.MODES["swap"], BLOCK_T=block, num_warps=16)
+        launch(kr._token_pass_kernel, token_grid, *token_args, KEEP=True, FIRST=False, **token_meta)
     slot_end = torch.cumsum(per_token, 0, dtype=torch.int32)
-    kr._emit_slots_kernel[token_grid](
+    launch(kr._emit_slots_kernel, token_grid,
         assign, router_probs, topk_ids, topk_weights, slot_end, per_token, slot_ids, slot_w, slot_token, T, E, S, K,
         *router_probs.stride(), *topk_ids.stride(), *topk_weights.stride(), BLOCK_T=block_t, E_POW2=e_pow2,
         BLOCK_PAD=256, num_warps=8)

@@ -712,7 +712,7 @@ def test_gather_sum_with_a_product_term(tm, dtype, slots, launch, K):
         ids[::4] = -1
         arg = (ids, tm.routing.token_offsets(torch.arange(T * K) // K, T))
     launch = None if launch is None else tm.forward.ProductLaunch(*launch)
-    got = tm.forward.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs), launch=launch)
+    got = tm.forward.triton_moe_gather_sum(y, None, T, K, dtype, arg, product=(lhs, rhs), product_launch=launch)
     rows = torch.where((ids >= 0)[:, None], y.double(), 0.0).view(T, K, d).sum(1)
     want = rows + lhs.double() @ rhs.double()
     assert got.dtype == dtype and _rel(got, want) <= _TOL[dtype], _rel(got, want)
@@ -775,9 +775,9 @@ def test_gather_sum_through_a_row_map(tm, dtype, form):
     y_tiles = torch.full(((T * K // 16 + E + 1) * 16, d), float("nan"), dtype=dtype)
     live = row_map >= 0
     y_tiles[row_map[live].long()] = y[live]
-    want = tm.forward.triton_moe_gather_sum(y, s, T, K, dtype, arg, product=product, launch=launch)
+    want = tm.forward.triton_moe_gather_sum(y, s, T, K, dtype, arg, product=product, product_launch=launch)
     got = tm.forward.triton_moe_gather_sum(y_tiles, s, T, K, dtype, arg, product=product, row_map=row_map,
-                                           launch=launch)
+                                           product_launch=launch)
     assert torch.equal(got, want)
 
 

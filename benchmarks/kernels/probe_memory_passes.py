@@ -89,7 +89,7 @@ def dx_with_router_term(T, d, E, K, iters, row_map=False, block_j=(64, 128), blo
         if bd > triton.next_power_of_2(d) or rows_tile > 65536 or bj > max(16, triton.next_power_of_2(E)):
             continue
         launch = codegen.forward.ProductLaunch(bt, bd, bj, warps, waves, first)
-        us = _time(lambda: plain(torch.bfloat16, product=(lhs, rhs), launch=launch), iters)
+        us = _time(lambda: plain(torch.bfloat16, product=(lhs, rhs), product_launch=launch), iters)
         rows.append((us, f"folded: {tuple(launch)}{' *' if launch == current else ''}", nbytes))
     want = codegen.forward.triton_moe_gather_sum(y, None, T, K, torch.float32) + lhs.float() @ rhs.float()
     got = plain(torch.bfloat16, product=(lhs, rhs)).float()

@@ -65,11 +65,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import triton
-
+from ..direct_launch import launch
+from ..ints import cdiv
 from .gluon_common import (GLUON_IMPORT_ERROR, HAS_GLUON, TensorDescriptor, bf16_desc_type, compile_for_sm90,
-                           copy_layout, fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
-                           warpgroup_mma_wait, wgmma_acc_layout)
+                           copy_layout, fence_async_shared, gl, gluon, is_sm90, mbarrier, shared_layout, tma,
+                           warpgroup_mma, warpgroup_mma_wait, wgmma_acc_layout)
 from .routing import e_pow2
 
 
@@ -456,7 +456,7 @@ def supports(inp, w, w_layout: int, bias=None, *, n_dim: int) -> str | None:
 
     if not HAS_GLUON:
         return f"no Gluon: {GLUON_IMPORT_ERROR}"
-    if not inp.is_cuda or torch.cuda.get_device_capability(inp.device)[0] != 9:
+    if not is_sm90(inp):
         return "not a Hopper (sm90) device"
     if inp.dtype != torch.bfloat16 or w.dtype != inp.dtype or (bias is not None and bias.dtype != inp.dtype):
         return f"bf16 operands only, got {inp.dtype}, {w.dtype}{'' if bias is None else ', ' + str(bias.dtype)}"
@@ -482,7 +482,7 @@ def supports(inp, w, w_layout: int, bias=None, *, n_dim: int) -> str | None:
 def tile_rows(TK: int, E: int, block_m: int) -> int:
     """Rows of a TILE-order output (`gluon_scatter_gemm(out_tiles=True)`): BLOCK_M for each M tile,
     at most cdiv(TK, BLOCK_M) + E tiles (each expert's last one partial), sized with no host sync."""
-    return (triton.cdiv(TK, block_m) + E) * block_m
+    return (cdiv(TK, block_m) + E) * block_m
 
 
 def slot_rows_in_tiles(sorted_rows, offsets, block_m: int):
@@ -536,19 +536,18 @@ def gluon_scatter_gemm(inp, w, w_layout, bias, sorted_rows, offsets, *, n_dim, n
         row_map = torch.empty(TK, dtype=torch.int32, device=inp.device)
     assert not out_tiles or (row_map.shape == (TK,) and row_map.dtype == torch.int32 and row_map.is_contiguous())
     in_block = [cfg.block_m, cfg.block_k]
-    in_desc = TensorDescriptor.from_tensor(inp, in_block, gl.NVMMASharedLayout.get_default_for(in_block, gl.bfloat16))
+    in_desc = TensorDescriptor.from_tensor(inp, in_block, shared_layout(in_block, gl.bfloat16))
     out_desc = in_desc  # not read
     if out_tiles:
         out_block = [cfg.block_m // 2 if cfg.coop else cfg.block_m, cfg.block_n]
-        out_desc = TensorDescriptor.from_tensor(out, out_block,
-                                                gl.NVMMASharedLayout.get_default_for(out_block, gl.bfloat16))
+        out_desc = TensorDescriptor.from_tensor(out, out_block, shared_layout(out_block, gl.bfloat16))
     w_block = weight_block(cfg, w_layout)
-    w_desc = TensorDescriptor.from_tensor(w, w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(w, w_block, shared_layout(w_block, gl.bfloat16))
     if num_programs is None:
         num_programs = torch.cuda.get_device_properties(inp.device).multi_processor_count
-    upper = (triton.cdiv(TK, cfg.block_m) + E) * triton.cdiv(n_dim, cfg.block_n)  # >= the real work items
+    upper = (cdiv(TK, cfg.block_m) + E) * cdiv(n_dim, cfg.block_n)  # >= the real work items
     grid = (max(1, min(num_programs, upper)),)
-    _gluon_scatter_kernel[grid](
+    launch(_gluon_scatter_kernel, grid,
         in_desc, w_desc, inp if bias is None else bias, sorted_rows, offsets, out, out_desc,
         row_map if out_tiles else sorted_rows, TK, k_dim, n_dim, E, 0 if bias is None else bias.stride(0),
         HAS_BIAS=bias is not None, W_LAYOUT=w_layout, E_POW2=e_pow2(E),

@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import triton
-
+from ..direct_launch import launch
+from ..ints import cdiv
 from .gluon_common import GLUON_IMPORT_ERROR, HAS_GLUON, TensorDescriptor, gl, gluon
-from .gluon_common import bf16_desc_type, compile_for_sm90, copy_layout, wgmma_acc_layout
+from .gluon_common import bf16_desc_type, compile_for_sm90, copy_layout, is_sm90, shared_layout, wgmma_acc_layout
 from .gluon_common import async_copy, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 
@@ -96,7 +96,7 @@ class WgradTile:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
     def kernel_maxnreg(self) -> int:
-        warps = self.num_warps + 4 * triton.cdiv(self.loader_warps, 4)  # warps are allocated by warpgroup
+        warps = self.num_warps + 4 * cdiv(self.loader_warps, 4)  # warps are allocated by warpgroup
         return self.maxnreg or min(256, 65536 // (32 * warps) // 8 * 8)
 
 
@@ -298,7 +298,7 @@ def supports(lhs, rhs, *, gather_lhs, dw) -> str | None:
     """None if `gluon_wgrad` runs these operands, else why not."""
     if not HAS_GLUON:
         return f"no Gluon: {GLUON_IMPORT_ERROR}"
-    if not lhs.is_cuda or __import__("torch").cuda.get_device_capability(lhs.device)[0] != 9:
+    if not is_sm90(lhs):
         return "not a Hopper (sm90) device"
     if lhs.dtype != rhs.dtype or lhs.dtype.itemsize != 2 or dw.dtype.itemsize != 2:
         return f"16-bit operands and dw only, got {lhs.dtype}, {rhs.dtype}, {dw.dtype}"
@@ -335,13 +335,13 @@ def gluon_wgrad(lhs, rhs, *, gather_lhs, sorted_rows, offsets, top_k, dw, dw_str
         sorted_rows, top_k = row_token, 1  # token(r) = row_token[r] // 1
     assert tuple(dw.shape) in ((E, P, Q), (E, Q, P)) and len(dw_strides) == 3
     block = dense_block(cfg, gather_lhs)
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dense.dtype == torch.bfloat16 else gl.float16)
+    layout = shared_layout(block, gl.bfloat16 if dense.dtype == torch.bfloat16 else gl.float16)
     dense_desc = TensorDescriptor.from_tensor(dense, block, layout)
     if num_programs is None:
         num_programs = torch.cuda.get_device_properties(lhs.device).multi_processor_count
-    tiles = E * triton.cdiv(P, cfg.block_p) * triton.cdiv(Q, cfg.block_q)
+    tiles = E * cdiv(P, cfg.block_p) * cdiv(Q, cfg.block_q)
     grid = (max(1, min(num_programs, tiles)),)
-    _gluon_wgrad_kernel[grid](
+    launch(_gluon_wgrad_kernel, grid,
         dense_desc, gath, sorted_rows, offsets, dw,
         P, Q, E, gath.stride(0), *dw_strides,
         TOP_K=top_k, GATHER_LHS=gather_lhs,
