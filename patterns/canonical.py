@@ -28,6 +28,15 @@ Rules (eager spelling -> canonical form):
                                                       out = y[inv]
         # un-sorting rows by scatter or by gather through the inverse permutation (perm from a sort;
         # zeros_like as well: the permutation writes every row)
+    torch.einsum("td,edn->etn", x, W)             ->  torch.bmm(x.unsqueeze(0).expand(E, -1, -1), W)
+    torch.einsum("etn,edn->etd", a, W)            ->  torch.bmm(a, W.transpose(1, 2))
+        # an einsum of two operands that is a batched matrix product: output [b, m, n], one
+        # contracted letter, b and n on one operand (b may be missing from the other: broadcast by
+        # expand, no copy); the operands laid out [b, m, i] and [b, i, n] by transpose/permute
+    torch.einsum("te,etd->td", g, y)              ->  (y * g.t().unsqueeze(-1)).sum(0)
+    torch.einsum("te,ted->td", g, y)              ->  (y * g.unsqueeze(-1)).sum(1)
+        # a [T, E] matrix weighting [E, T, d] (or [T, E, d]) values summed over E
+        # (both: the same sums of products; a matmul's rounding may differ from the reduction's)
     a = x.bfloat16(); b = x.bfloat16()            ->  b is a
     a = x[tok]; b = x[tok]                        ->  b is a
         # duplicate casts, views and row selections of one tensor (torchtitan casts x once per
@@ -417,6 +426,92 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
     return True
 
 
+# --- einsum as batched products --------------------------------------------------------------
+
+
+def _einsum_spec(node: fx.Node) -> tuple[str, str, str, fx.Node, fx.Node] | None:
+    """(letters of operand a, of operand b, of the output, a, b) of a two-operand einsum with an
+    explicit output and no ellipsis, each letter at most once per term; else None."""
+    if not is_call(node, "einsum") or node.kwargs or not node.args or not isinstance(node.args[0], str):
+        return None
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    terms = equation.replace(" ", "")
+    if len(operands) != 2 or "..." in terms or terms.count("->") != 1 or not all(isinstance(o, fx.Node) for o in operands):
+        return None
+    ins, out = terms.split("->")
+    ins = ins.split(",")
+    if len(ins) != 2 or not all(t.isalpha() and len(set(t)) == len(t) for t in (*ins, out)):
+        return None
+    if any(len(shape_of(o) or ()) != len(t) for o, t in zip(operands, ins)):
+        return None
+    return ins[0], ins[1], out, operands[0], operands[1]
+
+
+def _laid_out(gm, before, node: fx.Node, letters: str, order: str) -> fx.Node:
+    """`node` (dims named by `letters`) with its dims in `order`: itself, a transpose of two, or a permute."""
+    if letters == order:
+        return node
+    perm = [letters.index(c) for c in order]
+    swapped = [i for i, p in enumerate(perm) if p != i]
+    if len(swapped) == 2:
+        return _insert(gm, before, torch.transpose, (node, *swapped))
+    return _insert(gm, before, torch.permute, (node, perm))
+
+
+def einsum_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """A two-operand einsum that is a batched matrix product, as `torch.bmm` (see the module docstring)."""
+    spec = _einsum_spec(node)
+    if spec is None or len(spec[2]) != 3:
+        return None
+    la, lb, out, a, b = spec
+    batch, m, n = out
+    contracted = (set(la) & set(lb)) - set(out)
+    if len(contracted) != 1 or not set(la + lb) <= set(out) | contracted:
+        return None
+    (i,) = contracted
+    if n in la and m in lb:  # the operand holding n (and the batch letter) goes right
+        la, lb, a, b = lb, la, b, a
+    if not (m in la and m not in lb and n in lb and n not in la and batch in lb and len(lb) == 3):
+        return None
+    E = shape_of(b)[lb.index(batch)]
+    if not isinstance(E, int):
+        return None
+    right = _laid_out(gm, node, b, lb, batch + i + n)
+    if batch in la:
+        left = _laid_out(gm, node, a, la, batch + m + i)
+    else:
+        rows = _laid_out(gm, node, a, la, m + i)
+        left = _insert(gm, node, torch.Tensor.expand, (_insert(gm, node, torch.unsqueeze, (rows, 0)), E, -1, -1))
+    product = _insert(gm, node, torch.bmm, (left, right))
+    node.replace_all_uses_with(product)
+    return f"{node.name} ({node.args[0]!r}) -> bmm"
+
+
+def einsum_weighted_sum_to_product(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """einsum("te,etd->td" / "te,ted->td") of a [T, E] matrix and [E, T, d] / [T, E, d] values, as
+    the product broadcast over d, summed over E (see the module docstring)."""
+    spec = _einsum_spec(node)
+    if spec is None or len(spec[2]) != 2:
+        return None
+    la, lb, out, a, b = spec
+    if len(la) == 3:
+        la, lb, a, b = lb, la, b, a
+    t, d = out
+    contracted = (set(la) & set(lb)) - set(out)
+    if len(la) != 2 or len(lb) != 3 or len(contracted) != 1:
+        return None
+    (e,) = contracted
+    if set(la) != {t, e} or lb not in (e + t + d, t + e + d):
+        return None
+    gates = _laid_out(gm, node, a, la, lb[:2])  # [E, T] or [T, E], as the values lead
+    product = _insert(gm, node, torch.mul, (b, _insert(gm, node, torch.unsqueeze, (gates, -1))))
+    total = _insert(gm, node, torch.sum, (product, lb.index(e)))
+    node.replace_all_uses_with(total)
+    return f"{node.name} ({node.args[0]!r}) -> (values * weights).sum({lb.index(e)})"
+
+
 RULES = [merge_duplicate_reads, arange_mask_to_one_hot, masked_weight_to_gate_column, column_then_none_to_one_index,
          zeros_plus_value_to_value, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
-         scatter_unsort_to_gather]
+         scatter_unsort_to_gather, einsum_to_bmm, einsum_weighted_sum_to_product]

@@ -11,8 +11,11 @@ Eager code it matches (transformers' Llama 4, `Llama4TextMoe`), shapes (T tokens
 
 and its variants: rows broadcast as [E, T, d] (`x.expand(E, T, d)`, `x.unsqueeze(0)`, each times
 `gates.t().unsqueeze(-1)`), weights in nn.Linear's [E, out, in] orientation read through
-`.transpose(1, 2)`, and the gate on the expert outputs instead of the inputs
-(`(y * gates.t().unsqueeze(-1)).sum(0)`). The gate matrix must be provably zero outside the top-k
+`.transpose(1, 2)`, gate and up as two stacked parameters (`act(bmm(rows, Wg)) * bmm(rows, Wu)`),
+and the gate on the expert outputs instead of the inputs (`(y * gates.t().unsqueeze(-1)).sum(0)`).
+The same code written with einsum (`einsum("td,edn->etn", x, W)`, `einsum("te,etd->td", gates, y)`)
+reaches this finder as these bmm and product forms (`canonical.einsum_to_bmm`,
+`canonical.einsum_weighted_sum_to_product`). The gate matrix must be provably zero outside the top-k
 (`dense_experts.sparse_gates`: top-k values scattered into zeros, or a sigmoid / exp / softmax of
 values scattered into -inf).
 
@@ -38,7 +41,7 @@ import torch.fx as fx
 
 from moe_compiler.codegen.activations import torch_activation
 
-from .activation_probe import identify_activation
+from .activation_probe import identify_activation, identify_pair_activation
 from .common import (
     MoEMatch,
     NoMatch,
@@ -56,7 +59,7 @@ from .common import (
     shape_of,
 )
 from .dense_experts import sparse_gates, sums_dim
-from .module_list import through_float_casts, topk_routing
+from .module_list import projections_before, through_float_casts, topk_routing
 
 IDIOM = "dense_bmm"
 _VIEWS = ("view", "reshape")
@@ -67,11 +70,14 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     """Candidates: a bmm whose left operand is hidden states broadcast over a leading expert dim
     (gated or not): the up projection."""
     results: list[MoEMatch | Rejection] = []
+    covered: set[fx.Node] = set()  # the gate and up bmms of a pair are one candidate, found from the first
     for node in gm.graph.nodes:
         source = _rows_source(node.args[0]) if is_call(node, "bmm") and len(shape_of(node)) == 3 else None
-        if source is not None:
+        if source is not None and node not in covered:
             try:
-                results.append(_check(node, *source))
+                match = _check(node, *source)
+                covered |= match.region
+                results.append(match)
             except NoMatch as exc:
                 results.append(Rejection(IDIOM, module_path(node), str(exc)))
     return results
@@ -190,14 +196,34 @@ def _check(up: fx.Node, rows: fx.Node, factor: fx.Node | None) -> MoEMatch:
     T, d = shape_of(x)
     expect(len(shape_of(lhs)) == 3 and same_size(shape_of(lhs)[1], T) and shape_of(lhs)[2] == d,
            f"the up projection reads {shape_of(lhs)}, not [E={E}, T, d={d}]")
-    w1, transposed = _stacked_weight(rhs, "up", walk)
-
     down = _down_projection(up)
     a = walk.through(down.args[0])
-    act = identify_activation(up, a)
-    expect(not isinstance(act, str), str(act))
-    walk.mark(*backward_slice([a], stop={up}), down)
-    zero = torch_activation(torch.zeros(1, shape_of(up)[-1], dtype=torch.float64), act["activation"], act["interleaved"],
+    ups = projections_before(a, ops=("bmm",))
+    w_up = None
+    if len(ups) == 2 and up in ups:  # gate and up as two bmms over the same rows (separate stacked weights)
+        other = ups[1] if ups[0] is up else ups[0]
+        other_source = _rows_source(other.args[0])
+        expect(other_source is not None and other_source[1] is factor and _broadcast_x(other_source[0], E) is x,
+               "the gate and up projections read different rows")
+        _through_views(other.args[0], walk)
+        _broadcast_x(other_source[0], E, walk)
+        walk.mark(other, *([_through_views(other.args[0])] if factor is not None else []))
+        found = identify_pair_activation(ups[0], ups[1], a)
+        expect(not isinstance(found, str), str(found))
+        act, swapped = found
+        gate, up_proj = (ups[1], ups[0]) if swapped else (ups[0], ups[1])
+        w1, transposed = _stacked_weight(gate.args[1], "gate", walk)
+        w_up, up_transposed = _stacked_weight(up_proj.args[1], "up", walk)
+        expect(up_transposed == transposed, "the gate and up weights are laid out differently")
+        walk.mark(*backward_slice([a], stop=set(ups)), down)
+    else:
+        expect(ups == [up], f"the activation reads {len(ups)} bmm outputs, not the up projection's alone (or a gate/up pair)")
+        w1, transposed = _stacked_weight(rhs, "up", walk)
+        act = identify_activation(up, a)
+        expect(not isinstance(act, str), str(act))
+        walk.mark(*backward_slice([a], stop={up}), down)
+    w1_out = shape_of(up)[-1] * (1 if w_up is None else 2)
+    zero = torch_activation(torch.zeros(1, w1_out, dtype=torch.float64), act["activation"], act["interleaved"],
                             act["alpha"], act["limit"])
     expect(bool((zero == 0).all()), f"{act['activation']}(0) is not 0: an unchosen expert would add to every token")
     w2, transposed2 = _stacked_weight(down.args[1], "down", walk)
@@ -212,7 +238,7 @@ def _check(up: fx.Node, rows: fx.Node, factor: fx.Node | None) -> MoEMatch:
     expect(E_router == E, f"the router ranks {E_router} experts, the weights hold {E}")
     expect(shape_of(gate_matrix)[1] == E and same_size(shape_of(gate_matrix)[0], T), f"the gate matrix {shape_of(gate_matrix)} is not [T, E={E}]")
     match = finish_match(IDIOM, up, walk, anchor, x, support.ids, gate_matrix, w1, w2, None, None, transposed, act,
-                         E=E, K=K, T=T, d=d)
+                         E=E, K=K, T=T, d=d, w_up=w_up)
     match.gates, match.input_scaled = True, gates is not None
     if match.input_scaled:
         match.router_probs = None  # token rounding would give added rows a weight outside the gate's meaning

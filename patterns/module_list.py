@@ -196,7 +196,7 @@ def expert_mlp(y: fx.Node, walk: RegionWalk, e: int, stacked: bool = False) -> E
     a, w_down, s_down, b_down = _linear(y, f"{what}'s down projection", slicing)
     a = through_float_casts(a, walk)
     walk.mark(y)
-    ups = _projections_before(a, _LINEAR + (_MATMUL if stacked else ()))
+    ups = projections_before(a, _LINEAR + (_MATMUL if stacked else ()))
     expect(ups, f"{what} has no projection before its down projection")
     rows = {arg(n, 0, "input") for n in ups}
     expect(len(rows) == 1, f"{what}'s projections read different inputs")
@@ -223,7 +223,7 @@ def expert_mlp(y: fx.Node, walk: RegionWalk, e: int, stacked: bool = False) -> E
                      (b_gate, b_up, b_down))
 
 
-def _projections_before(a: fx.Node, ops=_LINEAR) -> list[fx.Node]:
+def projections_before(a: fx.Node, ops=_LINEAR) -> list[fx.Node]:
     """The projection nodes A is computed from, in graph order (the walk stops at each of them)."""
     found, seen, todo = [], set(), [a]
     while todo:

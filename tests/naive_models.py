@@ -474,20 +474,28 @@ class BmmMoE(Router):
     orient:  "in_out" (W [E, in, out]) or "out_in" (W [E, out, in], read through .transpose(1, 2))
     act:     "swiglu" (chunk) or "gelu" (non-gated); column: "transposed" or "untransposed" (a wrong layout)
     bias:    an up-projection bias (an unchosen expert's zero row then maps to a nonzero output)
+    gate_up: "fused" (one W1 [E, ., 2n], chunked) or "separate" (gate and up as two stacked parameters,
+             two products: act(x Wg) * (x Wu))
+    spelling: "bmm", or "einsum": every product an einsum ("td,edn->etn" on x itself, "etd,edn->etn"
+             on gated rows, "etn,end->etd"; the letters follow `orient`) and the output gate
+             `einsum("te,etd->td", gates, y)`
     """
 
     def __init__(self, d=16, n=8, E=4, K=1, rows="repeat", gates="sigmoid_neg_inf", gate_on="input", orient="in_out",
-                 act="swiglu", column="transposed", bias=False):
+                 act="swiglu", column="transposed", bias=False, gate_up="fused", spelling="bmm"):
         super().__init__(d, E, K)
         self.rows, self.gates, self.gate_on, self.orient = rows, gates, gate_on, orient
-        self.act, self.column = act, column
+        self.act, self.column, self.gate_up, self.spelling = act, column, gate_up, spelling
         w1_out = 2 * n if act == "swiglu" else n
 
         def stacked(inp, out):
             shape = (E, inp, out) if orient == "in_out" else (E, out, inp)
             return nn.Parameter(torch.randn(shape) / inp ** 0.5)
 
-        self.w1, self.w2 = stacked(d, w1_out), stacked(n, d)
+        if gate_up == "separate":
+            self.w_gate, self.w_up, self.w2 = stacked(d, n), stacked(d, n), stacked(n, d)
+        else:
+            self.w1, self.w2 = stacked(d, w1_out), stacked(n, d)
         self.b1 = nn.Parameter(torch.randn(E, w1_out) * 0.1) if bias else None
 
     def _gates(self, x):
@@ -505,9 +513,31 @@ class BmmMoE(Router):
     def _weight(self, W):
         return W if self.orient == "in_out" else W.transpose(1, 2)
 
+    def _product(self, rows, W):
+        """rows [E, T, i] (or x [T, i]) times each expert's W read as [i, o]: [E, T, o]."""
+        if self.spelling == "bmm":
+            return torch.bmm(rows, self._weight(W))
+        w = "eio" if self.orient == "in_out" else "eoi"
+        return torch.einsum(f"{'eti' if rows.dim() == 3 else 'ti'},{w}->eto", rows, W)
+
+    def _einsum_forward(self, x, gates):
+        gated_in, gated_out = self.gate_on in ("input", "both"), self.gate_on in ("output", "both")
+        rows = x.unsqueeze(0) * gates.t().unsqueeze(-1) if gated_in else x
+        if self.gate_up == "separate":
+            a = F.silu(self._product(rows, self.w_gate)) * self._product(rows, self.w_up)
+        elif self.act == "swiglu":
+            gate, up = self._product(rows, self.w1).chunk(2, dim=-1)
+            a = up * F.silu(gate)
+        else:
+            a = F.gelu(self._product(rows, self.w1))
+        y = self._product(a, self.w2)  # [E, T, d]
+        return torch.einsum("te,etd->td", gates, y) if gated_out else y.sum(dim=0)
+
     def forward(self, x):
         T, d = x.shape
         gates = self._gates(x).to(x.dtype)
+        if self.spelling == "einsum":
+            return self._einsum_forward(x, gates)
         gated_in, gated_out = self.gate_on in ("input", "both"), self.gate_on in ("output", "both")
         col2 = (gates.t() if self.column == "transposed" else gates).reshape(-1, 1)  # [E*T, 1]
         col3 = gates.t().unsqueeze(-1)  # [E, T, 1]
@@ -517,14 +547,17 @@ class BmmMoE(Router):
         else:
             rows = x.unsqueeze(0).expand(self.E, -1, -1) if self.rows == "expand" else x[None]
             rows = rows * col3 if gated_in else rows
-        h = torch.bmm(rows, self._weight(self.w1))
-        if self.b1 is not None:
-            h = h + self.b1[:, None, :]
-        if self.act == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            a = up * F.silu(gate)
+        if self.gate_up == "separate":
+            a = F.silu(torch.bmm(rows, self._weight(self.w_gate))) * torch.bmm(rows, self._weight(self.w_up))
         else:
-            a = F.gelu(h)
+            h = torch.bmm(rows, self._weight(self.w1))
+            if self.b1 is not None:
+                h = h + self.b1[:, None, :]
+            if self.act == "swiglu":
+                gate, up = h.chunk(2, dim=-1)
+                a = up * F.silu(gate)
+            else:
+                a = F.gelu(h)
         y = torch.bmm(a, self._weight(self.w2))  # [E, T, d]
         if self.rows == "repeat":
             y = y.view(-1, d)

@@ -368,3 +368,66 @@ def test_a_weighted_bincount_keeps_counting_the_unsorted_ids():
         return torch.bincount(v, weights, minlength=E), perm, values
 
     assert canonicalize(traced(weighted, torch.randint(0, E, (T * K,)), torch.rand(T * K))) == []
+
+
+n = 6
+
+
+@pytest.mark.parametrize("equation,shapes,bmm_form", [
+    # x [T, d] against every expert's [d, n] weight: x broadcast over the experts
+    ("td,edn->etn", ((T, d), (E, d, n)), lambda x, w: torch.bmm(x.unsqueeze(0).expand(E, -1, -1), w)),
+    # nn.Linear's orientation [E, out, in], rows already per expert, the operands in either order
+    ("etn,edn->etd", ((E, T, n), (E, d, n)), lambda a, w: torch.bmm(a, w.transpose(1, 2))),
+    ("edn,etn->etd", ((E, d, n), (E, T, n)), lambda w, a: torch.bmm(a, w.transpose(1, 2))),
+    # the contracted letter first in the rows: a permute of the weight's dims
+    ("dt,edn->etn", ((d, T), (E, d, n)), lambda x, w: torch.bmm(x.t().unsqueeze(0).expand(E, -1, -1), w)),
+])
+def test_an_einsum_batched_product_becomes_a_bmm(equation, shapes, bmm_form):
+    args = tuple(torch.randn(s) for s in shapes)
+
+    def einsum_form(a, b):
+        return torch.einsum(equation, a, b)
+
+    gm = traced(einsum_form, *args)
+    assert len(canonicalize(gm)) == 1
+    assert "einsum" not in ops(gm) and ops(gm).count("bmm") == 1
+    same_value(gm, einsum_form, *args)
+    torch.testing.assert_close(bmm_form(*args), einsum_form(*args))
+
+
+@pytest.mark.parametrize("equation,values_shape,product_form", [
+    ("te,etd->td", (E, T, d), lambda g, y: (y * g.t().unsqueeze(-1)).sum(0)),
+    ("te,ted->td", (T, E, d), lambda g, y: (y * g.unsqueeze(-1)).sum(1)),
+    ("et,etd->td", (E, T, d), lambda g, y: (y * g.unsqueeze(-1)).sum(0)),
+])
+def test_an_einsum_weighted_sum_becomes_a_product_summed(equation, values_shape, product_form):
+    gates_shape = (E, T) if equation.startswith("et,") else (T, E)
+    g, y = torch.randn(gates_shape), torch.randn(values_shape)
+
+    def einsum_form(g, y):
+        return torch.einsum(equation, g, y)
+
+    einsum_gm, product_gm = traced(einsum_form, g, y), traced(product_form, g, y)
+    assert len(canonicalize(einsum_gm)) == 1
+    assert "einsum" not in ops(einsum_gm) and "sum" in ops(einsum_gm)
+    same_value(einsum_gm, einsum_form, g, y)
+    torch.testing.assert_close(product_form(g, y), einsum_form(g, y))
+    assert canonicalize(product_gm) == []
+
+
+@pytest.mark.parametrize("equation,shapes", [
+    ("td,edn->tne", ((T, d), (E, d, n))),  # the batch letter not leading the output
+    ("td,dn->tn", ((T, d), (d, n))),  # no batch: a plain matmul, left as written
+    ("tdk,edk->etk", ((T, d, 3), (E, d, 3))),  # k in both operands and the output: not one batch letter
+    ("td,td->t", ((T, d), (T, d))),  # a row-wise dot
+    ("ti,tj->tij", ((T, d), (T, n))),  # an outer product per row
+])
+def test_other_einsums_stay(equation, shapes):
+    args = tuple(torch.randn(s) for s in shapes)
+
+    def einsum_form(a, b):
+        return torch.einsum(equation, a, b)
+
+    gm = traced(einsum_form, *args)
+    assert canonicalize(gm) == []
+    assert ops(gm).count("einsum") == 1

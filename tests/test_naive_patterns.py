@@ -122,6 +122,14 @@ BMM_VARIANTS = {
     "index_none-gelu": dict(rows="index_none", act="gelu", K=2),
     "output-expand-zeros_scatter": dict(rows="expand", gate_on="output", gates="zeros_scatter", K=2),
     "output-repeat-sigmoid_neg_inf": dict(gate_on="output", K=2),
+    "separate-gate-up": dict(gate_up="separate", K=2),
+    "separate-gate-up-out_in-output": dict(gate_up="separate", orient="out_in", rows="expand", gate_on="output",
+                                           gates="zeros_scatter", K=2),
+    "einsum": dict(spelling="einsum", K=2),
+    "einsum-output-out_in": dict(spelling="einsum", gate_on="output", orient="out_in", gates="zeros_scatter", K=2),
+    "einsum-separate-gate-up-output": dict(spelling="einsum", gate_up="separate", gate_on="output",
+                                           gates="softmax_neg_inf", K=2),
+    "einsum-gelu": dict(spelling="einsum", act="gelu", gate_on="output", K=2),
 }
 
 
@@ -236,7 +244,9 @@ def test_dense_experts_matches_eager(variant):
 
 @pytest.mark.parametrize("variant", BMM_VARIANTS)
 def test_dense_bmm_matches_eager(variant):
-    report = _check_rewrite(BmmMoE(**BMM_VARIANTS[variant]), "dense_bmm", op="sonic::moe_experts")
+    separate = BMM_VARIANTS[variant].get("gate_up") == "separate"  # the list op, on each expert's views
+    op = "sonic::moe_experts_list" if separate else "sonic::moe_experts"
+    report = _check_rewrite(BmmMoE(**BMM_VARIANTS[variant]), "dense_bmm", op=op)
     layout = report.rewritten[0].details["layout"]
     assert ("router-scaled inputs" in layout) == (BMM_VARIANTS[variant].get("gate_on", "input") == "input"), layout
 
