@@ -36,7 +36,16 @@ Rules (eager spelling -> canonical form):
     torch.einsum("te,etd->td", g, y)              ->  (y * g.t().unsqueeze(-1)).sum(0)
     torch.einsum("te,ted->td", g, y)              ->  (y * g.unsqueeze(-1)).sum(1)
         # a [T, E] matrix weighting [E, T, d] (or [T, E, d]) values summed over E
-        # (both: the same sums of products; a matmul's rounding may differ from the reduction's)
+        # (both: the same sums of products, a matmul's rounding may differ from the reduction's;
+        # operands and result of one dtype, so not under autocast, which casts einsum's operands)
+    blocks = torch.split(rows, C.tolist())         ->  offs = torch.cumsum(C, 0, dtype=torch.int32)
+    y = torch.cat([f(b, W1[e], W2[e]) for e, b in enumerate(blocks)])
+                                                  ->  y = f(rows, W1, W2), each `b @ W[e]` (through
+                                                      transposes of W[e]) as torch._grouped_mm(rows, W, offs=offs)
+        # torchtitan's and torchtune's for-loop experts (traced whole with capture_scalar_outputs):
+        # every block through the same steps, row by row (elementwise, chunks of the last dim) and
+        # products with its own slices of 3-D weights; bf16 operands with strides grouped_mm takes;
+        # rows[:sum(sizes)] read as rows where the graph asserts sum(sizes) == or >= its row count
     a = x.bfloat16(); b = x.bfloat16()            ->  b is a
     a = x[tok]; b = x[tok]                        ->  b is a
         # duplicate casts, views and row selections of one tensor (torchtitan casts x once per
@@ -466,6 +475,8 @@ def einsum_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     if spec is None or len(spec[2]) != 3:
         return None
     la, lb, out, a, b = spec
+    if not dtype_of(a) == dtype_of(b) == dtype_of(node):  # autocast casts einsum's operands: bmm's would differ
+        return None
     batch, m, n = out
     contracted = (set(la) & set(lb)) - set(out)
     if len(contracted) != 1 or not set(la + lb) <= set(out) | contracted:
@@ -496,6 +507,8 @@ def einsum_weighted_sum_to_product(gm: fx.GraphModule, node: fx.Node, order: dic
     if spec is None or len(spec[2]) != 2:
         return None
     la, lb, out, a, b = spec
+    if not dtype_of(a) == dtype_of(b) == dtype_of(node):  # autocast or mixed dtypes: a product would promote
+        return None
     if len(la) == 3:
         la, lb, a, b = lb, la, b, a
     t, d = out
@@ -512,6 +525,208 @@ def einsum_weighted_sum_to_product(gm: fx.GraphModule, node: fx.Node, order: dic
     return f"{node.name} ({node.args[0]!r}) -> (values * weights).sum({lb.index(e)})"
 
 
+# --- a loop over the experts' row blocks as grouped products -----------------------------------
+
+# ops applied to each row on its own (elementwise, or along the last dim): the same on one expert's
+# block of rows as on all the rows at once
+_ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "__mul__", "add", "__add__", "sub", "__sub__", "truediv",
+            "__truediv__", "div", "neg", "__neg__", "pow", "__pow__", "clamp", "to", "float", "bfloat16", "half",
+            "type_as", "exp", "softplus", "square", "chunk"}
+_WEIGHT_VIEWS = ("transpose", "t", "permute")
+
+
+def _weight_slice(node, e: int):
+    """(W, chain) when `node` is W[e] of a 3-D W followed by transposes (`chain`: [(op, args)]); else None."""
+    chain = []
+    while is_call(node, *_WEIGHT_VIEWS):
+        chain.append((node.target if node.op == "call_method" else op_name(node.target), tuple(node.args[1:])))
+        node = node.args[0]
+    if getitem_of(node, e) is None or len(shape_of(node.args[0]) or ()) != 3:
+        return None
+    return node.args[0], tuple(reversed(chain))
+
+
+def _on_the_stack(gm, before, W: fx.Node, chain) -> fx.Node:
+    """The stack W [E, ., .] through the 2-D views of one slice W[e], as views of each slice."""
+    for name, args in chain:
+        if name == "t" or (name == "transpose" and sorted(a % 2 for a in args) == [0, 1]):
+            W = _insert(gm, before, torch.transpose, (W, -2, -1))
+        elif name == "permute" and tuple(args[0] if len(args) == 1 else args) == (1, 0):
+            W = _insert(gm, before, torch.transpose, (W, -2, -1))
+        else:
+            raise _NotCanonical
+    return W
+
+
+class _NotCanonical(Exception):
+    pass
+
+
+def _expert_block(chunk: fx.Node, y: fx.Node, e: int, order: dict) -> list[fx.Node]:
+    """The nodes from expert e's rows `chunk` to its output `y`, in graph order; each reads only
+    the block's nodes, the expert's weight slices, and plain numbers."""
+    reach, todo = set(), [chunk]
+    while todo:
+        n = todo.pop()
+        if n not in reach:
+            reach.add(n)
+            todo.extend(n.users)
+    if y not in reach:
+        raise _NotCanonical
+    block, todo = set(), [y]
+    while todo:
+        n = todo.pop()
+        if n in block or n is chunk:
+            continue
+        block.add(n)
+        for i in n.all_input_nodes:
+            if i in reach:
+                todo.append(i)
+            elif _weight_slice(i, e) is None:
+                raise _NotCanonical
+    return sorted(block, key=order.get)
+
+
+def _same_step(a: fx.Node, b: fx.Node, mapped: dict, e: int) -> bool:
+    """Node `b` of expert e does what `a` of expert 0 does, reading the matching nodes."""
+    if a.op != b.op or a.target != b.target or len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+        return False
+    for x, y in zip((*a.args, *a.kwargs.values()), (*b.args, *b.kwargs.values())):
+        if isinstance(x, fx.Node) and isinstance(y, fx.Node):
+            if mapped.get(y) is not x and not (_weight_slice(x, 0) is not None and _weight_slice(x, 0) == _weight_slice(y, e)):
+                return False
+        elif isinstance(x, fx.Node) or isinstance(y, fx.Node) or x != y:
+            return False
+    return True
+
+
+def _sizes_tensor(sizes) -> fx.Node | None:
+    """C when the split sizes are C[0].item(), ..., C[E-1].item() of one 1-D integer tensor C."""
+    counts = set()
+    for e, size in enumerate(sizes):
+        if not is_call(size, "item") or getitem_of(size.args[0], e) is None:
+            return None
+        counts.add(size.args[0].args[0])
+    if len(counts) != 1:
+        return None
+    (C,) = counts
+    return C if shape_of(C) == (len(sizes),) and dtype_of(C) is not None and not dtype_of(C).is_floating_point else None
+
+
+def _whole_rows(rows: fx.Node, sizes) -> fx.Node:
+    """`x` for `x[:s]` where s is the sum of `sizes` and the graph asserts s == N or s >= N for x's N rows."""
+    if not (rows.op == "call_function" and rows.target is operator.getitem and isinstance(rows.args[1], slice)):
+        return rows
+    src, cut = rows.args
+    total = cut.stop
+    if cut.start is not None or cut.step is not None or not (is_call(total, "sym_sum") and list(total.args[0]) == list(sizes)):
+        return rows
+    N = (shape_of(src) or (None,))[0]
+    for user in total.users:  # total == N or total >= N (x[:s] is x then), then aten._assert_scalar(that, ...)
+        if is_call(user, "eq", "__eq__", "ge", "__ge__") and user.args[1:] == (N,) and isinstance(N, int):
+            if any(a.op == "call_function" and a.target is torch.ops.aten._assert_scalar.default for a in user.users):
+                return src
+    return rows
+
+
+def split_loop_to_grouped_mm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """cat([f(chunk_e, W[e]) for e, chunk_e in enumerate(split(rows, C.tolist()))]) -> f over all
+    rows with each product `chunk @ W[e]` (through transposes of W[e]) as
+    `torch._grouped_mm(rows, W, offs=cumsum(C, dtype=int32))` (see the module docstring)."""
+    if not is_call(node, "cat") or arg(node, 1, "dim", 0) != 0 or not isinstance(node.args[0], (list, tuple)):
+        return None
+    ys = list(node.args[0])
+    try:
+        chunks = [_find_chunk(y, e) for e, y in enumerate(ys)]
+        split = chunks[0].args[0]
+        if any(c.args[0] is not split for c in chunks) or not is_call(split, "split"):
+            raise _NotCanonical
+        rows, sizes = split.args[0], arg(split, 1, "split_size_or_sections")
+        if arg(split, 2, "dim", 0) != 0 or not isinstance(sizes, (list, tuple)) or len(sizes) != len(ys) < 2:
+            raise _NotCanonical
+        C = _sizes_tensor(sizes)
+        if C is None or dtype_of(rows) != torch.bfloat16:  # torch._grouped_mm takes bf16 operands only
+            raise _NotCanonical
+        blocks = [_expert_block(c, y, e, order) for e, (c, y) in enumerate(zip(chunks, ys))]
+        for e in range(1, len(ys)):
+            mapped = {chunks[e]: chunks[0]}
+            if len(blocks[e]) != len(blocks[0]):
+                raise _NotCanonical
+            for a, b in zip(blocks[0], blocks[e]):
+                if not _same_step(a, b, mapped, e):
+                    raise _NotCanonical
+                mapped[b] = a
+        for n in blocks[0]:
+            name = n.target if n.op == "call_method" else op_name(n.target)
+            if name == "getitem" and not (is_call(n.args[0], "chunk") and isinstance(n.args[1], int)):
+                raise _NotCanonical  # only the pieces of a chunk along the last dim
+            if name not in _ROWWISE and name not in ("matmul", "mm", "__matmul__", "linear", "getitem"):
+                raise _NotCanonical
+            if name == "chunk" and arg(n, 2, "dim", 0) not in (-1, len(shape_of(n.args[0])) - 1):
+                raise _NotCanonical
+    except _NotCanonical:
+        return None
+    counted = C.args[0] if is_call(C, "int", "long", "to") and dtype_of(C.args[0]) is not None else C
+    before = set(gm.graph.nodes)
+    try:
+        offs = _insert(gm, node, torch.cumsum, (counted, 0), {"dtype": torch.int32})
+        values = {chunks[0]: _whole_rows(rows, sizes)}
+        for n in blocks[0]:
+            values[n] = _grouped_step(gm, node, n, values, offs)
+    except (_NotCanonical, RuntimeError):  # a step without a grouped twin, or operands grouped_mm refuses (strides)
+        for added in reversed([n for n in gm.graph.nodes if n not in before]):
+            gm.graph.erase_node(added)
+        return None
+    node.replace_all_uses_with(values[ys[0]])
+    return f"{node.name}: {len(ys)} experts' row blocks -> grouped products over {rows.name}"
+
+
+def _find_chunk(y: fx.Node, e: int) -> fx.Node:
+    """The `split(...)[e]` node that expert e's output is computed from (the only one it reads)."""
+    found, seen, todo = set(), set(), [y]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if getitem_of(n, e) is not None and is_call(n.args[0], "split"):
+            found.add(n)
+            continue
+        todo.extend(n.all_input_nodes)
+    if len(found) != 1:
+        raise _NotCanonical
+    return found.pop()
+
+
+def _grouped_step(gm, before: fx.Node, n: fx.Node, values: dict, offs: fx.Node) -> fx.Node:
+    """Expert 0's step `n` over all the rows: its products with W[0] as grouped products with W."""
+    name = n.target if n.op == "call_method" else op_name(n.target)
+    if name in ("matmul", "mm", "__matmul__", "linear"):
+        a, b = n.args[0], n.args[1]
+        if name == "linear" and (len(n.args) > 2 and n.args[2] is not None or n.kwargs):
+            raise _NotCanonical  # a per-expert bias
+        weight = _weight_slice(b, 0)
+        if a not in values or weight is None:
+            raise _NotCanonical
+        W, chain = weight
+        if dtype_of(W) != torch.bfloat16:
+            raise _NotCanonical
+        if name == "linear":
+            chain = (*chain, ("t", ()))  # linear(a, w) = a @ w.t()
+        return _insert(gm, before, torch._grouped_mm, (values[a], _on_the_stack(gm, before, W, chain)), {"offs": offs})
+    args = fx.node.map_arg(n.args, lambda x: values[x] if x in values else _raise())
+    kwargs = fx.node.map_arg(n.kwargs, lambda x: values[x] if x in values else _raise())
+    if n.op == "call_method":
+        target = getattr(torch.Tensor, n.target)
+    else:
+        target = n.target
+    return _insert(gm, before, target, args, kwargs)
+
+
+def _raise():
+    raise _NotCanonical
+
+
 RULES = [merge_duplicate_reads, arange_mask_to_one_hot, masked_weight_to_gate_column, column_then_none_to_one_index,
          zeros_plus_value_to_value, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
-         scatter_unsort_to_gather, einsum_to_bmm, einsum_weighted_sum_to_product]
+         scatter_unsort_to_gather, einsum_to_bmm, einsum_weighted_sum_to_product, split_loop_to_grouped_mm]

@@ -754,15 +754,19 @@ class SortedGroupedMoE(Router):
     offsets: "dtype" (`torch.cumsum(counts, 0, dtype=torch.int32)`), "cast" (`counts.cumsum(0).to(torch.int32)`)
     orient: "out_in" (weights [E, out, in], transposed for grouped_mm), "in_out" ([E, in, out] handed to
             grouped_mm as they are: torchtune's GroupedExperts, gate [E, d, n], up [E, d, n], down [E, n, d])
+    experts: "grouped_mm", or "for_loop": the sorted rows split by `counts.tolist()` and one matmul per
+            expert and projection, concatenated (torchtitan's `_run_experts_for_loop` with out_in weights,
+            which splits `rows[:sum(sizes)]`; torchtune's GroupedExperts loop with in_out weights, which
+            splits the rows themselves); Dynamo traces it whole with `capture_scalar_outputs`
     Knobs that break it (the negative grid): histc_max (another histc range), tok_k (perm // another K),
     scatter_rows ("perm": the rows scattered by perm, not perm // K), descending
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", score_before=False, rows="gather", sort="argsort",
                  combine="scatter_add", casts=False, histc_max=None, tok_k=None, scatter_rows=None, descending=False,
-                 offsets="dtype", orient="out_in"):
+                 offsets="dtype", orient="out_in", experts="grouped_mm"):
         super().__init__(d, E, K)
-        self.casts, self.offsets, self.orient = casts, offsets, orient
+        self.casts, self.offsets, self.orient, self.experts = casts, offsets, orient, experts
         self.gate_up, self.score_before, self.rows, self.sort, self.combine = gate_up, score_before, rows, sort, combine
         self.histc_max, self.tok_k, self.scatter_rows, self.descending = histc_max, tok_k, scatter_rows, descending
         self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, orient)
@@ -792,7 +796,9 @@ class SortedGroupedMoE(Router):
         else:
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         B = (lambda w: w) if self.orient == "in_out" else (lambda w: w.transpose(-2, -1))  # B[e] [in, out]
-        if self.gate_up == "separate" and self.casts:  # torchtitan's _run_experts_grouped_mm, bf16 casts and all
+        if self.experts == "for_loop":
+            y = self._for_loop(rows, counts, B).type_as(x)
+        elif self.gate_up == "separate" and self.casts:  # torchtitan's _run_experts_grouped_mm, bf16 casts and all
             h = F.silu(torch._grouped_mm(rows.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
             h = h * torch._grouped_mm(rows.bfloat16(), self.w3.bfloat16().transpose(-2, -1), offs=offs)
         elif self.gate_up == "separate":
@@ -801,8 +807,9 @@ class SortedGroupedMoE(Router):
         else:
             g, u = torch._grouped_mm(rows, B(self.w1), offs=offs).chunk(2, dim=-1)
             h = F.silu(g) * u
-        w2 = self.w2.bfloat16() if self.casts else self.w2
-        y = torch._grouped_mm(h, B(w2), offs=offs).type_as(x)
+        if self.experts != "for_loop":
+            w2 = self.w2.bfloat16() if self.casts else self.w2
+            y = torch._grouped_mm(h, B(w2), offs=offs).type_as(x)
         if not self.score_before:
             y = (y.to(torch.float32) * w_sorted.reshape(-1, 1)).to(x.dtype)
         if self.scatter_rows == "perm":
@@ -819,3 +826,16 @@ class SortedGroupedMoE(Router):
             return unsorted.view(T, self.K, d).sum(1)
         base = self.shared(x) if self.combine == "shared" else torch.zeros_like(x)
         return base.scatter_add(dim=0, index=index, src=y)
+
+    def _for_loop(self, rows, counts, B):
+        sizes = counts.to(torch.int64).tolist()
+        blocks = torch.split(rows[: sum(sizes)] if self.orient == "out_in" else rows, sizes, dim=0)
+        outs = []
+        for e, block in enumerate(blocks):
+            if self.gate_up == "separate":
+                h = F.silu(block @ B(self.w1[e])) * (block @ B(self.w3[e]))
+            else:
+                g, u = (block @ B(self.w1[e])).chunk(2, dim=-1)
+                h = F.silu(g) * u
+            outs.append(h @ B(self.w2[e]))
+        return torch.cat(outs, dim=0)

@@ -431,3 +431,59 @@ def test_other_einsums_stay(equation, shapes):
     gm = traced(einsum_form, *args)
     assert canonicalize(gm) == []
     assert ops(gm).count("einsum") == 1
+
+
+def _split_loop(rows, counts, w1, w2, acts=None):
+    """Each expert's block of sorted rows (split by the counts' values) through its own weights."""
+    blocks = torch.split(rows, counts.tolist(), dim=0)
+    acts = acts or [F.silu] * len(blocks)
+    return torch.cat([acts[e](block @ w1[e].t()) @ w2[e].transpose(0, 1) for e, block in enumerate(blocks)], dim=0)
+
+
+def _grouped(rows, counts, w1, w2):
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = F.silu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs))
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
+def _split_loop_args(dtype=torch.bfloat16):
+    counts = torch.tensor([3, 0, 5, 2])
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(int(counts.sum()), d, generator=g).to(dtype)
+    return rows, counts, torch.randn(E, 16, d, generator=g).to(dtype), torch.randn(E, d, 16, generator=g).to(dtype)
+
+
+def traced_with_scalars(fn, *args) -> fx.GraphModule:
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        return traced(fn, *args)
+
+
+def test_a_loop_over_split_rows_becomes_grouped_products():
+    args = _split_loop_args()
+    loop, grouped = traced_with_scalars(_split_loop, *args), traced_with_scalars(_grouped, *args)
+    applied = canonicalize(loop)
+    assert any(line.startswith("split_loop_to_grouped_mm") for line in applied), applied
+    assert "cat" not in ops(loop) and "split" not in ops(loop)
+    assert ops(loop).count("_grouped_mm") == 2 == ops(grouped).count("_grouped_mm")
+    same_value(loop, _split_loop, *args)
+    torch.testing.assert_close(_grouped(*args), _split_loop(*args))
+
+
+@pytest.mark.parametrize("case", ["experts-differ", "float32", "rows-summed", "misaligned-rows"])
+def test_other_loops_over_split_rows_stay(case):
+    args = _split_loop_args(torch.float32 if case == "float32" else torch.bfloat16)
+    if case == "misaligned-rows":  # 6-element bf16 rows: 12-byte strides, which grouped_mm refuses
+        rows, counts, w1, w2 = args
+        args = (rows[:, :6].contiguous(), counts, w1[:, :, :6].contiguous(), w2)
+    if case == "experts-differ":
+        def fn(*a):
+            return _split_loop(*a, acts=[F.silu, F.relu, F.silu, F.silu])
+    elif case == "rows-summed":  # not row by row: a block's sum over its rows
+        def fn(rows, counts, w1, w2):
+            blocks = torch.split(rows, counts.tolist(), dim=0)
+            return torch.cat([(block - block.sum(0)) @ w1[e].t() for e, block in enumerate(blocks)], dim=0)
+    else:
+        fn = _split_loop
+    gm = traced_with_scalars(fn, *args)
+    assert not any(line.startswith("split_loop_to_grouped_mm") for line in canonicalize(gm))
+    assert "cat" in ops(gm)

@@ -36,6 +36,21 @@ VARIANTS = {
 }
 
 
+# the experts as a for loop over the sorted rows split by `counts.tolist()` (a canonical form makes
+# each projection's matmuls one grouped product); traced whole with capture_scalar_outputs
+FOR_LOOPS = {
+    "torchtitan-for-loop": dict(experts="for_loop", score_before=True, combine="shared"),
+    "torchtune-for-loop": dict(experts="for_loop", orient="in_out", score_before=True),
+    "for-loop-fused-scores-after": dict(experts="for_loop", gate_up="fused"),
+}
+
+
+@pytest.mark.parametrize("variant", FOR_LOOPS)
+def test_experts_for_loop_over_split_rows_cpu_bf16(variant):
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        _check_gpu_bf16(lambda: SortedGroupedMoE(**FOR_LOOPS[variant]), IDIOM, "cpu", "aot_eager")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sorted_grouped_mm_matches_eager_cpu_bf16(variant):
     _check_gpu_bf16(lambda: SortedGroupedMoE(**VARIANTS[variant]), IDIOM, "cpu", "aot_eager")
