@@ -33,6 +33,9 @@ Rules (eager spelling -> canonical form):
         # an einsum of two operands that is a batched matrix product: output [b, m, n], one
         # contracted letter, b and n on one operand (b may be missing from the other: broadcast by
         # expand, no copy); the operands laid out [b, m, i] and [b, i, n] by transpose/permute
+    x @ W, x[None] @ W  (W [E, i, n], x [T, i])   ->  torch.bmm(x.unsqueeze(0).expand(E, -1, -1), W)
+    a @ W  (a [E, T, i])                          ->  torch.bmm(a, W)
+        # matmul broadcasting rows over a stack of weights: the same products, as one batched form
     torch.einsum("te,etd->td", g, y)              ->  (y * g.t().unsqueeze(-1)).sum(0)
     torch.einsum("te,ted->td", g, y)              ->  (y * g.unsqueeze(-1)).sum(1)
         # a [T, E] matrix weighting [E, T, d] (or [T, E, d]) values summed over E
@@ -525,6 +528,31 @@ def einsum_weighted_sum_to_product(gm: fx.GraphModule, node: fx.Node, order: dic
     return f"{node.name} ({node.args[0]!r}) -> (values * weights).sum({lb.index(e)})"
 
 
+def broadcast_matmul_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """A matmul of 3-D stacked weights W [E, i, n] with rows [T, i], [1, T, i] or [E, T, i], as
+    `torch.bmm` of the rows broadcast over E (expand: no copy) and W (see the module docstring)."""
+    if not is_call(node, "matmul", "__matmul__") or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    sa, sb = shape_of(a), shape_of(b)
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or sa is None or sb is None or len(sb) != 3:
+        return None
+    if not dtype_of(a) == dtype_of(b) == dtype_of(node) or not isinstance(sb[0], int):
+        return None
+    E = sb[0]
+    if len(sa) == 2:
+        rows = _insert(gm, node, torch.unsqueeze, (a, 0))
+    elif len(sa) == 3 and isinstance(sa[0], int) and sa[0] in (1, E):
+        rows = a
+    else:
+        return None
+    if (shape_of(rows) or (None,))[0] != E:
+        rows = _insert(gm, node, torch.Tensor.expand, (rows, E, -1, -1))
+    product = _insert(gm, node, torch.bmm, (rows, b))
+    node.replace_all_uses_with(product)
+    return f"{node.name}: matmul over E={E} stacked weights -> bmm"
+
+
 # --- a loop over the experts' row blocks as grouped products -----------------------------------
 
 # ops applied to each row on its own (elementwise, or along the last dim): the same on one expert's
@@ -729,4 +757,5 @@ def _raise():
 
 RULES = [merge_duplicate_reads, arange_mask_to_one_hot, masked_weight_to_gate_column, column_then_none_to_one_index,
          zeros_plus_value_to_value, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
-         scatter_unsort_to_gather, einsum_to_bmm, einsum_weighted_sum_to_product, split_loop_to_grouped_mm]
+         scatter_unsort_to_gather, einsum_to_bmm, einsum_weighted_sum_to_product, broadcast_matmul_to_bmm,
+         split_loop_to_grouped_mm]

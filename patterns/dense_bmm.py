@@ -14,8 +14,9 @@ and its variants: rows broadcast as [E, T, d] (`x.expand(E, T, d)`, `x.unsqueeze
 `.transpose(1, 2)`, gate and up as two stacked parameters (`act(bmm(rows, Wg)) * bmm(rows, Wu)`),
 and the gate on the expert outputs instead of the inputs (`(y * gates.t().unsqueeze(-1)).sum(0)`).
 The same code written with einsum (`einsum("td,edn->etn", x, W)`, `einsum("te,etd->td", gates, y)`)
-reaches this finder as these bmm and product forms (`canonical.einsum_to_bmm`,
-`canonical.einsum_weighted_sum_to_product`). The gate matrix must be provably zero outside the top-k
+or with matmuls that broadcast x over the weights (`x @ W`) reaches this finder as these bmm and
+product forms (`canonical.einsum_to_bmm`, `canonical.einsum_weighted_sum_to_product`,
+`canonical.broadcast_matmul_to_bmm`). The gate matrix must be provably zero outside the top-k
 (`dense_experts.sparse_gates`: top-k values scattered into zeros, or a sigmoid / exp / softmax of
 values scattered into -inf).
 

@@ -478,7 +478,8 @@ class BmmMoE(Router):
              two products: act(x Wg) * (x Wu))
     spelling: "bmm", or "einsum": every product an einsum ("td,edn->etn" on x itself, "etd,edn->etn"
              on gated rows, "etn,end->etd"; the letters follow `orient`) and the output gate
-             `einsum("te,etd->td", gates, y)`
+             `einsum("te,etd->td", gates, y)`, or "matmul": `x @ W` (x broadcast over the experts),
+             `a @ W`, and the output gate `(y * gates.t()[:, :, None]).sum(0)`
     """
 
     def __init__(self, d=16, n=8, E=4, K=1, rows="repeat", gates="sigmoid_neg_inf", gate_on="input", orient="in_out",
@@ -517,10 +518,12 @@ class BmmMoE(Router):
         """rows [E, T, i] (or x [T, i]) times each expert's W read as [i, o]: [E, T, o]."""
         if self.spelling == "bmm":
             return torch.bmm(rows, self._weight(W))
+        if self.spelling == "matmul":
+            return rows @ self._weight(W)
         w = "eio" if self.orient == "in_out" else "eoi"
         return torch.einsum(f"{'eti' if rows.dim() == 3 else 'ti'},{w}->eto", rows, W)
 
-    def _einsum_forward(self, x, gates):
+    def _einsum_forward(self, x, gates):  # einsum or matmul products
         gated_in, gated_out = self.gate_on in ("input", "both"), self.gate_on in ("output", "both")
         rows = x.unsqueeze(0) * gates.t().unsqueeze(-1) if gated_in else x
         if self.gate_up == "separate":
@@ -531,12 +534,14 @@ class BmmMoE(Router):
         else:
             a = F.gelu(self._product(rows, self.w1))
         y = self._product(a, self.w2)  # [E, T, d]
-        return torch.einsum("te,etd->td", gates, y) if gated_out else y.sum(dim=0)
+        if gated_out and self.spelling == "einsum":
+            return torch.einsum("te,etd->td", gates, y)
+        return (y * gates.t()[:, :, None]).sum(0) if gated_out else y.sum(dim=0)
 
     def forward(self, x):
         T, d = x.shape
         gates = self._gates(x).to(x.dtype)
-        if self.spelling == "einsum":
+        if self.spelling in ("einsum", "matmul"):
             return self._einsum_forward(x, gates)
         gated_in, gated_out = self.gate_on in ("input", "both"), self.gate_on in ("output", "both")
         col2 = (gates.t() if self.column == "transposed" else gates).reshape(-1, 1)  # [E*T, 1]

@@ -487,3 +487,21 @@ def test_other_loops_over_split_rows_stay(case):
     gm = traced_with_scalars(fn, *args)
     assert not any(line.startswith("split_loop_to_grouped_mm") for line in canonicalize(gm))
     assert "cat" in ops(gm)
+
+
+@pytest.mark.parametrize("spelling", ["x @ W", "x[None] @ W", "a @ W"])
+def test_a_matmul_over_stacked_weights_becomes_a_bmm(spelling):
+    W = torch.randn(E, d, n)
+    rows = torch.randn(E, T, d) if spelling == "a @ W" else torch.randn(T, d)
+    fn = {"x @ W": lambda r, w: r @ w, "x[None] @ W": lambda r, w: r[None] @ w, "a @ W": lambda r, w: r @ w}[spelling]
+    gm = traced(fn, rows, W)
+    assert len(canonicalize(gm)) == 1 and ops(gm).count("bmm") == 1
+    same_value(gm, fn, rows, W)
+
+
+@pytest.mark.parametrize("case", ["2-D weight", "weight batch of 1"])
+def test_other_matmuls_stay(case):
+    rows = torch.randn(T, d) if case == "2-D weight" else torch.randn(E, T, d)
+    W = torch.randn(d, n) if case == "2-D weight" else torch.randn(1, d, n)
+    gm = traced(lambda r, w: r @ w, rows, W)
+    assert canonicalize(gm) == [] and "bmm" not in ops(gm)

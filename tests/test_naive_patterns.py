@@ -130,6 +130,9 @@ BMM_VARIANTS = {
     "einsum-separate-gate-up-output": dict(spelling="einsum", gate_up="separate", gate_on="output",
                                            gates="softmax_neg_inf", K=2),
     "einsum-gelu": dict(spelling="einsum", act="gelu", gate_on="output", K=2),
+    "matmul-separate-gate-up-output": dict(spelling="matmul", gate_up="separate", gate_on="output",
+                                           gates="zeros_scatter", K=2),
+    "matmul-out_in-input": dict(spelling="matmul", orient="out_in", K=2),
 }
 
 

@@ -33,21 +33,23 @@ class CapacityTop1(nn.Module):
         return out
 
 
-class BroadcastMatmulSeparateGateUp(nn.Module):
-    """Every expert on every token through matmuls that broadcast x over stacked [E, d, n] gate and up
-    parameters (`x[None] @ W`: no bmm, no einsum), which no finder takes."""
+class ConcatenatedLinearExperts(nn.Module):
+    """Every expert on every token, the up projections as one Linear over all experts' weights
+    (`F.linear(x, W.reshape(E * n, d)).view(T, E, n)`), which no finder takes."""
 
     def __init__(self):
         super().__init__()
         self.gate = nn.Linear(d, E, bias=False)
-        self.w1, self.w3 = nn.Parameter(torch.randn(E, d, n)), nn.Parameter(torch.randn(E, d, n))
-        self.w2 = nn.Parameter(torch.randn(E, n, d))
+        self.w1, self.w3 = nn.Parameter(torch.randn(E, n, d)), nn.Parameter(torch.randn(E, n, d))
+        self.w2 = nn.Parameter(torch.randn(E, d, n))
 
     def forward(self, x):
         w, ids = torch.topk(self.gate(x).softmax(-1), K)
         gates = torch.zeros(x.shape[0], E).scatter(1, ids, w)
-        h = F.silu(x[None] @ self.w1) * (x[None] @ self.w3)
-        return (gates.t()[:, :, None] * (h @ self.w2)).sum(0)
+        g = F.linear(x, self.w1.reshape(E * n, d)).view(-1, E, n)
+        u = F.linear(x, self.w3.reshape(E * n, d)).view(-1, E, n)
+        y = torch.einsum("ten,edn->ted", F.silu(g) * u, self.w2)
+        return (gates.unsqueeze(-1) * y).sum(1)
 
 
 def _explain(model):
@@ -63,9 +65,9 @@ def test_a_capacity_limited_router_is_left_alone_with_its_reason():
 
 
 def test_an_unrecognised_experts_layer_names_the_closest_idioms():
-    (record,) = _explain(BroadcastMatmulSeparateGateUp()).records
-    assert record.idiom == "unmatched" and "E=4 experts" in record.reason
-    assert "w1" in record.reason and "matmul" in record.reason and "dense_bmm" in record.reason
+    (record,) = _explain(ConcatenatedLinearExperts()).records
+    assert record.idiom == "unmatched" and "E=4 experts" in record.reason, record.reason
+    assert "w1" in record.reason and "reshape" in record.reason and "dense_bmm" in record.reason, record.reason
 
 
 def test_a_top_k_that_feeds_no_experts_is_not_reported():
