@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from typing import NamedTuple
 
 import torch.fx as fx
@@ -57,7 +58,7 @@ _MUL = ("mul", "__mul__")
 
 
 def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
-    """Candidates: a stack of expert outputs (linear calls) read by a product (an einsum is one by now), or a sum
+    """Candidates: a stack of expert outputs (linear calls) read by a product or an einsum, or a sum
     of products of gate columns with expert outputs."""
     results: list[MoEMatch | Rejection] = []
     candidates = []
@@ -91,22 +92,42 @@ def _stacked_outputs(stack: fx.Node) -> list[fx.Node] | None:
 
 
 def _check_stacked(stack: fx.Node) -> MoEMatch:
-    """(gates.unsqueeze(-1) * stack(outs, 1)).sum(1) (einsum("te,ted->td", gates, stack(outs, 1)) too, canonical)."""
+    """(gates.unsqueeze(-1) * stack(outs, 1)).sum(1) or einsum("te,ted->td", gates, stack(outs, 1))."""
     walk = RegionWalk()
     outs = _stacked_outputs(stack)
     expect(arg(stack, 1, "dim", 0) in (1, -2), "expert outputs are not stacked as [T, E, d] (dim=1)")
     walk.mark(stack)
     readers = list(stack.users)
     expect(len(readers) == 1, "the stacked expert outputs are read more than once")
-    (combine,) = readers  # an einsum("te,ted->td", ...) combine is this product by the time finders run (canonical)
-    expect(is_call(combine, *_MUL) and len(combine.args) == 2, "stacked expert outputs are not weighted by a gate matrix")
-    other = combine.args[1] if combine.args[0] is stack else combine.args[0]
-    gates = _broadcast_gates(other, walk)
-    anchor = next(iter(combine.users), None) if len(combine.users) == 1 else None
-    expect(is_call(anchor, "sum") and sums_dim(anchor, (1, -2)), "weighted expert outputs are not summed over the experts")
-    walk.mark(combine, other)
+    (combine,) = readers
+    if is_call(combine, "einsum"):  # left as written where its operands' dtypes differ (autocast casts them)
+        gates = _einsum_gates(combine, stack)
+        anchor = combine
+    else:  # the product, also einsum("te,ted->td", ...)'s canonical form
+        expect(is_call(combine, *_MUL) and len(combine.args) == 2, "stacked expert outputs are not weighted by a gate matrix")
+        other = combine.args[1] if combine.args[0] is stack else combine.args[0]
+        gates = _broadcast_gates(other, walk)
+        anchor = next(iter(combine.users), None) if len(combine.users) == 1 else None
+        expect(is_call(anchor, "sum") and sums_dim(anchor, (1, -2)), "weighted expert outputs are not summed over the experts")
+        walk.mark(combine, other)
     walk.mark(anchor)
     return _finish(anchor, gates, outs, walk)
+
+
+def _einsum_gates(einsum: fx.Node, stack: fx.Node) -> fx.Node:
+    """The gates operand of einsum("te,ted->td", gates, outs) (any letters, either order)."""
+    equation, *operands = einsum.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    expect(isinstance(equation, str) and len(operands) == 2 and stack in operands, "einsum does not combine two operands")
+    spec = re.fullmatch(r"(\w+),(\w+)->(\w+)", equation.replace(" ", ""))
+    expect(spec is not None, f"einsum {equation!r} has no explicit output")
+    ins, out = [spec.group(1), spec.group(2)], spec.group(3)
+    i = operands.index(stack)
+    t, e, d = ins[i] if len(ins[i]) == 3 else ("", "", "")
+    ok = len({t, e, d}) == 3 and ins[1 - i] == t + e and out == t + d
+    expect(ok, f"einsum {equation!r} is not sum_e gates[t, e] * outs[t, e, d]")
+    return operands[1 - i]
 
 
 def _broadcast_gates(node, walk: RegionWalk) -> fx.Node:

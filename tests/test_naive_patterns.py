@@ -662,6 +662,7 @@ class _Float32Expert(torch.nn.Module):
 IDIOM_CASES = {
     "loop-list": (lambda: LoopMoE(), "expert_loop"),
     "dense-list": (lambda: DenseMoE(experts="fused"), "dense_experts"),
+    "dense-list-einsum": (lambda: DenseMoE(experts="fused", combine="einsum"), "dense_experts"),
     "bmm-stacked": (lambda: BmmMoE(K=2), "dense_bmm"),
     "loop-stacked-plain": (lambda: StackedLoopMoE(orient="linear", gate_up="plain"), "expert_loop"),
     "repeat-list": (lambda: RepeatLoopMoE(), "repeat_loop"),
