@@ -886,3 +886,18 @@ def site_fields(site: fx.Node, topk_ids: fx.Node, topk_weights: fx.Node, T, E, *
         router_probs=router_probs(topk_ids, T, E),
         module_source=module_source(site),
     )
+
+
+def insert_call(gm: fx.GraphModule, before: fx.Node, target, args, kwargs=None) -> fx.Node:
+    """A call_function node before `before`, with its fake value and `before`'s module metadata."""
+    with gm.graph.inserting_before(before):
+        node = gm.graph.call_function(target, args, kwargs or {})
+    fake_mode = fake_mode_of(gm)
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["example_value"] = target(*fx.node.map_arg(args, example_value),
+                                                **fx.node.map_arg(kwargs or {}, example_value))
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in before.meta:
+            node.meta[key] = before.meta[key]
+    return node

@@ -1,0 +1,354 @@
+"""Canonical forms of products: einsum and matmul spellings as batched matmuls, and a loop over
+the experts' blocks of rows as grouped products. Rules of `patterns.canonical` (which runs them
+with the others and states what a rule must keep).
+
+Rules (eager spelling -> canonical form):
+
+    torch.einsum("td,edn->etn", x, W)             ->  torch.bmm(x.unsqueeze(0).expand(E, -1, -1), W)
+    torch.einsum("etn,edn->etd", a, W)            ->  torch.bmm(a, W.transpose(1, 2))
+        # an einsum of two operands that is a batched matrix product: output [b, m, n], one
+        # contracted letter, b and n on one operand (b may be missing from the other: broadcast by
+        # expand, no copy); the operands laid out [b, m, i] and [b, i, n] by transpose/permute;
+        # operands and result of one dtype (this and the next two rules: autocast casts einsum's
+        # operands, and a product form would promote)
+    x @ W, x[None] @ W  (W [E, i, n], x [T, i])   ->  torch.bmm(x.unsqueeze(0).expand(E, -1, -1), W)
+    a @ W  (a [E, T, i])                          ->  torch.bmm(a, W)
+        # matmul broadcasting rows over a stack of weights: the same products, as one batched form
+    torch.einsum("te,etd->td", g, y)              ->  (y * g.t().unsqueeze(-1)).sum(0)
+    torch.einsum("te,ted->td", g, y)              ->  (y * g.unsqueeze(-1)).sum(1)
+        # a [T, E] matrix weighting [E, T, d] (or [T, E, d]) values summed over E
+        # (both: the same sums of products, a matmul's rounding may differ from the reduction's)
+    blocks = torch.split(rows, C.tolist())         ->  offs = torch.cumsum(C, 0, dtype=torch.int32)
+    y = torch.cat([f(b, W1[e], W2[e]) for e, b in enumerate(blocks)])
+                                                  ->  y = f(rows, W1, W2), each `b @ W[e]` (through
+                                                      transposes of W[e]) as torch._grouped_mm(rows, W, offs=offs)
+        # torchtitan's and torchtune's for-loop experts (traced whole with capture_scalar_outputs):
+        # every block through the same steps, row by row (elementwise, chunks of the last dim) and
+        # products with its own slices of 3-D weights; bf16 operands with strides grouped_mm takes;
+        # rows[:sum(sizes)] read as rows where the graph asserts sum(sizes) == or >= its row count
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .common import arg, dtype_of, getitem_of, insert_call, is_call, op_name, shape_of
+
+
+# --- einsum as batched products --------------------------------------------------------------
+
+
+def _einsum_spec(node: fx.Node) -> tuple[str, str, str, fx.Node, fx.Node] | None:
+    """(letters of operand a, of operand b, of the output, a, b) of a two-operand einsum with an
+    explicit output and no ellipsis, each letter at most once per term; else None."""
+    if not is_call(node, "einsum") or node.kwargs or not node.args or not isinstance(node.args[0], str):
+        return None
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    terms = equation.replace(" ", "")
+    if len(operands) != 2 or "..." in terms or terms.count("->") != 1 or not all(isinstance(o, fx.Node) for o in operands):
+        return None
+    ins, out = terms.split("->")
+    ins = ins.split(",")
+    if len(ins) != 2 or not all(t.isalpha() and len(set(t)) == len(t) for t in (*ins, out)):
+        return None
+    if any(len(shape_of(o) or ()) != len(t) for o, t in zip(operands, ins)):
+        return None
+    return ins[0], ins[1], out, operands[0], operands[1]
+
+
+def _laid_out(gm, before, node: fx.Node, letters: str, order: str) -> fx.Node:
+    """`node` (dims named by `letters`) with its dims in `order`: itself, a transpose of two, or a permute."""
+    if letters == order:
+        return node
+    perm = [letters.index(c) for c in order]
+    swapped = [i for i, p in enumerate(perm) if p != i]
+    if len(swapped) == 2:
+        return insert_call(gm, before, torch.transpose, (node, *swapped))
+    return insert_call(gm, before, torch.permute, (node, perm))
+
+
+def einsum_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """A two-operand einsum that is a batched matrix product, as `torch.bmm` (see the module docstring)."""
+    spec = _einsum_spec(node)
+    if spec is None or len(spec[2]) != 3:
+        return None
+    la, lb, out, a, b = spec
+    if not dtype_of(a) == dtype_of(b) == dtype_of(node):  # autocast casts einsum's operands: bmm's would differ
+        return None
+    batch, m, n = out
+    contracted = (set(la) & set(lb)) - set(out)
+    if len(contracted) != 1 or not set(la + lb) <= set(out) | contracted:
+        return None
+    (i,) = contracted
+    if n in la and m in lb:  # the operand holding n (and the batch letter) goes right
+        la, lb, a, b = lb, la, b, a
+    if not (m in la and m not in lb and n in lb and n not in la and batch in lb and len(lb) == 3):
+        return None
+    E = shape_of(b)[lb.index(batch)]
+    if not isinstance(E, int):
+        return None
+    right = _laid_out(gm, node, b, lb, batch + i + n)
+    if batch in la:
+        left = _laid_out(gm, node, a, la, batch + m + i)
+    else:
+        rows = _laid_out(gm, node, a, la, m + i)
+        left = insert_call(gm, node, torch.Tensor.expand, (insert_call(gm, node, torch.unsqueeze, (rows, 0)), E, -1, -1))
+    product = insert_call(gm, node, torch.bmm, (left, right))
+    node.replace_all_uses_with(product)
+    return f"{node.name} ({node.args[0]!r}) -> bmm"
+
+
+def einsum_weighted_sum_to_product(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """einsum("te,etd->td" / "te,ted->td") of a [T, E] matrix and [E, T, d] / [T, E, d] values, as
+    the product broadcast over d, summed over E (see the module docstring)."""
+    spec = _einsum_spec(node)
+    if spec is None or len(spec[2]) != 2:
+        return None
+    la, lb, out, a, b = spec
+    if not dtype_of(a) == dtype_of(b) == dtype_of(node):  # autocast or mixed dtypes: a product would promote
+        return None
+    if len(la) == 3:
+        la, lb, a, b = lb, la, b, a
+    t, d = out
+    contracted = (set(la) & set(lb)) - set(out)
+    if len(la) != 2 or len(lb) != 3 or len(contracted) != 1:
+        return None
+    (e,) = contracted
+    if set(la) != {t, e} or lb not in (e + t + d, t + e + d):
+        return None
+    gates = _laid_out(gm, node, a, la, lb[:2])  # [E, T] or [T, E], as the values lead
+    product = insert_call(gm, node, torch.mul, (b, insert_call(gm, node, torch.unsqueeze, (gates, -1))))
+    total = insert_call(gm, node, torch.sum, (product, lb.index(e)))
+    node.replace_all_uses_with(total)
+    return f"{node.name} ({node.args[0]!r}) -> (values * weights).sum({lb.index(e)})"
+
+
+def broadcast_matmul_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """A matmul of 3-D stacked weights W [E, i, n] with rows [T, i], [1, T, i] or [E, T, i], as
+    `torch.bmm` of the rows broadcast over E (expand: no copy) and W (see the module docstring)."""
+    if not is_call(node, "matmul", "__matmul__") or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    sa, sb = shape_of(a), shape_of(b)
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or sa is None or sb is None or len(sb) != 3:
+        return None
+    if not dtype_of(a) == dtype_of(b) == dtype_of(node) or not isinstance(sb[0], int):
+        return None
+    E = sb[0]
+    if len(sa) == 2:
+        rows = insert_call(gm, node, torch.unsqueeze, (a, 0))
+    elif len(sa) == 3 and isinstance(sa[0], int) and sa[0] in (1, E):
+        rows = a
+    else:
+        return None
+    if (shape_of(rows) or (None,))[0] != E:
+        rows = insert_call(gm, node, torch.Tensor.expand, (rows, E, -1, -1))
+    product = insert_call(gm, node, torch.bmm, (rows, b))
+    node.replace_all_uses_with(product)
+    return f"{node.name}: matmul over E={E} stacked weights -> bmm"
+
+
+# --- a loop over the experts' row blocks as grouped products -----------------------------------
+
+# ops applied to each row on its own (elementwise, or along the last dim): the same on one expert's
+# block of rows as on all the rows at once
+_ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "__mul__", "add", "__add__", "sub", "__sub__", "truediv",
+            "__truediv__", "div", "neg", "__neg__", "pow", "__pow__", "clamp", "to", "float", "bfloat16", "half",
+            "type_as", "exp", "softplus", "square", "chunk"}
+_WEIGHT_VIEWS = ("transpose", "t", "permute")
+
+
+def _weight_slice(node, e: int):
+    """(W, chain) when `node` is W[e] of a 3-D W followed by transposes (`chain`: [(op, args)]); else None."""
+    chain = []
+    while is_call(node, *_WEIGHT_VIEWS):
+        chain.append((node.target if node.op == "call_method" else op_name(node.target), tuple(node.args[1:])))
+        node = node.args[0]
+    if getitem_of(node, e) is None or len(shape_of(node.args[0]) or ()) != 3:
+        return None
+    return node.args[0], tuple(reversed(chain))
+
+
+def _on_the_stack(gm, before, W: fx.Node, chain) -> fx.Node:
+    """The stack W [E, ., .] through the 2-D views of one slice W[e], as views of each slice."""
+    for name, args in chain:
+        if name == "t" or (name == "transpose" and sorted(a % 2 for a in args) == [0, 1]):
+            W = insert_call(gm, before, torch.transpose, (W, -2, -1))
+        elif name == "permute" and tuple(args[0] if len(args) == 1 else args) == (1, 0):
+            W = insert_call(gm, before, torch.transpose, (W, -2, -1))
+        else:
+            raise _NotCanonical
+    return W
+
+
+class _NotCanonical(Exception):
+    pass
+
+
+def _expert_block(chunk: fx.Node, y: fx.Node, e: int, order: dict) -> list[fx.Node]:
+    """The nodes from expert e's rows `chunk` to its output `y`, in graph order; each reads only
+    the block's nodes, the expert's weight slices, and plain numbers."""
+    reach, todo = set(), [chunk]
+    while todo:
+        n = todo.pop()
+        if n not in reach:
+            reach.add(n)
+            todo.extend(n.users)
+    if y not in reach:
+        raise _NotCanonical
+    block, todo = set(), [y]
+    while todo:
+        n = todo.pop()
+        if n in block or n is chunk:
+            continue
+        block.add(n)
+        for i in n.all_input_nodes:
+            if i in reach:
+                todo.append(i)
+            elif _weight_slice(i, e) is None:
+                raise _NotCanonical
+    return sorted(block, key=order.get)
+
+
+def _same_step(a: fx.Node, b: fx.Node, mapped: dict, e: int) -> bool:
+    """Node `b` of expert e does what `a` of expert 0 does, reading the matching nodes."""
+    if a.op != b.op or a.target != b.target or len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+        return False
+    for x, y in zip((*a.args, *a.kwargs.values()), (*b.args, *b.kwargs.values())):
+        if isinstance(x, fx.Node) and isinstance(y, fx.Node):
+            if mapped.get(y) is not x and not (_weight_slice(x, 0) is not None and _weight_slice(x, 0) == _weight_slice(y, e)):
+                return False
+        elif isinstance(x, fx.Node) or isinstance(y, fx.Node) or x != y:
+            return False
+    return True
+
+
+def _sizes_tensor(sizes) -> fx.Node | None:
+    """C when the split sizes are C[0].item(), ..., C[E-1].item() of one 1-D integer tensor C."""
+    counts = set()
+    for e, size in enumerate(sizes):
+        if not is_call(size, "item") or getitem_of(size.args[0], e) is None:
+            return None
+        counts.add(size.args[0].args[0])
+    if len(counts) != 1:
+        return None
+    (C,) = counts
+    return C if shape_of(C) == (len(sizes),) and dtype_of(C) is not None and not dtype_of(C).is_floating_point else None
+
+
+def _whole_rows(rows: fx.Node, sizes) -> fx.Node:
+    """`x` for `x[:s]` where s is the sum of `sizes` and the graph asserts s == N or s >= N for x's N rows."""
+    if not (rows.op == "call_function" and rows.target is operator.getitem and isinstance(rows.args[1], slice)):
+        return rows
+    src, cut = rows.args
+    total = cut.stop
+    if cut.start is not None or cut.step is not None or not (is_call(total, "sym_sum") and list(total.args[0]) == list(sizes)):
+        return rows
+    N = (shape_of(src) or (None,))[0]
+    for user in total.users:  # total == N or total >= N (x[:s] is x then), then aten._assert_scalar(that, ...)
+        if is_call(user, "eq", "__eq__", "ge", "__ge__") and user.args[1:] == (N,) and isinstance(N, int):
+            if any(a.op == "call_function" and a.target is torch.ops.aten._assert_scalar.default for a in user.users):
+                return src
+    return rows
+
+
+def split_loop_to_grouped_mm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """cat([f(chunk_e, W[e]) for e, chunk_e in enumerate(split(rows, C.tolist()))]) -> f over all
+    rows with each product `chunk @ W[e]` (through transposes of W[e]) as
+    `torch._grouped_mm(rows, W, offs=cumsum(C, dtype=int32))` (see the module docstring)."""
+    if not is_call(node, "cat") or arg(node, 1, "dim", 0) != 0 or not isinstance(node.args[0], (list, tuple)):
+        return None
+    ys = list(node.args[0])
+    try:
+        chunks = [_find_chunk(y, e) for e, y in enumerate(ys)]
+        split = chunks[0].args[0]
+        if any(c.args[0] is not split for c in chunks) or not is_call(split, "split"):
+            raise _NotCanonical
+        rows, sizes = split.args[0], arg(split, 1, "split_size_or_sections")
+        if arg(split, 2, "dim", 0) != 0 or not isinstance(sizes, (list, tuple)) or len(sizes) != len(ys) < 2:
+            raise _NotCanonical
+        C = _sizes_tensor(sizes)
+        if C is None or dtype_of(rows) != torch.bfloat16:  # torch._grouped_mm takes bf16 operands only
+            raise _NotCanonical
+        blocks = [_expert_block(c, y, e, order) for e, (c, y) in enumerate(zip(chunks, ys))]
+        for e in range(1, len(ys)):
+            mapped = {chunks[e]: chunks[0]}
+            if len(blocks[e]) != len(blocks[0]):
+                raise _NotCanonical
+            for a, b in zip(blocks[0], blocks[e]):
+                if not _same_step(a, b, mapped, e):
+                    raise _NotCanonical
+                mapped[b] = a
+        for n in blocks[0]:
+            name = n.target if n.op == "call_method" else op_name(n.target)
+            if name == "getitem" and not (is_call(n.args[0], "chunk") and isinstance(n.args[1], int)):
+                raise _NotCanonical  # only the pieces of a chunk along the last dim
+            if name not in _ROWWISE and name not in ("matmul", "mm", "__matmul__", "linear", "getitem"):
+                raise _NotCanonical
+            if name == "chunk" and arg(n, 2, "dim", 0) not in (-1, len(shape_of(n.args[0])) - 1):
+                raise _NotCanonical
+    except _NotCanonical:
+        return None
+    counted = C.args[0] if is_call(C, "int", "long", "to") and dtype_of(C.args[0]) is not None else C
+    before = set(gm.graph.nodes)
+    try:
+        offs = insert_call(gm, node, torch.cumsum, (counted, 0), {"dtype": torch.int32})
+        values = {chunks[0]: _whole_rows(rows, sizes)}
+        for n in blocks[0]:
+            values[n] = _grouped_step(gm, node, n, values, offs)
+    except (_NotCanonical, RuntimeError):  # a step without a grouped twin, or operands grouped_mm refuses (strides)
+        for added in reversed([n for n in gm.graph.nodes if n not in before]):
+            gm.graph.erase_node(added)
+        return None
+    node.replace_all_uses_with(values[ys[0]])
+    return f"{node.name}: {len(ys)} experts' row blocks -> grouped products over {rows.name}"
+
+
+def _find_chunk(y: fx.Node, e: int) -> fx.Node:
+    """The `split(...)[e]` node that expert e's output is computed from (the only one it reads)."""
+    found, seen, todo = set(), set(), [y]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if getitem_of(n, e) is not None and is_call(n.args[0], "split"):
+            found.add(n)
+            continue
+        todo.extend(n.all_input_nodes)
+    if len(found) != 1:
+        raise _NotCanonical
+    return found.pop()
+
+
+def _grouped_step(gm, before: fx.Node, n: fx.Node, values: dict, offs: fx.Node) -> fx.Node:
+    """Expert 0's step `n` over all the rows: its products with W[0] as grouped products with W."""
+    name = n.target if n.op == "call_method" else op_name(n.target)
+    if name in ("matmul", "mm", "__matmul__", "linear"):
+        a, b = n.args[0], n.args[1]
+        if name == "linear" and (len(n.args) > 2 and n.args[2] is not None or n.kwargs):
+            raise _NotCanonical  # a per-expert bias
+        weight = _weight_slice(b, 0)
+        if a not in values or weight is None:
+            raise _NotCanonical
+        W, chain = weight
+        if dtype_of(W) != torch.bfloat16:
+            raise _NotCanonical
+        if name == "linear":
+            chain = (*chain, ("t", ()))  # linear(a, w) = a @ w.t()
+        return insert_call(gm, before, torch._grouped_mm, (values[a], _on_the_stack(gm, before, W, chain)), {"offs": offs})
+    args = fx.node.map_arg(n.args, lambda x: values[x] if x in values else _raise())
+    kwargs = fx.node.map_arg(n.kwargs, lambda x: values[x] if x in values else _raise())
+    if n.op == "call_method":
+        target = getattr(torch.Tensor, n.target)
+    else:
+        target = n.target
+    return insert_call(gm, before, target, args, kwargs)
+
+
+def _raise():
+    raise _NotCanonical
