@@ -269,7 +269,9 @@ def split_loop_to_grouped_mm(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
         if any(c.args[0] is not split for c in chunks) or not is_call(split, "split"):
             raise _NotCanonical
         rows, sizes = split.args[0], arg(split, 1, "split_size_or_sections")
-        if arg(split, 2, "dim", 0) != 0 or not isinstance(sizes, (list, tuple)) or len(sizes) != len(ys) < 2:
+        if arg(split, 2, "dim", 0) != 0 or not isinstance(sizes, (list, tuple)) or len(ys) < 2:
+            raise _NotCanonical
+        if len(sizes) != len(ys):  # every block concatenated, in order
             raise _NotCanonical
         C = _sizes_tensor(sizes)
         if C is None or dtype_of(rows) != torch.bfloat16:  # torch._grouped_mm takes bf16 operands only

@@ -469,7 +469,7 @@ def test_a_loop_over_split_rows_becomes_grouped_products():
     torch.testing.assert_close(_grouped(*args), _split_loop(*args))
 
 
-@pytest.mark.parametrize("case", ["experts-differ", "float32", "rows-summed", "misaligned-rows"])
+@pytest.mark.parametrize("case", ["experts-differ", "float32", "rows-summed", "misaligned-rows", "a-block-left-out"])
 def test_other_loops_over_split_rows_stay(case):
     args = _split_loop_args(torch.float32 if case == "float32" else torch.bfloat16)
     if case == "misaligned-rows":  # 6-element bf16 rows: 12-byte strides, which grouped_mm refuses
@@ -478,6 +478,10 @@ def test_other_loops_over_split_rows_stay(case):
     if case == "experts-differ":
         def fn(*a):
             return _split_loop(*a, acts=[F.silu, F.relu, F.silu, F.silu])
+    elif case == "a-block-left-out":  # the last expert's rows not in the result
+        def fn(rows, counts, w1, w2):
+            blocks = torch.split(rows, counts.tolist(), dim=0)
+            return torch.cat([F.silu(block @ w1[e].t()) @ w2[e].t() for e, block in enumerate(blocks[:-1])], dim=0)
     elif case == "rows-summed":  # not row by row: a block's sum over its rows
         def fn(rows, counts, w1, w2):
             blocks = torch.split(rows, counts.tolist(), dim=0)
