@@ -9,15 +9,15 @@ Rules (eager spelling -> canonical form):
         # an einsum of two operands that is a batched matrix product: output [b, m, n], one
         # contracted letter, b and n on one operand (b may be missing from the other: broadcast by
         # expand, no copy); the operands laid out [b, m, i] and [b, i, n] by transpose/permute;
-        # operands and result of one dtype (this and the next two rules: autocast casts einsum's
-        # operands, and a product form would promote)
+        # under autocast (float32 operands, a bf16/fp16 result) the bmm is lowered as the einsum was
     x @ W, x[None] @ W  (W [E, i, n], x [T, i])   ->  torch.bmm(x.unsqueeze(0).expand(E, -1, -1), W)
     a @ W  (a [E, T, i])                          ->  torch.bmm(a, W)
         # matmul broadcasting rows over a stack of weights: the same products, as one batched form
     torch.einsum("te,etd->td", g, y)              ->  (y * g.t().unsqueeze(-1)).sum(0)
     torch.einsum("te,ted->td", g, y)              ->  (y * g.unsqueeze(-1)).sum(1)
         # a [T, E] matrix weighting [E, T, d] (or [T, E, d]) values summed over E
-        # (both: the same sums of products, a matmul's rounding may differ from the reduction's)
+        # (both: the same sums of products, in float32/float64 only: in bf16/fp16 each product
+        # would be rounded before the sum, which einsum's matmul accumulates in float32)
     blocks = torch.split(rows, C.tolist())         ->  offs = torch.cumsum(C, 0, dtype=torch.int32)
     y = torch.cat([f(b, W1[e], W2[e]) for e, b in enumerate(blocks)])
                                                   ->  y = f(rows, W1, W2), each `b @ W[e]` (through
@@ -60,6 +60,19 @@ def _einsum_spec(node: fx.Node) -> tuple[str, str, str, fx.Node, fx.Node] | None
     return ins[0], ins[1], out, operands[0], operands[1]
 
 
+def _autocast_dtype(node: fx.Node, *operands: fx.Node) -> tuple[bool, torch.dtype | None]:
+    """(the product can be respelled, the autocast dtype it ran in or None): operands and result
+    of one dtype, or float32 operands lowered to the bf16/fp16 result (Dynamo traced it under
+    autocast, as it runs)."""
+    out, ins = dtype_of(node), {dtype_of(o) for o in operands}
+    if out is None or None in ins:
+        return False, None
+    if ins == {out}:
+        return True, None
+    lowered = out in (torch.bfloat16, torch.float16) and all(dt.is_floating_point for dt in ins)
+    return lowered, out if lowered else None
+
+
 def _laid_out(gm, before, node: fx.Node, letters: str, order: str) -> fx.Node:
     """`node` (dims named by `letters`) with its dims in `order`: itself, a transpose of two, or a permute."""
     if letters == order:
@@ -77,7 +90,8 @@ def einsum_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     if spec is None or len(spec[2]) != 3:
         return None
     la, lb, out, a, b = spec
-    if not dtype_of(a) == dtype_of(b) == dtype_of(node):  # autocast casts einsum's operands: bmm's would differ
+    ok, autocast = _autocast_dtype(node, a, b)  # under autocast the bmm is lowered as the einsum was
+    if not ok:
         return None
     batch, m, n = out
     contracted = (set(la) & set(lb)) - set(out)
@@ -97,7 +111,7 @@ def einsum_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     else:
         rows = _laid_out(gm, node, a, la, m + i)
         left = insert_call(gm, node, torch.Tensor.expand, (insert_call(gm, node, torch.unsqueeze, (rows, 0)), E, -1, -1))
-    product = insert_call(gm, node, torch.bmm, (left, right))
+    product = insert_call(gm, node, torch.bmm, (left, right), autocast=autocast)
     node.replace_all_uses_with(product)
     return f"{node.name} ({node.args[0]!r}) -> bmm"
 
@@ -109,7 +123,9 @@ def einsum_weighted_sum_to_product(gm: fx.GraphModule, node: fx.Node, order: dic
     if spec is None or len(spec[2]) != 2:
         return None
     la, lb, out, a, b = spec
-    if not dtype_of(a) == dtype_of(b) == dtype_of(node):  # autocast or mixed dtypes: a product would promote
+    # float32/float64 only: in bf16/fp16 (autocast too) the product rounds each term before the sum,
+    # where einsum's matmul keeps them in a float32 accumulator (2.7% off at a cancellation, bf16)
+    if not dtype_of(a) == dtype_of(b) == dtype_of(node) or dtype_of(node) not in (torch.float32, torch.float64):
         return None
     if len(la) == 3:
         la, lb, a, b = lb, la, b, a
@@ -120,8 +136,8 @@ def einsum_weighted_sum_to_product(gm: fx.GraphModule, node: fx.Node, order: dic
     (e,) = contracted
     if set(la) != {t, e} or lb not in (e + t + d, t + e + d):
         return None
-    gates = _laid_out(gm, node, a, la, lb[:2])  # [E, T] or [T, E], as the values lead
-    product = insert_call(gm, node, torch.mul, (b, insert_call(gm, node, torch.unsqueeze, (gates, -1))))
+    gates = insert_call(gm, node, torch.unsqueeze, (_laid_out(gm, node, a, la, lb[:2]), -1))  # [E, T, 1] / [T, E, 1]
+    product = insert_call(gm, node, torch.mul, (b, gates))
     total = insert_call(gm, node, torch.sum, (product, lb.index(e)))
     node.replace_all_uses_with(total)
     return f"{node.name} ({node.args[0]!r}) -> (values * weights).sum({lb.index(e)})"
@@ -136,7 +152,8 @@ def broadcast_matmul_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> s
     sa, sb = shape_of(a), shape_of(b)
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or sa is None or sb is None or len(sb) != 3:
         return None
-    if not dtype_of(a) == dtype_of(b) == dtype_of(node) or not isinstance(sb[0], int):
+    ok, autocast = _autocast_dtype(node, a, b)
+    if not ok or not isinstance(sb[0], int):
         return None
     E = sb[0]
     if len(sa) == 2:
@@ -147,7 +164,7 @@ def broadcast_matmul_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> s
         return None
     if (shape_of(rows) or (None,))[0] != E:
         rows = insert_call(gm, node, torch.Tensor.expand, (rows, E, -1, -1))
-    product = insert_call(gm, node, torch.bmm, (rows, b))
+    product = insert_call(gm, node, torch.bmm, (rows, b), autocast=autocast)
     node.replace_all_uses_with(product)
     return f"{node.name}: matmul over E={E} stacked weights -> bmm"
 

@@ -888,15 +888,22 @@ def site_fields(site: fx.Node, topk_ids: fx.Node, topk_weights: fx.Node, T, E, *
     )
 
 
-def insert_call(gm: fx.GraphModule, before: fx.Node, target, args, kwargs=None) -> fx.Node:
-    """A call_function node before `before`, with its fake value and `before`'s module metadata."""
+def insert_call(gm: fx.GraphModule, before: fx.Node, target, args, kwargs=None, autocast=None) -> fx.Node:
+    """A call_function node before `before`, with its fake value and `before`'s module metadata.
+    `autocast`: the dtype of the autocast region the node runs in (its fake value is computed as
+    autocast would compute it there), or None."""
     with gm.graph.inserting_before(before):
         node = gm.graph.call_function(target, args, kwargs or {})
     fake_mode = fake_mode_of(gm)
     if fake_mode is not None:
+        fake_args, fake_kwargs = fx.node.map_arg(args, example_value), fx.node.map_arg(kwargs or {}, example_value)
         with fake_mode:
-            node.meta["example_value"] = target(*fx.node.map_arg(args, example_value),
-                                                **fx.node.map_arg(kwargs or {}, example_value))
+            if autocast is None:
+                node.meta["example_value"] = target(*fake_args, **fake_kwargs)
+            else:
+                device = next(a.device.type for a in fake_args if isinstance(a, torch.Tensor))
+                with torch.autocast(device, dtype=autocast):
+                    node.meta["example_value"] = target(*fake_args, **fake_kwargs)
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in before.meta:
             node.meta[key] = before.meta[key]

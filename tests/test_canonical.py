@@ -509,3 +509,30 @@ def test_other_matmuls_stay(case):
     W = torch.randn(d, n) if case == "2-D weight" else torch.randn(1, d, n)
     gm = traced(lambda r, w: r @ w, rows, W)
     assert canonicalize(gm) == [] and "bmm" not in ops(gm)
+
+
+def test_an_einsum_product_under_autocast_becomes_a_bmm_lowered_as_it_was():
+    args = (torch.randn(T, d), torch.randn(E, d, n))
+
+    def fn(a, b):
+        return torch.einsum("td,edn->etn", a, b)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm = traced(fn, *args)
+        assert len(canonicalize(gm)) == 1 and "einsum" not in ops(gm)
+        (out,) = [nd for nd in gm.graph.nodes if nd.op == "output"][0].args[0]
+        assert op_name(out.target) == "bmm" and out.meta["example_value"].dtype == torch.bfloat16
+        same_value(gm, fn, *args)
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, True)])
+def test_a_low_precision_einsum_weighted_sum_stays(dtype, autocast):
+    """In bf16 the product form would round each term before the sum (einsum accumulates in float32)."""
+    g, y = torch.randn(T, E).to(dtype), torch.randn(E, T, d).to(dtype)
+
+    def fn(g, y):
+        return torch.einsum("te,etd->td", g, y)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        gm = traced(fn, g, y)
+        assert canonicalize(gm) == [] and "einsum" in ops(gm)

@@ -664,6 +664,8 @@ IDIOM_CASES = {
     "dense-list": (lambda: DenseMoE(experts="fused"), "dense_experts"),
     "dense-list-einsum": (lambda: DenseMoE(experts="fused", combine="einsum"), "dense_experts"),
     "bmm-stacked": (lambda: BmmMoE(K=2), "dense_bmm"),
+    "bmm-einsum": (lambda: BmmMoE(K=2, spelling="einsum"), "dense_bmm"),
+    "bmm-matmul": (lambda: BmmMoE(K=2, spelling="matmul", orient="out_in"), "dense_bmm"),
     "loop-stacked-plain": (lambda: StackedLoopMoE(orient="linear", gate_up="plain"), "expert_loop"),
     "repeat-list": (lambda: RepeatLoopMoE(), "repeat_loop"),
 }
