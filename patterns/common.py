@@ -541,12 +541,8 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     inserted: list[fx.Node] = []
 
     def insert(target, args, kwargs=None):
-        with graph.inserting_before(match.anchor):
-            node = graph.call_function(target, args, kwargs)
+        node = insert_call(gm, match.anchor, target, args, kwargs)
         inserted.append(node)
-        if fake_mode is not None and "example_value" not in node.meta:
-            with fake_mode:
-                node.meta["example_value"] = target(*fx.node.map_arg(args, example_value), **(kwargs or {}))
         return node
 
     def to(node, dtype):  # a `.to(dtype)` node, with its fake value

@@ -100,7 +100,7 @@ def _check_stacked(stack: fx.Node) -> MoEMatch:
     readers = list(stack.users)
     expect(len(readers) == 1, "the stacked expert outputs are read more than once")
     (combine,) = readers
-    if is_call(combine, "einsum"):  # left as written where its operands' dtypes differ (autocast casts them)
+    if is_call(combine, "einsum"):  # left as written in bf16/fp16 and under autocast (canonical_products)
         gates = _einsum_gates(combine, stack)
         anchor = combine
     else:  # the product, also einsum("te,ted->td", ...)'s canonical form

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import triton
 
+from ..launch import _major
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -54,20 +56,12 @@ else:
     copy_layout = wgmma_acc_layout = None
 
 
-_MAJOR: dict[int, int] = {}
 _LAYOUTS: dict[tuple, object] = {}
 
 
 def is_sm90(t) -> bool:
-    """t lives on a Hopper (sm90) GPU; each device's capability is asked once (a few us a call)."""
-    if not t.is_cuda:
-        return False
-    index = t.device.index
-    if index not in _MAJOR:
-        import torch
-
-        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
-    return _MAJOR[index] == 9
+    """t lives on a Hopper (sm90) GPU (`launch._major`: each device's capability asked once)."""
+    return t.is_cuda and _major(t.device) == 9
 
 
 def shared_layout(block: list[int], dtype):
