@@ -48,7 +48,8 @@ slot order (`codegen.forward.set_scatter_tiles(False)`) instead of TILE order; "
 the compiled graphs calling our ops' `default` overloads, through custom_op's Python layers
 (`codegen.nograd.USE_NOGRAD = False`), instead of `nograd`; "ours-compiled-triton-launch" with every kernel
 launched through Triton's `kernel[grid]` (`codegen.direct_launch.ENABLED = False`) instead of the cached
-compiled kernel's launcher.
+compiled kernel's launcher; "ours-compiled-no-plans" with every op call running its implementation
+(`codegen.plans.ENABLED = False`) instead of replaying the launch plan recorded at its signature.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ from moe_compiler.codegen.router import route as sonic_route
 PROVIDERS = ("ours", "ours-fused-router", "ours-ptr", "ours-triton-wgrad", "ours-two-dot-up", "ours-fixed-order",
              "ours-no-gluon", "ours-interleaved", "ours-list", "ours-compiled", "ours-compiled-nofold",
              "ours-compiled-per-tile-up", "ours-compiled-wide-keys", "ours-compiled-slot-order",
-             "ours-compiled-default-ops", "ours-compiled-triton-launch", "sonic", "liger",
+             "ours-compiled-default-ops", "ours-compiled-triton-launch", "ours-compiled-no-plans", "sonic", "liger",
              "grouped_mm", "compile", "loop")
 LOOP_MAX_TK = 64 * 1024  # the per-expert loop only at small shapes (it syncs and crawls)
 
@@ -195,7 +196,8 @@ def build_provider(name, master, shape):
     if name == "grouped_mm":
         return (lambda x: layer_grouped_mm(params, x, K)), params
     if name in ("ours-compiled", "ours-compiled-nofold", "ours-compiled-per-tile-up", "ours-compiled-wide-keys",
-                "ours-compiled-slot-order", "ours-compiled-default-ops", "ours-compiled-triton-launch"):
+                "ours-compiled-slot-order", "ours-compiled-default-ops", "ours-compiled-triton-launch",
+                "ours-compiled-no-plans"):
         import moe_compiler  # noqa: F401  (registers backend="sonic" without the entry point too)
 
         fold = name != "ours-compiled-nofold"
@@ -248,8 +250,11 @@ def bench_one(name, master, shape, x, dy, ref, args):
     backward's products in one fixed order (`codegen.backward.BACKWARD_STEPS`) whatever the shape,
     ours-no-gluon without the Gluon kernels (the choices measured afresh among the others)."""
     from moe_compiler import codegen
-    from moe_compiler.codegen import direct_launch, nograd, router, wgrad_choice
+    from moe_compiler.codegen import direct_launch, nograd, plans, router, wgrad_choice
 
+    use_plans = plans.ENABLED
+    plans.ENABLED = use_plans and not name.endswith("-no-plans")
+    plans.forget()  # each provider records its own plans, under its own switches
     use_nograd = nograd.USE_NOGRAD
     nograd.USE_NOGRAD = use_nograd and not name.endswith("-default-ops")
     direct = direct_launch.ENABLED
@@ -290,6 +295,8 @@ def bench_one(name, master, shape, x, dy, ref, args):
         router.NARROW_KEYS = narrow_keys
         nograd.USE_NOGRAD = use_nograd
         direct_launch.ENABLED = direct
+        plans.ENABLED = use_plans
+        plans.forget()
         if name == "ours-no-gluon":
             codegen.launch.GLUON_TRITON_VERSIONS = saved[4]
             codegen.launch._GLUON.clear()

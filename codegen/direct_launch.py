@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from . import plans
+
 try:
     from triton import knobs as _knobs
     from triton._C.libtriton import native_specialize_impl as _specialize
@@ -65,11 +67,11 @@ class _Launcher:
 
     def __call__(self, grid, args: tuple, kwargs: dict) -> None:
         fn = self.fn
-        runtime = _knobs.runtime
-        hooked = _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
-        if not self.usable or fn.pre_run_hooks or hooked:
+        if not self.usable or fn.pre_run_hooks or hooked():
+            plans.abort("a launch through JITFunction.run (hooks, or an annotated signature)")
             fn.run(*args, grid=grid, warmup=False, **kwargs)
             return
+        runtime = _knobs.runtime
         device = torch._C._cuda_getDevice()
         backend = fn.device_caches[device][3]
         values = self.bind(args, kwargs)
@@ -80,9 +82,11 @@ class _Launcher:
         try:
             kernel = self.kernels.get(key)
         except TypeError:  # an unhashable constexpr: Triton's own path
+            plans.abort("a launch with an unhashable constexpr")
             fn.run(*args, grid=grid, warmup=False, **kwargs)
             return
         if kernel is None or self.globals_changed():
+            plans.abort("a kernel compiled (or a global it read changed)")
             kernel = fn.run(*args, grid=grid, warmup=False, **kwargs)
             if kernel is not None:
                 self.kernels[key] = kernel
@@ -93,6 +97,8 @@ class _Launcher:
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(device)
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
+        if plans.recording():
+            plans.record_launch(self, kernel, (grid[0], g1, g2), device, values)
 
     def globals_changed(self) -> bool:
         for (name, _), (value, scope) in self.fn.used_global_vals.items():
@@ -104,6 +110,14 @@ class _Launcher:
 def _hooked(hook) -> bool:
     """A launch hook is set: a callable, or a HookChain (Triton >= 3.5) holding one."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def hooked() -> bool:
+    """A launch enter or exit hook is set (the profilers' launch metadata): launches take `run`."""
+    if _knobs is None:
+        return False
+    runtime = _knobs.runtime
+    return _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
 
 
 _LAUNCHERS: dict[int, tuple[object, Callable | None]] = {}
@@ -122,5 +136,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     launcher = _launcher_for(kernel) if ENABLED else None
     if launcher is None:
         kernel[grid](*args, **kwargs)
+        if plans.recording():
+            plans.record_call(kernel, grid, args, kwargs)
     else:
         launcher(grid, args, kwargs)

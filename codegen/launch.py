@@ -45,6 +45,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activations import ACTIVATIONS, GATED
+from . import plans
 from .direct_launch import launch
 from .ints import cdiv
 from .kernels.backward import _wgrad_kernel
@@ -280,6 +281,7 @@ def _launch(tuner, grid, *args, **kwargs) -> None:
            *(a.dtype for a in args if isinstance(a, Tensor)))
     tuned = _TUNED.get(key)
     if tuned is None:
+        plans.abort("autotuning")
         tuner[grid](*args, **kwargs)
         config = getattr(tuner, "best_config", None)
         if config is not None:
@@ -294,6 +296,7 @@ def _launch(tuner, grid, *args, **kwargs) -> None:
 def forget_tuned_launches() -> None:
     """Send every launch through its autotuner again (tests that swap a tuner's configs)."""
     _TUNED.clear()
+    plans.forget()
 
 
 def set_persistent_up(persistent: bool) -> None:

@@ -62,6 +62,7 @@ from . import backward, forward
 from .activations import GATED, check_activation, check_activation_params
 from .launch import list_banks, runs_triton, supports
 from .nograd import overload, register_nograd
+from .plans import planned
 from .reference import (
     torch_moe_experts_bwd,
     torch_moe_experts_bwd_act,
@@ -76,6 +77,7 @@ def _flags(activation, interleaved, transposed, alpha, limit):
     return dict(activation=activation, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
 
 
+@planned
 def _moe_experts_fwd(
     x: Tensor,
     topk_ids: Tensor,
@@ -129,6 +131,7 @@ def _empty_bias_grad(b: Optional[Tensor], x: Tensor) -> Tensor:
     return x.new_empty(0) if b is None else torch.empty_like(b)
 
 
+@planned
 def _moe_experts_backward(
     grad_out: Tensor,
     x: Tensor,
@@ -241,6 +244,7 @@ def _reference_part(part: str, x, topk_ids, topk_weights, w1, w2, b1, b2, sorted
                                     product=tensors["product"], **layout)
 
 
+@planned
 def _moe_experts_backward_act(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
     b1: Optional[Tensor], b2: Optional[Tensor], h: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
@@ -267,6 +271,7 @@ def _moe_experts_backward_act_fake(grad_out, x, topk_ids, topk_weights, w1, w2, 
 register_nograd("moe_experts_backward_act", _moe_experts_backward_act, _moe_experts_backward_act_fake)
 
 
+@planned
 def _moe_experts_backward_dw2(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
     b1: Optional[Tensor], b2: Optional[Tensor], a_scaled: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
@@ -292,6 +297,7 @@ def _moe_experts_backward_dw2_fake(grad_out, x, topk_ids, topk_weights, w1, w2, 
 register_nograd("moe_experts_backward_dw2", _moe_experts_backward_dw2, _moe_experts_backward_dw2_fake)
 
 
+@planned
 def _moe_experts_backward_dw1(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
     b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
@@ -316,6 +322,7 @@ def _moe_experts_backward_dw1_fake(x, topk_ids, topk_weights, w1, w2, b1, b2, dh
 register_nograd("moe_experts_backward_dw1", _moe_experts_backward_dw1, _moe_experts_backward_dw1_fake)
 
 
+@planned
 def _moe_experts_backward_dx(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
     b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor, expert_offsets: Tensor,
@@ -343,6 +350,7 @@ def _moe_experts_backward_dx_fake(x, *rest, slot_token=None, dx_lhs=None, dx_rhs
 register_nograd("moe_experts_backward_dx", _moe_experts_backward_dx, _moe_experts_backward_dx_fake)
 
 
+@planned
 def _moe_experts_list_fwd(
     x: Tensor,
     topk_ids: Tensor,
@@ -387,6 +395,7 @@ def _moe_experts_list_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, 
 register_nograd("moe_experts_list", _moe_experts_list_fwd, _moe_experts_list_fake)
 
 
+@planned
 def _moe_experts_list_backward(
     grad_out: Tensor,
     x: Tensor,
@@ -452,6 +461,7 @@ def _list_bwd_part(part: str, x, topk_ids, topk_weights, w_gate, w_up, w_down, b
     return (got[0], _bias_or_empty(got[1], x)) if part in ("dw1", "dw2") else got
 
 
+@planned
 def _moe_experts_list_backward_act(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
     w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], h: Tensor, sorted_rows: Tensor,
@@ -477,6 +487,7 @@ def _moe_experts_list_backward_act_fake(grad_out, x, topk_ids, topk_weights, w_g
 register_nograd("moe_experts_list_backward_act", _moe_experts_list_backward_act, _moe_experts_list_backward_act_fake)
 
 
+@planned
 def _moe_experts_list_backward_dw2(
     grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
     w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], a_scaled: Tensor, sorted_rows: Tensor,
@@ -501,6 +512,7 @@ def _moe_experts_list_backward_dw2_fake(grad_out, x, topk_ids, topk_weights, w_g
 register_nograd("moe_experts_list_backward_dw2", _moe_experts_list_backward_dw2, _moe_experts_list_backward_dw2_fake)
 
 
+@planned
 def _moe_experts_list_backward_dw1(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
     w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor,
@@ -525,6 +537,7 @@ def _moe_experts_list_backward_dw1_fake(x, topk_ids, topk_weights, w_gate, w_up,
 register_nograd("moe_experts_list_backward_dw1", _moe_experts_list_backward_dw1, _moe_experts_list_backward_dw1_fake)
 
 
+@planned
 def _moe_experts_list_backward_dx(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: list[Tensor], w_up: list[Tensor],
     w_down: list[Tensor], b1: Optional[Tensor], b2: Optional[Tensor], dh: Tensor, sorted_rows: Tensor,

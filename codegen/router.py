@@ -45,6 +45,7 @@ from torch import Tensor
 from .direct_launch import launch
 from .ints import cdiv, pow2
 from .nograd import overload, register_nograd
+from .plans import planned
 from .launch import FORCE_REFERENCE
 
 SCORES = ("softmax", "sigmoid")
@@ -255,6 +256,7 @@ def _use_triton(logits: Tensor, compute_dtype: torch.dtype) -> bool:
             and compute_dtype in _TRITON_DTYPES and logits.shape[1] <= _MAX_TRITON_E)
 
 
+@planned
 def _route_fwd(
     logits: Tensor,
     bias: Optional[Tensor],
@@ -294,6 +296,7 @@ def _route_fake(logits, bias, k, score, topk_first, renorm, eps, scale, n_group,
 register_nograd("route", _route_fwd, _route_fake)
 
 
+@planned
 def _route_backward(
     grad_w: Tensor,
     logits: Tensor,

@@ -42,6 +42,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import plans
+
 log = logging.getLogger("moe_compiler")
 
 PROVIDERS = ("auto", "triton", "grouped_mm", "gluon")
@@ -141,6 +143,7 @@ def choose(key: tuple, candidates: dict[str, Callable[[], Tensor]], *, cuda: boo
     if name is None:
         if cuda and torch.cuda.is_current_stream_capturing():
             return candidates["triton"]
+        plans.abort("timing candidates")
         times = {name: _time(fn, cuda, guarded=name != "triton") for name, fn in candidates.items()}
         name = min(times, key=times.get)
         _CHOSEN[key] = name

@@ -1,0 +1,469 @@
+"""Launch plans: a call of an op on the GPU replayed from a record of an earlier call's work.
+
+    @planned
+    def _moe_experts_fwd(x, topk_ids, ...): ...     # the op's implementation, unchanged
+
+What the implementations decide on the host (which kernel, its config and grid, the weight-gradient
+provider, buffer sizes, TMA descriptor boxes) depends only on the call's signature, never on tensor
+values (the ops do not sync with the host):
+
+  * each tensor argument's shape, strides, dtype, device, storage offset, and address modulo 16
+    (the alignment Triton and the copy engine specialize on); the exact addresses of tensors passed
+    in lists (the list form's offset tables are built from them);
+  * the other arguments; the run-time switches (`_switches`); grad and autocast state;
+  * `forget()`'s generation (called when a choice, tuning or switch changes).
+
+So once a signature's first calls have compiled, tuned and timed what they needed, its
+`RECORD_AT`-th call is recorded: every aten op it dispatches (allocations, views, small torch ops,
+through a `TorchDispatchMode`) and every kernel launch (`codegen.direct_launch` hands each one over),
+each tensor argument traced to an input, an earlier result, or a constant. Later calls with that
+signature replay the record: the aten ops are called directly, each compiled kernel's launcher gets
+the new tensors (TMA descriptors rebuilt over them) on the current stream, and none of the Python
+between them runs.
+
+A recording is dropped, and the signature runs as before, when the call: launches a kernel through
+Triton's own path (compiling or autotuning: `abort`), times candidates (`wgrad_choice`), reads a
+tensor's value on the host (a scalar result, an op with a data-dependent shape, a host sync), draws
+random numbers, or returns a tensor it did not make. Calls under another dispatch mode, during a
+CUDA-graph capture's recording, or with a launch hook set (profilers) run the implementation.
+
+`ENABLED = False` (env SONIC_MOE_PLANS=0) runs every call through the implementation (A/B runs).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import threading
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+log = logging.getLogger("moe_compiler")
+
+ENABLED = os.environ.get("SONIC_MOE_PLANS", "1") != "0"
+RECORD_AT = 3  # the call at a signature that is recorded; the first ones compile, tune, time and fill caches
+_TRIES = 4  # recordings tried at a signature (from call RECORD_AT on) before it keeps running unplanned
+_MAX_PLANS = 4096
+
+_UNPLANNED = "unplanned"
+_PLANS: dict[tuple, object] = {}  # signature -> call count (int), _Plan, or _UNPLANNED
+_GENERATION = 0
+_RECORDING: list = [None]  # the active _Recorder (one at a time, in one thread)
+_REFUSED_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.nondeterministic_seeded)
+
+
+def forget() -> None:
+    """Drop every plan: the next calls run the implementations and record again. Called where what
+    a call does changes without its signature changing (a switch flipped, choices or tunings reset)."""
+    global _GENERATION
+    _GENERATION += 1
+    _PLANS.clear()
+
+
+def stats() -> dict[str, int]:
+    """How many signatures are planned, still counting calls, or left unplanned."""
+    values = list(_PLANS.values())
+    return dict(planned=sum(isinstance(v, _Plan) for v in values), counting=sum(isinstance(v, int) for v in values),
+                unplanned=sum(v is _UNPLANNED for v in values))
+
+
+_SWITCH_MODULES: list = []
+
+
+def _switches() -> tuple:
+    """The run-time switches the implementations read (benchmarks flip them for A/B runs)."""
+    if not _SWITCH_MODULES:
+        from . import backward, direct_launch, forward, launch, router, wgrad_choice
+
+        _SWITCH_MODULES.extend((forward, launch, direct_launch, wgrad_choice, router, backward))
+    forward, launch, direct_launch, wgrad_choice, router, backward = _SWITCH_MODULES
+    return (forward.SCATTER_TILES, forward.MAP_PREFETCH, launch.USE_TMA, launch.WIDE_UP, launch.PERSISTENT_UP,
+            launch.GLUON_TRITON_VERSIONS, direct_launch.ENABLED, wgrad_choice.PINNED, wgrad_choice.SCATTER_PINNED,
+            len(wgrad_choice._CHOSEN), router.NARROW_KEYS, backward.backward_order)
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    key = [_GENERATION, torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"),
+           torch.get_autocast_dtype("cuda"), *_switches()]
+    if kwargs:
+        key.append(tuple(kwargs))
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            key.append((a.shape, a.stride(), a.dtype, a.device, a.storage_offset(), a.data_ptr() % 16))
+        elif isinstance(a, (list, tuple)):
+            key.append(tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr()) if isinstance(t, Tensor) else t
+                             for t in a))
+        else:
+            key.append(a)
+    return tuple(key)
+
+
+def _inputs(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The call's tensors in a fixed order (top level, then inside lists), as slots 0.. of a plan."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, Tensor))
+    return found
+
+
+def planned(impl: Callable | None = None, *, cuda_only: bool = True):
+    """Wrap an op implementation so that calls with a recorded signature replay its plan.
+    `cuda_only`: plan only calls whose first tensor argument is on a CUDA device (tests plan CPU calls)."""
+    if impl is None:
+        return functools.partial(planned, cuda_only=cuda_only)
+
+    @functools.wraps(impl)
+    def call(*args, **kwargs):
+        if not ENABLED or _RECORDING[0] is not None or torch._C._len_torch_dispatch_stack():
+            return impl(*args, **kwargs)
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        if first is None or (cuda_only and not first.is_cuda):
+            return impl(*args, **kwargs)
+        key = (impl, *_signature(args, kwargs))
+        state = _PLANS.get(key, 0)
+        if isinstance(state, _Plan):
+            if state.usable():
+                return state.replay(_inputs(args, kwargs))
+            return impl(*args, **kwargs)
+        if state is _UNPLANNED:
+            return impl(*args, **kwargs)
+        state += 1
+        if state < RECORD_AT or (first.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _PLANS[key] = state
+            return impl(*args, **kwargs)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        recorder = _Recorder(_inputs(args, kwargs), sync_check=first.is_cuda)
+        result = recorder.run(impl, args, kwargs)
+        plan = recorder.plan(result)
+        if plan is not None:
+            _PLANS[key] = plan
+        elif state - RECORD_AT + 1 >= _TRIES:
+            _PLANS[key] = _UNPLANNED
+            log.info("%s: no launch plan (%s); its calls run unplanned", impl.__name__, recorder.why)
+        else:
+            _PLANS[key] = state
+        return result
+
+    # the implementation's signature with its annotations evaluated where they were written: the
+    # custom op infers its schema from them
+    call.__signature__ = inspect.signature(impl, eval_str=True)
+    return call
+
+
+def abort(why: str) -> None:
+    """Drop the recording in progress, if any (its call does work a plan cannot repeat)."""
+    recorder = _RECORDING[0]
+    if recorder is not None and recorder.why is None and recorder.thread == threading.get_ident() \
+            and not recorder.depth:
+        recorder.why = why
+
+
+def recording() -> bool:
+    return _RECORDING[0] is not None
+
+
+def record_launch(launcher, kernel, grid: tuple[int, int, int], device: int, values: list) -> None:
+    """`codegen.direct_launch`: `launcher`'s compiled `kernel` launched as `kernel.run(*grid, stream,
+    ..., *values)`."""
+    recorder = _RECORDING[0]
+    if recorder is not None and recorder.thread == threading.get_ident():
+        recorder.launch(launcher, kernel, grid, device, values)
+
+
+def record_call(kernel, grid, args: tuple, kwargs: dict) -> None:
+    """`codegen.direct_launch`: a launch through `kernel[grid](*args, **kwargs)` (the interpreter)."""
+    recorder = _RECORDING[0]
+    if recorder is not None and recorder.thread == threading.get_ident():
+        recorder.call(kernel, grid, args, kwargs)
+
+
+_OP, _LAUNCH, _CALL = 0, 1, 2
+
+
+class _Plan:
+    """The record of one call: steps over slots (the inputs first, then every result)."""
+
+    __slots__ = ("n_inputs", "n_slots", "steps", "result", "device", "kernels")
+
+    def __init__(self, n_inputs, n_slots, steps, result, device, kernels):
+        self.n_inputs, self.n_slots, self.steps, self.result = n_inputs, n_slots, steps, result
+        self.device, self.kernels = device, kernels
+
+    def usable(self) -> bool:
+        """False while something a launch must honour is set: a launch hook, a kernel's pre-run hook,
+        a changed global a kernel read (Triton's own path then runs, or raises), another device."""
+        from . import direct_launch
+
+        if direct_launch.hooked():
+            return False
+        if self.device is not None and torch._C._cuda_getDevice() != self.device:
+            return False
+        return not any(fn.pre_run_hooks or launcher.globals_changed() for fn, launcher in self.kernels)
+
+    def replay(self, inputs: list[Tensor]):
+        slots = inputs + [None] * (self.n_slots - len(inputs))
+        stream = None
+        for step in self.steps:
+            kind = step[0]
+            if kind == _OP:
+                _, func, args, fills, kwargs, kw_fills, outs = step
+                if fills:
+                    args = _filled(args, fills, slots)
+                if kw_fills:
+                    kwargs = dict(kwargs)
+                    for name, s in kw_fills:
+                        kwargs[name] = slots[s]
+                out = func(*args, **kwargs)
+                if type(outs) is int:
+                    slots[outs] = out
+                elif outs:
+                    for s, o in zip(outs, out):
+                        if s is not None:
+                            slots[s] = o
+            elif kind == _LAUNCH:
+                _, kernel, g0, g1, g2, values, fills, descs = step
+                values = list(values)
+                for i, s in fills:
+                    values[i] = slots[s]
+                for i, template, s in descs:
+                    values[i] = _rebuilt(template, slots[s])
+                if stream is None:
+                    stream = torch._C._cuda_getCurrentRawStream(self.device)
+                kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
+            else:
+                _, kernel, grid, args, fills, descs, kwargs, kw_fills = step
+                args = _filled(args, fills, slots)
+                for i, template, s in descs:
+                    args[i] = _rebuilt(template, slots[s])
+                kwargs = dict(kwargs)
+                for name, s in kw_fills:
+                    kwargs[name] = slots[s]
+                kernel[grid](*args, **kwargs)
+        return _build(self.result, slots)
+
+
+def _rebuilt(template, base: Tensor):
+    """A TMA descriptor with `template`'s fields over `base` (no validation: the fields are the
+    recorded call's, and `base` has the recorded tensor's shape, strides and alignment)."""
+    desc = object.__new__(type(template))
+    desc.__dict__.update(template.__dict__)
+    desc.base = base
+    return desc
+
+
+def _filled(template: list, fills: list, slots: list) -> list:
+    args = list(template)
+    for i, j, s in fills:
+        if j < 0:
+            args[i] = slots[s]
+        else:
+            if args[i] is template[i]:
+                args[i] = list(template[i])
+            args[i][j] = slots[s]
+    return args
+
+
+def _build(template, slots):
+    kind, value = template
+    if kind == "slot":
+        return slots[value]
+    if kind == "const":
+        return value
+    built = [_build(t, slots) for t in value]
+    return tuple(built) if kind == "tuple" else built
+
+
+def _integer_indexing(func, args) -> bool:
+    """`t[index]` with integer index tensors: its shape follows the indices' shapes (only a boolean
+    mask makes aten.index's shape depend on values, which its dynamic-shape tag is for)."""
+    if func is not torch.ops.aten.index.Tensor:
+        return False
+    return all(i is None or not (i.dtype == torch.bool or i.dtype == torch.uint8) for i in args[1])
+
+
+class _Recorder(TorchDispatchMode):
+    """Records one call's aten ops and launches; `plan()` gives the _Plan, or None with `why` set."""
+
+    def __init__(self, inputs: list[Tensor], sync_check: bool):
+        super().__init__()
+        self.slot_of = {id(t): i for i, t in enumerate(inputs)}
+        self.keep = list(inputs)  # every traced tensor stays alive while recording: ids stay unique
+        self.n_inputs = len(inputs)
+        self.n_slots = len(inputs)
+        self.steps: list[tuple] = []
+        self.kernels: dict[int, tuple] = {}
+        self.device = None
+        self.why: str | None = None
+        self.thread = threading.get_ident()
+        self.sync_check = sync_check
+        self.depth = 0
+
+    def run(self, impl, args, kwargs):
+        _RECORDING[0] = self
+        check_syncs = self.sync_check and torch.cuda.get_sync_debug_mode() == 0
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if check_syncs:
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with self:
+                        return impl(*args, **kwargs)
+                finally:
+                    if check_syncs:
+                        torch.cuda.set_sync_debug_mode("default")
+                    syncs = ["synchronizing CUDA operation" in str(w.message) for w in caught]
+                    if any(syncs):
+                        abort("a host sync")
+                    for w, sync in zip(caught, syncs):  # the call's warnings reach the caller as before,
+                        if not (sync and check_syncs):  # but for the sync warnings of our own check
+                            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        finally:
+            _RECORDING[0] = None
+
+    # ---------------------------------------------------------------- aten ops
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.depth += 1  # launches inside the op (a custom op's own kernels) belong to its step
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.depth -= 1
+        if self.why is None:
+            self._record_op(func, args, kwargs, out)
+        return out
+
+    def _record_op(self, func, args, kwargs, out):
+        if any(tag in func.tags for tag in _REFUSED_TAGS) and not _integer_indexing(func, args):
+            self.why = f"{func} (data-dependent or random)"
+            return
+        arg_list, fills, descs = self._template(args)
+        if descs:
+            self.why = f"{func} took a TMA descriptor"
+            return
+        kw, kw_fills = {}, []
+        for name, value in kwargs.items():
+            if isinstance(value, Tensor):
+                slot = self.slot_of.get(id(value))
+                if slot is None:
+                    kw[name] = value
+                    self.keep.append(value)
+                else:
+                    kw_fills.append((name, slot))
+            elif isinstance(value, (list, tuple)) and any(isinstance(t, Tensor) for t in value):
+                self.why = f"{func}: a list of tensors as keyword {name}"
+                return
+            else:
+                kw[name] = value
+        if isinstance(out, Tensor):
+            outs = self._new_slot(out)
+        elif out is None:  # an op run for its effect (a device-side assert)
+            outs = ()
+        elif isinstance(out, (list, tuple)) and all(o is None or isinstance(o, Tensor) for o in out):
+            outs = tuple(None if o is None else self._new_slot(o) for o in out)
+        else:
+            self.why = f"{func} returned {type(out).__name__} (a value read on the host)"
+            return
+        self.steps.append((_OP, func, arg_list, fills, kw, kw_fills, outs))
+
+    def _new_slot(self, t: Tensor) -> int:
+        slot = self.n_slots
+        self.n_slots += 1
+        self.slot_of[id(t)] = slot
+        self.keep.append(t)
+        return slot
+
+    def _template(self, args) -> tuple[list, list, list]:
+        """(args with each traced tensor left for its slot, [(position, index in a list or -1, slot)],
+        [(position, descriptor snapshot, slot of its base)]): a TMA descriptor over a traced tensor
+        is rebuilt over that slot's tensor at each replay."""
+        template, fills, descs = list(args), [], []
+        for i, a in enumerate(args):
+            if isinstance(a, Tensor):
+                slot = self.slot_of.get(id(a))
+                if slot is None:
+                    self.keep.append(a)  # a constant (made before the call, or by C++ without a dispatch)
+                else:
+                    fills.append((i, -1, slot))
+            elif isinstance(a, (list, tuple)) and any(isinstance(t, Tensor) for t in a):
+                template[i] = list(a)
+                for j, t in enumerate(a):
+                    slot = self.slot_of.get(id(t)) if isinstance(t, Tensor) else None
+                    if slot is not None:
+                        fills.append((i, j, slot))
+                    elif isinstance(t, Tensor):
+                        self.keep.append(t)
+            elif hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), Tensor):
+                # the fields as they are at this launch (a config's pre-hook may set another box later)
+                snapshot = object.__new__(type(a))
+                snapshot.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in a.__dict__.items()})
+                template[i] = snapshot
+                slot = self.slot_of.get(id(a.base))
+                if slot is None:
+                    self.keep.append(a.base)
+                else:
+                    descs.append((i, snapshot, slot))
+        return template, fills, descs
+
+    # ---------------------------------------------------------------- launches
+    def launch(self, launcher, kernel, grid, device: int, values: list):
+        if self.why is not None or self.depth:
+            return
+        if self.device is not None and device != self.device:
+            self.why = "launches on two devices"
+            return
+        self.device = device
+        template, fills, descs = self._template(values)
+        if any(j >= 0 for _, j, _ in fills):
+            self.why = "a list of tensors as a kernel argument"
+            return
+        self.kernels[id(launcher)] = (launcher.fn, launcher)
+        self.steps.append((_LAUNCH, kernel, *grid, tuple(template), tuple((i, s) for i, _, s in fills),
+                           tuple(descs)))
+
+    def call(self, kernel, grid, args, kwargs):
+        if self.why is not None or self.depth:
+            return
+        # a grid function reads the launch's sizes and META alone: kept as it is
+        template, fills, descs = self._template(args)
+        kw, kw_fills = {}, []
+        for name, value in kwargs.items():
+            slot = self.slot_of.get(id(value)) if isinstance(value, Tensor) else None
+            if slot is None:
+                kw[name] = value
+            else:
+                kw_fills.append((name, slot))
+        self.steps.append((_CALL, kernel, grid, template, fills, descs, kw, kw_fills))
+
+    # ---------------------------------------------------------------- the plan
+    def plan(self, result) -> _Plan | None:
+        if self.why is not None:
+            return None
+        template = self._result(result)
+        if template is None:
+            return None
+        return _Plan(self.n_inputs, self.n_slots, tuple(self.steps), template, self.device,
+                     tuple(self.kernels.values()))
+
+    def _result(self, value):
+        if isinstance(value, Tensor):
+            slot = self.slot_of.get(id(value))
+            if slot is None or slot < self.n_inputs:
+                self.why = "a result that is an input or was not made by the call"
+                return None
+            return ("slot", slot)
+        if isinstance(value, (list, tuple)):
+            parts = [self._result(v) for v in value]
+            if any(p is None for p in parts):
+                return None
+            return ("tuple" if isinstance(value, tuple) else "list", parts)
+        return ("const", value)

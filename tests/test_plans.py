@@ -1,0 +1,304 @@
+"""Launch plans (`codegen.plans`): a call recorded once replays equal to the implementation, for every
+later call of its signature, and only then.
+
+CPU: toy implementations planned with `cuda_only=False` (aten ops only; the interpreted kernels'
+launches are planned in tests/test_kernels.py). GPU: the ops' own calls, planned against unplanned,
+and a planned step captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_compiler.codegen import plans
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    plans.forget()
+    yield
+    plans.forget()
+
+
+def _toy(x, w, idx, scale: float, flag: bool):
+    """Allocations, views, an in-place write, a gather and a list-taking op, as the launchers make them."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    torch.mm(x, w, out=out)
+    rows = out.reshape(-1, 2)
+    picked = x.index_select(0, idx)
+    both = torch.cat([picked, x[: idx.numel()]], 1)
+    if flag:
+        out.mul_(scale)
+    return out, (rows.sum(1), None), both.t().contiguous(), scale
+
+
+def _inputs(seed, T=8, d=4, n=6):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, d, generator=g), torch.randn(d, n, generator=g),
+            torch.randint(0, T, (3,), generator=g), 0.5, True)
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a, b)
+    elif isinstance(a, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for u, v in zip(a, b):
+            _equal(u, v)
+    else:
+        assert a == b
+
+
+def test_a_recorded_call_replays_equal_to_the_implementation_on_new_values():
+    toy = plans.planned(_toy, cuda_only=False)
+    for seed in range(plans.RECORD_AT):
+        _equal(toy(*_inputs(seed)), _toy(*_inputs(seed)))
+    assert plans.stats() == dict(planned=1, counting=0, unplanned=0)
+    calls = []
+    spy = plans.planned(lambda *a: calls.append(1) or _toy(*a), cuda_only=False)
+    for seed in range(plans.RECORD_AT + 3):
+        _equal(spy(*_inputs(100 + seed)), _toy(*_inputs(100 + seed)))
+    assert len(calls) == plans.RECORD_AT  # the later calls never ran the implementation
+    for seed in range(5):
+        _equal(toy(*_inputs(200 + seed)), _toy(*_inputs(200 + seed)))
+
+
+def test_replayed_results_are_fresh_tensors():
+    toy = plans.planned(_toy, cuda_only=False)
+    for seed in range(plans.RECORD_AT):
+        toy(*_inputs(seed))
+    first = toy(*_inputs(7))
+    second = toy(*_inputs(8))
+    assert first[0].data_ptr() != second[0].data_ptr()
+    _equal(first, _toy(*_inputs(7)))
+
+
+@pytest.mark.parametrize("change", ["shape", "strides", "offset", "alignment", "scalar", "flag", "dtype"])
+def test_a_call_of_another_signature_runs_the_implementation(change):
+    calls = []
+
+    def counted(*a):
+        calls.append(1)
+        return _toy(*a)
+
+    toy = plans.planned(counted, cuda_only=False)
+    for seed in range(plans.RECORD_AT + 1):
+        toy(*_inputs(seed))
+    assert len(calls) == plans.RECORD_AT
+    x, w, idx, scale, flag = _inputs(9)
+    if change == "shape":
+        x = torch.randn(10, 4)
+    elif change == "strides":
+        x = torch.randn(4, 8).t()
+    elif change == "offset":
+        x = torch.randn(9, 4)[1:]
+    elif change == "alignment":  # the same storage offset, the base 4 bytes off 16-byte alignment
+        base = torch.randn(8 * 4 + 1)
+        x = base[1:] if base.data_ptr() % 16 == 0 else base[:-1]
+        x = x.view(8, 4)
+    elif change == "scalar":
+        scale = 3.0
+    elif change == "flag":
+        flag = False
+    else:
+        x, w = x.double(), w.double()
+    _equal(toy(x, w, idx, scale, flag), _toy(x, w, idx, scale, flag))
+    assert len(calls) == plans.RECORD_AT + 1
+
+
+def _reads_a_value(x):
+    n = int(x.abs().sum() > 1)  # a host read: the shape below depends on the value
+    return x.new_zeros(n + 1)
+
+
+def _nonzero(x):
+    return x.nonzero()
+
+
+def _returns_its_input(x):
+    return x
+
+
+def _random(x):
+    return x + torch.rand_like(x)
+
+
+@pytest.mark.parametrize("impl", [_reads_a_value, _nonzero, _returns_its_input, _random])
+def test_a_call_a_plan_cannot_repeat_stays_unplanned(impl):
+    planned = plans.planned(impl, cuda_only=False)
+    for i in range(plans.RECORD_AT + plans._TRIES + 2):
+        x = torch.full((3,), 0.1 * i)
+        got, want = planned(x), impl(x)
+        if impl is not _random:
+            _equal(got, want)
+    assert plans.stats() == dict(planned=0, counting=0, unplanned=1)
+
+
+def test_aborted_recordings_are_retried_then_given_up():
+    state = {"abort": True}
+
+    def impl(x):
+        if state["abort"]:
+            plans.abort("still tuning")
+        return x * 2
+
+    planned = plans.planned(impl, cuda_only=False)
+    for _ in range(plans.RECORD_AT):
+        planned(torch.ones(2))
+    assert plans.stats()["counting"] == 1
+    state["abort"] = False
+    planned(torch.ones(2))
+    assert plans.stats()["planned"] == 1
+    _equal(planned(torch.full((2,), 3.0)), torch.full((2,), 6.0))
+
+
+def _recorded_add_one():
+    """(a planned x + 1 whose plan is recorded and replayed once, the list its implementation's calls append to)."""
+    calls = []
+
+    def impl(x):
+        calls.append(1)
+        return x + 1
+
+    planned = plans.planned(impl, cuda_only=False)
+    for _ in range(plans.RECORD_AT + 1):
+        planned(torch.ones(2))
+    assert len(calls) == plans.RECORD_AT
+    return planned, calls
+
+
+def test_forget_and_disabling_run_the_implementation():
+    planned, calls = _recorded_add_one()
+    plans.forget()
+    planned(torch.ones(2))
+    assert len(calls) == plans.RECORD_AT + 1
+    for _ in range(plans.RECORD_AT):
+        planned(torch.ones(2))
+    before = len(calls)
+    plans.ENABLED = False
+    try:
+        planned(torch.ones(2))
+    finally:
+        plans.ENABLED = True
+    assert len(calls) == before + 1
+
+
+def test_a_flipped_switch_is_another_signature(monkeypatch):
+    from moe_compiler.codegen import forward
+
+    planned, calls = _recorded_add_one()
+    monkeypatch.setattr(forward, "SCATTER_TILES", not forward.SCATTER_TILES)
+    planned(torch.ones(2))
+    assert len(calls) == plans.RECORD_AT + 1
+
+
+def test_cuda_only_plans_leave_cpu_calls_alone():
+    planned = plans.planned(_toy)
+    for seed in range(plans.RECORD_AT + 2):
+        planned(*_inputs(seed))
+    assert plans.stats() == dict(planned=0, counting=0, unplanned=0)
+
+
+def test_the_ops_keep_their_schemas():
+    import moe_compiler.codegen.ops  # noqa: F401  (registers the ops)
+
+    schema = str(torch.ops.sonic.moe_experts.default._schema)
+    assert schema.startswith("sonic::moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1")
+    assert "Tensor[] w_gate" in str(torch.ops.sonic.moe_experts_list.nograd._schema)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_layer(T=512, d=256, n=128, E=8, K=2, seed=0, form="stacked"):
+    """A router and experts on CUDA (bf16), the experts stacked or as per-expert lists, [T, K]
+    routing or the slot form with slots of other experts dropped (expert parallelism)."""
+    from moe_compiler.codegen.ops import drop_slots_from, moe_experts, moe_experts_list
+    from moe_compiler.codegen.router import route
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    params = dict(router=torch.randn(E, d, generator=g, **bf) / d**0.5,
+                  w1=torch.randn(E, 2 * n, d, generator=g, **bf) / d**0.5,
+                  w2=torch.randn(E, d, n, generator=g, **bf) / n**0.5)
+    for p in params.values():
+        p.requires_grad_()
+
+    def step(x):
+        w, ids = route(x @ params["router"].t(), K)
+        if form == "list":
+            gate_up = list(params["w1"].unbind(0))
+            return moe_experts_list(x, ids, w.to(x.dtype), gate_up, [], list(params["w2"].unbind(0)))
+        if form == "slots":
+            ids, w, tok = drop_slots_from(ids, w, E // 2)
+            return moe_experts(x, ids, w.to(x.dtype), params["w1"][: E // 2], params["w2"][: E // 2], slot_token=tok)
+        return moe_experts(x, ids, w.to(x.dtype), params["w1"], params["w2"])
+
+    return params, step
+
+
+def _run_steps(params, step, xs, dy):
+    results = []
+    for x in xs:
+        x = x.detach().requires_grad_()
+        out = step(x)
+        out.backward(dy)
+        results.append((out.detach(), x.grad, *(p.grad for p in params.values())))
+        for p in params.values():
+            p.grad = None
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["stacked", "list", "slots"])
+def test_planned_op_calls_equal_unplanned_ones_gpu(form):
+    """The ops' calls (router, experts, backward) replayed from plans give bit-equal outputs and
+    gradients to the same calls run through the implementations, on inputs of one signature."""
+    params, step = _gpu_layer(form=form)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    xs = [torch.randn(512, 256, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(plans.RECORD_AT + 3)]
+    dy = torch.randn(512, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    planned = _run_steps(params, step, xs, dy)
+    assert plans.stats()["planned"] >= 3, plans.stats()  # router, experts, their backwards
+    plans.ENABLED = False
+    try:
+        unplanned = _run_steps(params, step, xs, dy)
+    finally:
+        plans.ENABLED = True
+    for got, want in zip(planned, unplanned):
+        _equal(got, want)
+
+
+@pytest.mark.gpu
+def test_a_planned_step_replays_from_a_cuda_graph_gpu():
+    """Replayed plans are capturable: a step captured after its plans were recorded, replayed on new
+    values in the static input, equals the same step run unplanned."""
+    params, step = _gpu_layer()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(512, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    static = x.clone().requires_grad_()
+    for _ in range(plans.RECORD_AT + 1):
+        step(static).backward(dy)
+    for p in params.values():
+        p.grad = None
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static)
+        out.backward(dy)
+    assert plans.stats()["planned"] >= 3
+    fresh = torch.randn(512, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    static.detach().copy_(fresh)
+    static.grad.zero_()
+    for p in params.values():
+        p.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    plans.ENABLED = False
+    try:
+        (want,) = _run_steps(params, step, [fresh], dy)
+    finally:
+        plans.ENABLED = True
+    _equal((out.detach(), static.grad, *(p.grad for p in params.values())), want)
