@@ -87,31 +87,25 @@ def _switches() -> tuple:
             len(wgrad_choice._CHOSEN), router.NARROW_KEYS, backward.backward_order)
 
 
-def _signature(args: tuple, kwargs: dict) -> tuple:
+def _signature(args: tuple, kwargs: dict) -> tuple[tuple, list[Tensor]]:
+    """(the call's signature, its tensors in a fixed order: top level, then inside lists, as slots
+    0.. of a plan)."""
     key = [_GENERATION, torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"),
            torch.get_autocast_dtype("cuda"), *_switches()]
+    tensors = []
     if kwargs:
         key.append(tuple(kwargs))
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
-            key.append((a.shape, a.stride(), a.dtype, a.device, a.storage_offset(), a.data_ptr() % 16))
+            key.append((a.shape, a.stride(), a.dtype, a.get_device(), a.storage_offset(), a.data_ptr() % 16))
+            tensors.append(a)
         elif isinstance(a, (list, tuple)):
-            key.append(tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr()) if isinstance(t, Tensor) else t
-                             for t in a))
+            key.append(tuple((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr()) if isinstance(t, Tensor)
+                             else t for t in a))
+            tensors.extend(t for t in a if isinstance(t, Tensor))
         else:
             key.append(a)
-    return tuple(key)
-
-
-def _inputs(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The call's tensors in a fixed order (top level, then inside lists), as slots 0.. of a plan."""
-    found = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(t for t in a if isinstance(t, Tensor))
-    return found
+    return tuple(key), tensors
 
 
 def planned(impl: Callable | None = None, *, cuda_only: bool = True):
@@ -127,11 +121,12 @@ def planned(impl: Callable | None = None, *, cuda_only: bool = True):
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
         if first is None or (cuda_only and not first.is_cuda):
             return impl(*args, **kwargs)
-        key = (impl, *_signature(args, kwargs))
+        key, inputs = _signature(args, kwargs)
+        key = (impl, key)
         state = _PLANS.get(key, 0)
         if isinstance(state, _Plan):
             if state.usable():
-                return state.replay(_inputs(args, kwargs))
+                return state.replay(inputs)
             return impl(*args, **kwargs)
         if state is _UNPLANNED:
             return impl(*args, **kwargs)
@@ -141,7 +136,7 @@ def planned(impl: Callable | None = None, *, cuda_only: bool = True):
             return impl(*args, **kwargs)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        recorder = _Recorder(_inputs(args, kwargs), sync_check=first.is_cuda)
+        recorder = _Recorder(inputs, sync_check=first.is_cuda)
         result = recorder.run(impl, args, kwargs)
         plan = recorder.plan(result)
         if plan is not None:
@@ -157,6 +152,17 @@ def planned(impl: Callable | None = None, *, cuda_only: bool = True):
     # custom op infers its schema from them
     call.__signature__ = inspect.signature(impl, eval_str=True)
     return call
+
+
+_HOOKED: list = []
+
+
+def _hooked() -> bool:
+    if not _HOOKED:
+        from . import direct_launch
+
+        _HOOKED.append(direct_launch.hooked)
+    return _HOOKED[0]()
 
 
 def abort(why: str) -> None:
@@ -186,7 +192,13 @@ def record_call(kernel, grid, args: tuple, kwargs: dict) -> None:
         recorder.call(kernel, grid, args, kwargs)
 
 
-_OP, _LAUNCH, _CALL = 0, 1, 2
+_OP, _LAUNCH, _CALL, _ALLOC, _VIEW = 0, 1, 2, 3, 4
+aten = torch.ops.aten
+# allocations: replayed as `torch.empty_strided` of the recorded result's size, strides, dtype, device
+_ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+                aten.new_empty_strided.default, aten.empty_like.default)
+# views of the same size, strides and offset (below autograd: the same tensor to every later use)
+_ALIASES = (aten.detach.default, aten.alias.default)
 
 
 class _Plan:
@@ -199,22 +211,29 @@ class _Plan:
         self.device, self.kernels = device, kernels
 
     def usable(self) -> bool:
-        """False while something a launch must honour is set: a launch hook, a kernel's pre-run hook,
-        a changed global a kernel read (Triton's own path then runs, or raises), another device."""
-        from . import direct_launch
-
-        if direct_launch.hooked():
+        """False while something a launch must honour is set: a launch hook (the profilers' launch
+        metadata: Triton's own path then runs), a kernel's pre-run hook, another current device.
+        A global a kernel read is checked when the plan is recorded (`direct_launch`), not at each
+        replay: code that changes one afterwards calls `forget()`."""
+        if _hooked():
             return False
         if self.device is not None and torch._C._cuda_getDevice() != self.device:
             return False
-        return not any(fn.pre_run_hooks or launcher.globals_changed() for fn, launcher in self.kernels)
+        for fn in self.kernels:
+            if fn.pre_run_hooks:
+                return False
+        return True
 
     def replay(self, inputs: list[Tensor]):
         slots = inputs + [None] * (self.n_slots - len(inputs))
         stream = None
         for step in self.steps:
             kind = step[0]
-            if kind == _OP:
+            if kind == _VIEW:
+                slots[step[5]] = slots[step[1]].as_strided(step[2], step[3], step[4])
+            elif kind == _ALLOC:
+                slots[step[5]] = torch.empty_strided(step[1], step[2], dtype=step[3], device=step[4])
+            elif kind == _OP:
                 _, func, args, fills, kwargs, kw_fills, outs = step
                 if fills:
                     args = _filled(args, fills, slots)
@@ -346,6 +365,8 @@ class _Recorder(TorchDispatchMode):
         if any(tag in func.tags for tag in _REFUSED_TAGS) and not _integer_indexing(func, args):
             self.why = f"{func} (data-dependent or random)"
             return
+        if isinstance(out, Tensor) and self._shortcut(func, args, out):
+            return
         arg_list, fills, descs = self._template(args)
         if descs:
             self.why = f"{func} took a TMA descriptor"
@@ -374,6 +395,27 @@ class _Recorder(TorchDispatchMode):
             self.why = f"{func} returned {type(out).__name__} (a value read on the host)"
             return
         self.steps.append((_OP, func, arg_list, fills, kw, kw_fills, outs))
+
+    def _shortcut(self, func, args, out: Tensor) -> bool:
+        """Record an allocation, or a view of a traced tensor, without the op's dispatch: allocations
+        replay as `empty_strided`, views as `as_strided` of the base's slot (absolute storage offsets:
+        an input's is part of the signature), a detach or alias as the base itself."""
+        if func in _ALLOCATIONS and not out.is_pinned():
+            self.steps.append((_ALLOC, tuple(out.shape), out.stride(), out.dtype, out.device, self._new_slot(out)))
+            return True
+        base = args[0] if args and isinstance(args[0], Tensor) else None
+        if base is None or not func.is_view or id(base) not in self.slot_of:
+            return False
+        if out.dtype != base.dtype or out.is_conj() or out.is_neg() or out.device != base.device:
+            return False
+        slot = self.slot_of[id(base)]
+        if func in _ALIASES and (out.shape, out.stride(), out.storage_offset()) == (
+                base.shape, base.stride(), base.storage_offset()):
+            self.slot_of[id(out)] = slot
+            self.keep.append(out)
+            return True
+        self.steps.append((_VIEW, slot, tuple(out.shape), out.stride(), out.storage_offset(), self._new_slot(out)))
+        return True
 
     def _new_slot(self, t: Tensor) -> int:
         slot = self.n_slots
@@ -452,7 +494,7 @@ class _Recorder(TorchDispatchMode):
         if template is None:
             return None
         return _Plan(self.n_inputs, self.n_slots, tuple(self.steps), template, self.device,
-                     tuple(self.kernels.values()))
+                     tuple(fn for fn, _ in self.kernels.values()))
 
     def _result(self, value):
         if isinstance(value, Tensor):

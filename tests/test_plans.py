@@ -64,6 +64,25 @@ def test_a_recorded_call_replays_equal_to_the_implementation_on_new_values():
         _equal(toy(*_inputs(200 + seed)), _toy(*_inputs(200 + seed)))
 
 
+def _views(x):
+    """Views of an input (with a storage offset) and of a new tensor, a detach, an in-place write
+    through a view: replayed as `as_strided` over the new tensors, with absolute storage offsets."""
+    y = x.detach()[1:].t()
+    z = torch.empty(2, x.shape[0], x.shape[1])
+    z[1].copy_(x)
+    z[0].fill_(2.0)
+    return (y * 3).contiguous(), z.select(0, 1).transpose(0, 1) + 1, z.view(-1)[:5].clone()
+
+
+def test_views_replay_over_the_new_tensors():
+    planned = plans.planned(_views, cuda_only=False)
+    for i in range(plans.RECORD_AT + 4):
+        base = torch.randn(40)
+        x = base[3:].view(37)[:35].view(7, 5)  # storage offset 3
+        _equal(planned(x), _views(x))
+    assert plans.stats()["planned"] == 1
+
+
 def test_replayed_results_are_fresh_tensors():
     toy = plans.planned(_toy, cuda_only=False)
     for seed in range(plans.RECORD_AT):
@@ -271,34 +290,48 @@ def test_planned_op_calls_equal_unplanned_ones_gpu(form):
 
 
 @pytest.mark.gpu
-def test_a_planned_step_replays_from_a_cuda_graph_gpu():
-    """Replayed plans are capturable: a step captured after its plans were recorded, replayed on new
-    values in the static input, equals the same step run unplanned."""
-    params, step = _gpu_layer()
+def test_a_planned_compiled_step_replays_from_a_cuda_graph_gpu():
+    """Replayed plans are capturable: a compiled Qwen3-MoE block's fwd+bwd, captured after its op
+    calls were planned (`graphed` warms it up on a side stream, then captures), replayed on new
+    values in the static input, gives the gradients of the same step run unplanned."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from moe_compiler.benchmarking import graphed
+
+    from .helpers import compile_sonic
+
+    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config).cuda().to(torch.bfloat16)
+    compiled = compile_sonic(block)
     g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(512, 256, generator=g, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
-    static = x.clone().requires_grad_()
-    for _ in range(plans.RECORD_AT + 1):
-        step(static).backward(dy)
-    for p in params.values():
-        p.grad = None
+    x, fresh, dy = (torch.randn(1, 512, 256, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    x.requires_grad_()
+    leaves = [x, *block.parameters()]
+
+    def zero():
+        for t in leaves:
+            t.grad = None
+
+    def step():
+        compiled(x).backward(dy)
+
+    for _ in range(plans.RECORD_AT + 2):  # the first backward's choices make the later calls' signature
+        zero()
+        step()
+    assert plans.stats()["planned"] >= 4, plans.stats()
+    replay = graphed(step, zero)
+    with torch.no_grad():
+        x.copy_(fresh)
+    replay()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(static)
-        out.backward(dy)
-    assert plans.stats()["planned"] >= 3
-    fresh = torch.randn(512, 256, generator=g, device="cuda", dtype=torch.bfloat16)
-    static.detach().copy_(fresh)
-    static.grad.zero_()
-    for p in params.values():
-        p.grad.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    got = [t.grad.clone() for t in leaves]
     plans.ENABLED = False
     try:
-        (want,) = _run_steps(params, step, [fresh], dy)
+        zero()
+        step()
     finally:
         plans.ENABLED = True
-    _equal((out.detach(), static.grad, *(p.grad for p in params.values())), want)
+    _equal(got, [t.grad for t in leaves])
