@@ -303,8 +303,13 @@ def test_a_planned_compiled_step_replays_from_a_cuda_graph_gpu():
 
     config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                             norm_topk_prob=True)
+    config._experts_implementation = "grouped_mm"  # a model's default; a lone block has none set
     torch.manual_seed(0)
-    block = Qwen3MoeSparseMoeBlock(config).cuda().to(torch.bfloat16)
+    block = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():  # transformers 5 leaves the experts empty
+        for p in block.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+    block = block.cuda().to(torch.bfloat16)
     compiled = compile_sonic(block)
     g = torch.Generator(device="cuda").manual_seed(2)
     x, fresh, dy = (torch.randn(1, 512, 256, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
