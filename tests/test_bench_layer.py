@@ -65,3 +65,18 @@ def test_bench_layer_busy_time_union_and_ratio(capsys):
     bench_layer.print_summary(list(by.values()), "liger")
     table = capsys.readouterr().out
     assert "GPU busy" in table and "1.600" in table
+
+
+def test_bench_step_runs_on_the_cpu(tmp_path):
+    """bench_step's smoke run: the compiled block's step timed (wall only on the CPU), the table and
+    results.json written."""
+    import json
+
+    import bench_step
+
+    bench_step.main(["--shapes", "tiny", "--device", "cpu", "--iters", "2", "--providers", "sonic",
+                     "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    (row,) = results["results"]
+    assert row["provider"] == "sonic" and row["shape"] == "tiny" and row["wall_ms"] > 0 and row["busy_ms"] is None
+    assert row["plans"] == dict(planned=0, counting=0, unplanned=0)  # CPU calls are not planned

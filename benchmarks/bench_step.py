@@ -2,8 +2,8 @@
 Hugging Face's Qwen3-MoE block, compiled with backend="sonic" (launch plans on and off) and with
 Inductor, side by side in one process.
 
-    python benchmarks/bench_host.py --shapes 7b-256,qwen3,olmoe --rounds 2
-    python benchmarks/bench_host.py --shapes tiny --device cpu --iters 3   # smoke (CPU: wall only)
+    python benchmarks/bench_step.py --shapes 7b-256,qwen3,olmoe --rounds 2
+    python benchmarks/bench_step.py --shapes tiny --device cpu --iters 3   # smoke (CPU: wall only)
 
 The block is transformers' `Qwen3MoeSparseMoeBlock` at each shape (T, d, n, E, K), bf16 (fp32 on
 the CPU), random weights, input [1, T, d]; a step drops the gradients, runs the block and
@@ -97,7 +97,7 @@ def _median(values):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, out="bench_host", iters=20, rounds=1, seed=0, device=True, shapes="7b-256",
+    add_common_args(ap, out="bench_step", iters=20, rounds=1, seed=0, device=True, shapes="7b-256",
                     providers=",".join(PROVIDERS), providers_help=f"comma list of {PROVIDERS}")
     args = ap.parse_args(argv)
     for p in args.providers:
