@@ -20,6 +20,7 @@ from moe_compiler.patterns import (
     sorted_grouped_mm,
 )
 from moe_compiler.patterns.canonical import canonicalize
+from moe_compiler.patterns.canonical_opaque import restore_opaque_ops
 from moe_compiler.patterns.common import MoEMatch, NoMatch, Rejection, check_inputs_unmutated, rewrite, settle_autocast
 from moe_compiler.patterns.router_fusion import match_router, rewrite_router
 from moe_compiler.patterns.unmatched import explain_unmatched
@@ -217,6 +218,9 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
                        for g in graphs for r in explain_unmatched(g)]
         if any(canonical) and not any(r.status == "rewritten" for r in records):
             _restore(graphs, backups)  # no MoE rewritten: the graph leaves as Dynamo traced it
+        else:
+            for g in graphs:  # library ops no rewritten region took go back as they were
+                restore_opaque_ops(g)
         for g in graphs:
             g.recompile()
     except Exception as exc:

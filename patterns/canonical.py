@@ -8,6 +8,10 @@ exactly as Dynamo traced it.
 
 Rules (eager spelling -> canonical form):
 
+    lib::op(out, index, src)                      ->  torch.scatter_add(out, 0, index, src) (or index_add)
+        # a library's own op (torchtitan's deterministic_scatter_add) whose value and gradients
+        # equal the torch function's on probes (`canonical_opaque`); put back where no region takes it
+
     m = ids.unsqueeze(-1) == torch.arange(E)      ->  m = F.one_hot(ids, E)
         # [T, K, E] masks (litgpt's LLaMAMoE), when ids are top-k/max indices over E scores (so in
         # [0, E), where one_hot is defined) and every use of m reads only where it is nonzero:
@@ -21,6 +25,9 @@ Rules (eager spelling -> canonical form):
     offs = counts.cumsum(0).to(torch.int32)       ->  offs = torch.cumsum(counts, 0, dtype=torch.int32)
         # integer counts: sums mod 2**32 agree whether truncated before or after; float counts
         # (histc) only where their sum, at most the static number of counted ids, is below 2**24
+    c = zeros_like(s, dtype=bool).scatter_(-1, ids, True).sum((0, 1))
+                                                  ->  f = ids.reshape(-1); c = torch.zeros(E).scatter_add(0, f, ones_like(f))
+        # ids top-k (or max) indices over E scores: one True per id in each row (torchtitan 0.3)
     perm = torch.argsort(v, stable=s)             ->  perm = torch.sort(v, stable=s)[1]
     counts = torch.histc(v.float(), ...)          ->  counts = torch.histc(torch.sort(v)[0].float(), ...)
         # when v is sorted in the graph: a histogram does not depend on the order it counts in
@@ -44,6 +51,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .canonical_opaque import opaque_op_to_torch
 from .canonical_products import (broadcast_matmul_to_bmm, einsum_to_bmm, einsum_weighted_sum_to_product,
                                  split_loop_to_grouped_mm)
 from .common import (ZEROS, arg, dtype_of, example_value, getitem_of, insert_call, is_call, op_name, shape_of,
@@ -259,6 +267,39 @@ def argsort_to_sort(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | Non
     return f"{node.name} -> sort({v.name})[1]"
 
 
+def mask_count_to_counts(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`torch.zeros_like(s, dtype=torch.bool).scatter_(-1, ids, True).sum(<every dim but the last>)`
+    -> `torch.zeros(E, dtype=torch.int64).scatter_add(0, f, torch.ones_like(f))`, f = ids.reshape(-1)
+    (torchtitan 0.3 counts each expert's tokens from a routing mask): ids are the top-k (or max)
+    indices over E scores, distinct within a row, so each row of the mask holds one True per id and
+    the column sums are the ids' counts (int64 both). The counts keep a static shape (a bincount's
+    depends on the ids' values), wherever they are read."""
+    if not is_call(node, "sum") or len(node.args) < 1:
+        return None
+    mask = node.args[0]
+    if not is_call(mask, "scatter_", "scatter") or dtype_of(mask) != torch.bool or len(mask.args) != 4:
+        return None
+    base, dim, ids, value = mask.args
+    shape = shape_of(mask)
+    if not is_call(base, "zeros_like", "zeros") or value is not True or not shape or not isinstance(ids, fx.Node):
+        return None
+    E, rank = shape[-1], len(shape)
+    if dim not in (-1, rank - 1) or len(shape_of(ids)) != rank or tuple(shape_of(ids)[:-1]) != tuple(shape[:-1]):
+        return None
+    dims = arg(node, 1, "dim")
+    dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+    if sorted(d % rank for d in dims) != list(range(rank - 1)) or arg(node, 2, "keepdim", False) or node.kwargs.get("dtype"):
+        return None
+    if not isinstance(E, int) or not _indices_below(ids, E):
+        return None
+    flat = insert_call(gm, node, torch.reshape, (ids, (-1,)))
+    zeros = insert_call(gm, node, torch.zeros, (E,), {"dtype": torch.int64, "device": example_value(ids).device})
+    ones = insert_call(gm, node, torch.ones_like, (flat,))
+    count = insert_call(gm, node, torch.scatter_add, (zeros, 0, flat, ones))
+    node.replace_all_uses_with(count)
+    return f"{node.name} -> counts of {ids.name} by scatter_add, {E} bins"
+
+
 def histogram_of_sorted_values(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`histc(v)` / `bincount(v)` (through casts) -> the same of `sort(v).values` when v is sorted in
     the graph: a histogram does not depend on the order of what it counts."""
@@ -406,7 +447,8 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
     return True
 
 
-RULES = [merge_duplicate_reads, arange_mask_to_one_hot, masked_weight_to_gate_column, column_then_none_to_one_index,
-         zeros_plus_value_to_value, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
+RULES = [opaque_op_to_torch, merge_duplicate_reads, arange_mask_to_one_hot, masked_weight_to_gate_column,
+         column_then_none_to_one_index, zeros_plus_value_to_value, mask_count_to_counts, cast_cumsum_to_dtype,
+         argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, einsum_to_bmm, einsum_weighted_sum_to_product, broadcast_matmul_to_bmm,
          split_loop_to_grouped_mm]

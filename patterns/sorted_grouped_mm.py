@@ -34,6 +34,7 @@ import operator
 import torch.fx as fx
 
 from .activation_probe import identify_activation, identify_pair_activation
+from .canonical_opaque import refusal
 from .common import (
     ZEROS,
     MoEMatch,
@@ -91,12 +92,19 @@ def _flat_topk(node, walk: RegionWalk) -> fx.Node:
 
 
 def _counts(offs: fx.Node, walk: RegionWalk) -> tuple[int, fx.Node]:
-    """(E, the counted ids) of `cumsum(histc(ids, bins=E, min=0, max=E or E-1), dtype=int32)` or of
-    bincount(ids, minlength=E)."""
+    """(E, the counted ids) of `cumsum(histc(ids, bins=E, min=0, max=E or E-1), dtype=int32)`, of
+    bincount(ids, minlength=E), or of a routing mask's counts in canonical form (`mask_count_to_counts`)."""
     expect(is_call(offs, "cumsum") and arg(offs, 1, "dim") in (0, -1), "grouped_mm offsets are not a cumsum of per-expert counts")
     hist = offs.args[0]
-    expect(is_call(hist, "histc", "bincount"), "per-expert counts are not a histc/bincount")
+    expect(is_call(hist, "histc", "bincount", "scatter_add"), "per-expert counts are not a histc/bincount")
     walk.mark(offs, hist)
+    if is_call(hist, "scatter_add"):  # zeros(E).scatter_add(0, ids, ones_like(ids)): a routing mask's sum, canonical
+        base, dim, index, ones = (arg(hist, i, name) for i, name in enumerate(("input", "dim", "index", "src")))
+        E = shape_of(base)[0] if len(shape_of(base)) == 1 else None
+        expect(is_call(base, "zeros") and dim == 0 and isinstance(E, int) and is_call(ones, "ones_like")
+               and ones.args[0] is index, "per-expert counts are not a histc/bincount")
+        walk.mark(base, ones)
+        return E, index
     if is_call(hist, "histc"):
         E, lo, hi = arg(hist, 1, "bins"), arg(hist, 2, "min", 0), arg(hist, 3, "max", 0)
         expect(isinstance(E, int) and lo == 0 and hi in (E - 1, E), f"histc range ({lo}, {hi}) does not give one bin per expert")
@@ -299,7 +307,7 @@ def _scatter_back(src: fx.Node, tok: fx.Node, T, d, walk: RegionWalk) -> tuple[f
     read only after the add (accumulator)."""
     add = walk.only_reader(src)
     expect(add is not None and is_call(add, *SCATTERS) and arg(add, 3, "src" if "scatter" in str(add.target) else "source") is src,
-           "expert rows are not scatter-added back to their tokens")
+           "expert rows are not scatter-added back to their tokens" + refusal(add))
     expect(arg(add, 1, "dim") in (0, -2), f"{add.name} adds along dim {arg(add, 1, 'dim')}, not the token dim")
     index = arg(add, 2, "index")
     if is_call(add, "index_add", "index_add_"):

@@ -745,6 +745,42 @@ class GptOssReferenceMoE(nn.Module):
         return out + b1.sum() if self.bias_read else out
 
 
+# Library ops a combine may call (torchtitan 0.3 adds its experts' rows back with its own
+# `torchtitan::deterministic_scatter_add`: a scatter_add along dim 0, its gradient a gather), written
+# here in our words, and two that must not be taken for a scatter_add: one whose gradient leaves src
+# out, one that keeps each row's largest value.
+def _define_library_ops():
+    lib = "sonic_test"
+    if hasattr(torch.ops, lib) and hasattr(getattr(torch.ops, lib), "rows_scatter_add"):
+        return
+
+    def define(name, forward, src_grad):
+        op = torch.library.custom_op(f"{lib}::{name}", forward, mutates_args=())
+        op.register_fake(lambda out, index, src: torch.empty_like(out))
+
+        def setup(ctx, inputs, output):
+            ctx.save_for_backward(inputs[1])
+
+        def backward(ctx, grad):
+            (index,) = ctx.saved_tensors
+            return grad, None, src_grad(grad, index)
+
+        op.register_autograd(backward, setup_context=setup)
+
+    def add_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return out.scatter_add(0, index, src)
+
+    def max_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return out.scatter_reduce(0, index, src, "amax")
+
+    define("rows_scatter_add", add_rows, lambda grad, index: grad.gather(0, index))
+    define("rows_scatter_add_no_src_grad", add_rows, lambda grad, index: torch.zeros_like(grad.gather(0, index)))
+    define("rows_scatter_max", max_rows, lambda grad, index: grad.gather(0, index))
+
+
+_define_library_ops()
+
+
 class SortedGroupedMoE(Router):
     """torchtitan's MoE spelling (without its padding wrapper): tokens sorted by expert with
     argsort, counts by histc, `torch._grouped_mm` over them, and a scatter_add back.
@@ -754,9 +790,14 @@ class SortedGroupedMoE(Router):
     rows: "gather" (torch.gather of the expanded tokens), "index" (x[tok])
     sort: "argsort" (stable), "sort" (torch.sort of the ids, counts of its values, max=E-1)
     combine: "scatter_add" (into zeros_like), "scatter_add_" (in place), "index_add", "shared" (into a
-             shared expert's output), "unsort" (`u = zeros_like(y); u[perm] = y; u.view(T, K, d).sum(1)`)
+             shared expert's output), "unsort" (`u = zeros_like(y); u[perm] = y; u.view(T, K, d).sum(1)`),
+             or the name of a `sonic_test::` library op called as op(zeros_like(x), index, y) (torchtitan 0.3)
     casts: torchtitan's `.bfloat16()` on the rows and weights (no-ops on a bf16 model)
     offsets: "dtype" (`torch.cumsum(counts, 0, dtype=torch.int32)`), "cast" (`counts.cumsum(0).to(torch.int32)`)
+    counts: "histc" (of the flat ids, or of the sorted ids with sort="sort"), or "mask_sum": a routing
+            mask `zeros_like(scores, dtype=bool).scatter_(-1, ids, True)` summed over the tokens (torchtitan 0.3)
+    count_buffer: in training, the counts also added into a buffer under no_grad (torchtitan 0.3's
+            `tokens_per_expert` for its load-balancing bias)
     orient: "out_in" (weights [E, out, in], transposed for grouped_mm), "in_out" ([E, in, out] handed to
             grouped_mm as they are: torchtune's GroupedExperts, gate [E, d, n], up [E, d, n], down [E, n, d])
     experts: "grouped_mm", or "for_loop": the sorted rows split by `counts.tolist()` and one matmul per
@@ -769,9 +810,9 @@ class SortedGroupedMoE(Router):
 
     def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", score_before=False, rows="gather", sort="argsort",
                  combine="scatter_add", casts=False, histc_max=None, tok_k=None, scatter_rows=None, descending=False,
-                 offsets="dtype", orient="out_in", experts="grouped_mm"):
+                 offsets="dtype", orient="out_in", experts="grouped_mm", counts="histc", count_buffer=False):
         super().__init__(d, E, K)
-        self.casts, self.offsets, self.orient, self.experts = casts, offsets, orient, experts
+        self.casts, self.offsets, self.orient, self.experts, self.counts = casts, offsets, orient, experts, counts
         self.gate_up, self.score_before, self.rows, self.sort, self.combine = gate_up, score_before, rows, sort, combine
         self.histc_max, self.tok_k, self.scatter_rows, self.descending = histc_max, tok_k, scatter_rows, descending
         self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, orient)
@@ -780,11 +821,19 @@ class SortedGroupedMoE(Router):
         self.w2 = stacked_param(E, d, n, orient)
         if combine == "shared":
             self.shared = GatedExpert(d, n)
+        if count_buffer:
+            self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
 
     def forward(self, x):
         T, d = x.shape
-        _, w, ids = self.route(x)
-        if self.sort == "sort":
+        scores, w, ids = self.route(x)
+        if self.counts == "mask_sum":
+            counts = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True).sum(dim=0)
+            if self.training and hasattr(self, "tokens_per_expert"):
+                with torch.no_grad():
+                    self.tokens_per_expert.add_(counts)
+            perm = torch.argsort(ids.view(-1), stable=True, descending=self.descending)
+        elif self.sort == "sort":
             ids_sorted, perm = torch.sort(ids.view(-1), descending=self.descending)
             counts = torch.histc(ids_sorted.float(), bins=self.E, min=0, max=self.E - 1)
         else:
@@ -825,6 +874,8 @@ class SortedGroupedMoE(Router):
             return out
         if self.combine == "index_add":
             return torch.zeros_like(x).index_add(0, tok, y)
+        if hasattr(torch.ops.sonic_test, self.combine):
+            return getattr(torch.ops.sonic_test, self.combine)(torch.zeros_like(x), index, y)
         if self.combine == "unsort":
             unsorted = torch.zeros_like(y)
             unsorted[perm] = y

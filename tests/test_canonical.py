@@ -536,3 +536,158 @@ def test_a_low_precision_einsum_weighted_sum_stays(dtype, autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         gm = traced(fn, g, y)
         assert canonicalize(gm) == [] and "einsum" in ops(gm)
+
+
+# ------------------------------------------------------------------ library ops proven by evaluation
+
+
+def _library_ops():
+    """Library ops of the combine shape: a scatter_add and an index_add (by other names), one that
+    takes only bfloat16 (exact there), one without an autograd formula, and one whose result is
+    the rows' sum minus `out` (a value a scatter_add never gives)."""
+    from . import naive_models  # noqa: F401  (sonic_test::rows_scatter_add and the others)
+
+    lib = torch.ops.sonic_test
+    if not hasattr(lib, "rows_index_add"):
+        def define(name, forward, grads=True):
+            op = torch.library.custom_op(f"sonic_test::{name}", forward, mutates_args=())
+            op.register_fake(lambda out, index, src: torch.empty_like(out))
+            if grads:
+                op.register_autograd(lambda ctx, g: (g, None, g.index_select(0, ctx.index)),
+                                     setup_context=lambda ctx, inputs, output: setattr(ctx, "index", inputs[1]))
+
+        def index_add(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+            return out.index_add(0, index, src)
+
+        def bf16_only(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+            if out.dtype != torch.bfloat16:
+                raise RuntimeError("bf16 only")
+            return out.index_add(0, index, src)
+
+        def sum_minus_out(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(out).index_add(0, index, src) - out
+
+        define("rows_index_add", index_add)
+        define("rows_index_add_bf16_only", bf16_only)
+        define("rows_index_add_no_grad", index_add, grads=False)
+        define("rows_sum_minus_out", sum_minus_out)
+    return lib
+
+
+def _combine(op, index_of):
+    def fn(x, rows, tok):
+        out = torch.zeros_like(x)
+        return op(out, index_of(tok, x.shape[1]), rows * 2.0)
+    return fn
+
+
+def _combine_args(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(T, d, generator=g).to(dtype), torch.randn(T * K, d, generator=g).to(dtype),
+            torch.randint(0, T, (T * K,), generator=g))
+
+
+@pytest.mark.parametrize("name,index_of,torch_name,dtype", [
+    ("rows_scatter_add", lambda tok, d: tok.reshape(-1, 1).expand(-1, d), "scatter_add", torch.float32),
+    ("rows_index_add", lambda tok, d: tok, "index_add", torch.float32),
+    ("rows_index_add_bf16_only", lambda tok, d: tok, "index_add", torch.bfloat16),
+])
+def test_a_library_op_that_computes_a_torch_op_becomes_it(name, index_of, torch_name, dtype):
+    op = getattr(_library_ops(), name)
+    fn = _combine(op, index_of)
+    args = _combine_args(dtype)
+    gm = traced(fn, *args)
+    assert canonicalize(gm)
+    assert torch_name in ops(gm) and not any("sonic_test" in o for o in ops(gm)), ops(gm)
+    same_value(gm, fn, *args)
+
+
+@pytest.mark.parametrize("name,why", [
+    ("rows_index_add_no_grad", "no autograd formula"),
+    ("rows_sum_minus_out", "its value differs"),
+    ("rows_scatter_add_no_src_grad", "its gradient of src differs"),
+])
+def test_a_library_op_that_differs_from_every_candidate_stays_with_its_reason(name, why):
+    from moe_compiler.patterns.canonical_opaque import refusal
+
+    op = getattr(_library_ops(), name)
+    index_of = (lambda tok, d: tok.reshape(-1, 1).expand(-1, d)) if "scatter" in name else (lambda tok, d: tok)
+    gm = traced(_combine(op, index_of), *_combine_args())
+    before = ops(gm)
+    canonicalize(gm)
+    assert ops(gm) == before
+    (node,) = [n for n in gm.graph.nodes if "sonic_test" in str(n.target)]
+    assert why in refusal(node), refusal(node)
+
+
+def test_a_library_op_outside_the_rewritten_region_is_put_back():
+    """The region's combine becomes the op; a second call of the library op, on the layer's output
+    (no MoE), stays the library's op in the compiled graph."""
+    from .naive_models import SortedGroupedMoE
+
+    model = SortedGroupedMoE(combine="rows_scatter_add").to(torch.bfloat16)
+    library_op = torch.ops.sonic_test.rows_scatter_add
+    graphs = []
+
+    def fn(x):
+        y = model(x)
+        tok = torch.arange(x.shape[0]).flip(0)
+        return library_op(torch.zeros_like(y), tok.reshape(-1, 1).expand(-1, y.shape[1]), y)
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    from moe_compiler.backend import sonic_backend
+
+    def backend(gm, example_inputs):
+        compiled = sonic_backend(gm, example_inputs, options={"sonic.fallback": False})
+        keep(gm, example_inputs)
+        return compiled
+
+    x = torch.randn(T, 16, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend=backend)(x)
+    names = ops(graphs[0])
+    assert any(n.startswith("sonic::moe_experts") for n in names), names
+    assert sum("sonic_test" in n for n in names) == 1 and "scatter_add" not in names, names
+    torch.testing.assert_close(got.float(), fn(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def mask_counts(scores):
+    _, ids = torch.topk(scores, K)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True).sum(dim=0)
+
+
+def bincount_counts(scores):
+    _, ids = torch.topk(scores, K)
+    return torch.bincount(ids.reshape(-1), minlength=E)
+
+
+def test_a_routing_mask_summed_over_the_tokens_becomes_the_ids_counts():
+    scores = torch.randn(T, E)
+    gm = traced(mask_counts, scores)
+    assert canonicalize(gm)
+    assert "sum" not in ops(gm) and "scatter_add" in ops(gm), ops(gm)
+    same_value(gm, mask_counts, scores)
+    same_value(gm, bincount_counts, scores)
+
+
+def mask_counts_of_other_ids(scores, ids):
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True).sum(dim=0)
+
+
+def mask_counts_per_token(scores):
+    _, ids = torch.topk(scores, K)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True).sum(dim=-1)
+
+
+@pytest.mark.parametrize("fn,args", [
+    (mask_counts_of_other_ids, (torch.randn(T, E), torch.randint(0, E, (T, K)))),  # repeats possible: not counts
+    (mask_counts_per_token, (torch.randn(T, E),)),
+])
+def test_other_mask_sums_stay(fn, args):
+    gm = traced(fn, *args)
+    before = ops(gm)
+    canonicalize(gm)
+    assert ops(gm) == before

@@ -33,6 +33,10 @@ VARIANTS = {
     # torchtune's GroupedExperts: gate and up [E, d, n], down [E, n, d], handed to grouped_mm untransposed
     "in_out-separate": dict(orient="in_out", score_before=True),
     "in_out-fused": dict(orient="in_out", gate_up="fused"),
+    # torchtitan 0.3's local path: counts from a routing mask, rows by x[tok], bf16 casts, the rows
+    # scaled after the experts and added back by the library's own op
+    "library-op-scatter_add": dict(combine="rows_scatter_add"),
+    "torchtitan-0.3": dict(combine="rows_scatter_add", rows="index", counts="mask_sum", casts=True),
 }
 
 
@@ -60,6 +64,25 @@ def test_sorted_grouped_mm_inductor_cpu_bf16():
     _check_gpu_bf16(lambda: SortedGroupedMoE(**VARIANTS["torchtitan"]), IDIOM, "cpu", "inductor")
 
 
+def test_torchtitan_03_counts_also_update_a_buffer_cpu_bf16():
+    """torchtitan 0.3 in training adds the routing mask's counts into its `tokens_per_expert` buffer
+    too: the region is rewritten, and the buffer gets the same counts as eager (the canonical
+    counts stay in the graph for it, with a static shape)."""
+    kwargs = dict(VARIANTS["torchtitan-0.3"], count_buffer=True)
+    torch.manual_seed(0)
+    eager = SortedGroupedMoE(**kwargs).to(torch.bfloat16)
+    torch.manual_seed(0)
+    model = SortedGroupedMoE(**kwargs).to(torch.bfloat16)
+    x = _inputs()[0].to(torch.bfloat16)
+    with moe_compiler.capture() as report:
+        got = _compile(model)(x)
+    assert [r.idiom for r in report.rewritten] == [IDIOM], str(report)
+    want = eager(x)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert model.tokens_per_expert.sum() == x.shape[0] * 2
+    assert torch.equal(model.tokens_per_expert, eager.tokens_per_expert)
+
+
 def test_reported_layout():
     """torchtitan's layer: W1 and W3 separate, the weights on the inputs, its router fused."""
     model = SortedGroupedMoE(**VARIANTS["torchtitan"]).to(torch.bfloat16)
@@ -79,6 +102,10 @@ NEGATIVE = {
     "scattered-by-perm": (dict(scatter_rows="perm"), "adds at other rows than the sorted tokens"),
     "descending-sort": (dict(descending=True), "not sorted ascending"),
     "descending-sort-values": (dict(descending=True, sort="sort"), "not sorted ascending"),
+    # library ops that add back otherwise than a scatter_add: a gradient without src, each row's maximum
+    "library-op-without-src-grad": (dict(combine="rows_scatter_add_no_src_grad"),
+                                    "not scatter_add: its gradient of src differs on a probe"),
+    "library-op-max": (dict(combine="rows_scatter_max"), "not scatter_add: its value differs on a probe"),
 }
 
 
