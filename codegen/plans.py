@@ -10,7 +10,7 @@ values (the ops do not sync with the host):
   * each tensor argument's shape, strides, dtype, device, storage offset, and address modulo 16
     (the alignment Triton and the copy engine specialize on); the exact addresses of tensors passed
     in lists (the list form's offset tables are built from them);
-  * the other arguments; the run-time switches (`_switches`); grad and autocast state;
+  * the other arguments; the run-time switches (`_switches`); grad, inference-mode and autocast state;
   * `forget()`'s generation (called when a choice, tuning or switch changes).
 
 So once a signature's first calls have compiled, tuned and timed what they needed, its
@@ -48,7 +48,7 @@ log = logging.getLogger("moe_compiler")
 ENABLED = os.environ.get("SONIC_MOE_PLANS", "1") != "0"
 RECORD_AT = 3  # the call at a signature that is recorded; the first ones compile, tune, time and fill caches
 _TRIES = 4  # recordings tried at a signature (from call RECORD_AT on) before it keeps running unplanned
-_MAX_PLANS = 4096
+_MAX_PLANS = 1024
 
 _UNPLANNED = "unplanned"
 _PLANS: dict[tuple, object] = {}  # signature -> call count (int), _Plan, or _UNPLANNED
@@ -90,7 +90,7 @@ def _switches() -> tuple:
 def _signature(args: tuple, kwargs: dict) -> tuple[tuple, list[Tensor]]:
     """(the call's signature, its tensors in a fixed order: top level, then inside lists, as slots
     0.. of a plan)."""
-    key = [_GENERATION, torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"),
+    key = [_GENERATION, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cuda"),
            torch.get_autocast_dtype("cuda"), *_switches()]
     tensors = []
     if kwargs:
