@@ -13,8 +13,10 @@ both its value and its gradients agree on every probe:
 Probes: float64 values (the op's own dtype where it refuses float64, then equality must be exact),
 indices drawn from the rows of `out` with repeats, all on one row, and an index expanded along the
 columns as the libraries build it; the gradients of `out` and `src` against a random cotangent.
-An op that mutates its inputs, fails a probe, or has no autograd formula where a gradient is asked
-stays as it is. The probes run where the node's tensors live, at tiny sizes, once per node.
+Only a call whose `out` is a fresh zeros tensor (a combine's shape) is probed, so an op with
+effects elsewhere (a collective of a library's own) is never run at compile time. An op that
+mutates its inputs, fails a probe, or has no autograd formula where a gradient is asked stays as it
+is. The probes run where the node's tensors live, at tiny sizes, once per node.
 
 A node left as it is says why in `node.meta[REFUSED]` (`refusal`), which the finders' rejections
 quote. A replaced node keeps its original call in `node.meta[ORIGINAL]`: where no rewritten region takes
@@ -29,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .common import example_value, insert_call
+from .common import ZEROS, example_value, insert_call, is_call
 
 log = logging.getLogger("moe_compiler")
 
@@ -119,6 +121,8 @@ def opaque_op_to_torch(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | 
     if node.op != "call_function" or not _library_op(node.target) or node.kwargs or len(node.args) != 3:
         return None
     if not all(isinstance(a, fx.Node) for a in node.args) or _mutates(node.target):
+        return None
+    if not is_call(node.args[0], *ZEROS):  # a combine into fresh zeros; any other op is never run here
         return None
     args = [example_value(a) for a in node.args]
     result = example_value(node)
