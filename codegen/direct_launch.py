@@ -135,8 +135,11 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)`, through the cached compiled kernel when its key was seen."""
     launcher = _launcher_for(kernel) if ENABLED else None
     if launcher is None:
-        kernel[grid](*args, **kwargs)
         if plans.recording():
+            with plans.launching():
+                kernel[grid](*args, **kwargs)
             plans.record_call(kernel, grid, args, kwargs)
+        else:
+            kernel[grid](*args, **kwargs)
     else:
         launcher(grid, args, kwargs)

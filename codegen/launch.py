@@ -44,8 +44,8 @@ import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .activations import ACTIVATIONS, GATED
 from . import plans
+from .activations import ACTIVATIONS, GATED
 from .direct_launch import launch
 from .ints import cdiv
 from .kernels.backward import _wgrad_kernel

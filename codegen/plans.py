@@ -31,6 +31,7 @@ CUDA-graph capture's recording, or with a launch hook set (profilers) run the im
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -301,6 +302,47 @@ def _build(template, slots):
     return tuple(built) if kind == "tuple" else built
 
 
+class _TritonRunGuard:
+    """While a call is recorded, `JITFunction.run` (every Triton launch that does not come through
+    `codegen.direct_launch`, whose own fallbacks abort) drops the recording: a launch the recorder
+    does not see would be missing from the plan. `launching()` marks direct_launch's own
+    `kernel[grid]` calls, which it records."""
+
+    def __init__(self, recorder):
+        self.original = None
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return
+        original = JITFunction.run
+
+        def run(fn, *args, **kwargs):
+            if recorder.thread == threading.get_ident() and not recorder.launching and not recorder.depth:
+                abort(f"{getattr(fn, '__name__', fn)} launched outside codegen.direct_launch")
+            return original(fn, *args, **kwargs)
+
+        self.cls, self.original = JITFunction, original
+        JITFunction.run = run
+
+    def remove(self):
+        if self.original is not None:
+            self.cls.run = self.original
+
+
+@contextlib.contextmanager
+def launching():
+    """`codegen.direct_launch`'s own `kernel[grid]` launch, which it hands to the recording."""
+    recorder = _RECORDING[0]
+    if recorder is None:
+        yield
+        return
+    recorder.launching += 1
+    try:
+        yield
+    finally:
+        recorder.launching -= 1
+
+
 def _integer_indexing(func, args) -> bool:
     """`t[index]` with integer index tensors: its shape follows the indices' shapes (only a boolean
     mask makes aten.index's shape depend on values, which its dynamic-shape tag is for)."""
@@ -325,10 +367,12 @@ class _Recorder(TorchDispatchMode):
         self.thread = threading.get_ident()
         self.sync_check = sync_check
         self.depth = 0
+        self.launching = 0
 
     def run(self, impl, args, kwargs):
         _RECORDING[0] = self
         check_syncs = self.sync_check and torch.cuda.get_sync_debug_mode() == 0
+        guard = _TritonRunGuard(self)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -347,6 +391,7 @@ class _Recorder(TorchDispatchMode):
                         if not (sync and check_syncs):  # but for the sync warnings of our own check
                             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         finally:
+            guard.remove()
             _RECORDING[0] = None
 
     # ---------------------------------------------------------------- aten ops

@@ -340,3 +340,39 @@ def test_a_planned_compiled_step_replays_from_a_cuda_graph_gpu():
     finally:
         plans.ENABLED = True
     _equal(got, [t.grad for t in leaves])
+
+
+def test_a_triton_launch_outside_direct_launch_keeps_a_call_unplanned():
+    """A Triton kernel launched by `kernel[grid]` (not through `codegen.direct_launch`) would be
+    missing from a record: the recording is dropped, and the call keeps running its implementation."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(_never_launched(triton), JITFunction):
+        pytest.skip("an interpreted Triton: kernels are not JITFunctions here")
+    kernel = _never_launched(triton)
+
+    def impl(x):
+        try:
+            kernel[(1,)](x)  # no driver on the CPU: it raises after the guard has seen it
+        except Exception:
+            pass
+        return x + 1
+
+    planned = plans.planned(impl, cuda_only=False)
+    for _ in range(plans.RECORD_AT + plans._TRIES + 1):
+        _equal(planned(torch.ones(2)), torch.full((2,), 2.0))
+    assert plans.stats() == dict(planned=0, counting=0, unplanned=1)
+
+
+_KERNEL: list = []
+
+
+def _never_launched(triton):
+    if not _KERNEL:
+        @triton.jit
+        def never_launched(x_ptr):
+            pass
+
+        _KERNEL.append(never_launched)
+    return _KERNEL[0]
