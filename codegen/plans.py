@@ -8,8 +8,8 @@ provider, buffer sizes, TMA descriptor boxes) depends only on the call's signatu
 values (the ops do not sync with the host):
 
   * each tensor argument's shape, strides, dtype, device, storage offset, and address modulo 16
-    (the alignment Triton and the copy engine specialize on); the exact addresses of tensors passed
-    in lists (the list form's offset tables are built from them);
+    (the alignment Triton and the copy engine specialize on); the exact addresses (and storage
+    offsets) of tensors passed in lists (the list form's offset tables are built from them);
   * the other arguments; the run-time switches (`_switches`); grad, inference-mode and autocast state;
   * `forget()`'s generation (called when a choice, tuning or switch changes).
 
@@ -22,10 +22,13 @@ the new tensors (TMA descriptors rebuilt over them) on the current stream, and n
 between them runs.
 
 A recording is dropped, and the signature runs as before, when the call: launches a kernel through
-Triton's own path (compiling or autotuning: `abort`), times candidates (`wgrad_choice`), reads a
+Triton's own path (compiling, autotuning, or any launch that does not come through direct_launch,
+which `JITFunction.run` is watched for: `abort`), times candidates (`wgrad_choice`), reads a
 tensor's value on the host (a scalar result, an op with a data-dependent shape, a host sync), draws
-random numbers, or returns a tensor it did not make. Calls under another dispatch mode, during a
-CUDA-graph capture's recording, or with a launch hook set (profilers) run the implementation.
+random numbers, or returns a tensor it did not make. No call is recorded during a CUDA-graph capture
+(a replay is captured like any launch). Calls under another dispatch mode, with a launch hook set
+(profilers), and on the CPU (where a tensor's values can be read without a dispatch) run the
+implementation.
 
 `ENABLED = False` (env SONIC_MOE_PLANS=0) runs every call through the implementation (A/B runs).
 """
@@ -101,8 +104,8 @@ def _signature(args: tuple, kwargs: dict) -> tuple[tuple, list[Tensor]]:
             key.append((a.shape, a.stride(), a.dtype, a.get_device(), a.storage_offset(), a.data_ptr() % 16))
             tensors.append(a)
         elif isinstance(a, (list, tuple)):
-            key.append(tuple((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr()) if isinstance(t, Tensor)
-                             else t for t in a))
+            key.append(tuple((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr(), t.storage_offset())
+                             if isinstance(t, Tensor) else t for t in a))
             tensors.extend(t for t in a if isinstance(t, Tensor))
         else:
             key.append(a)
