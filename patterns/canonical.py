@@ -26,7 +26,8 @@ Rules (eager spelling -> canonical form):
         # integer counts: sums mod 2**32 agree whether truncated before or after; float counts
         # (histc) only where their sum, at most the static number of counted ids, is below 2**24
     c = zeros_like(s, dtype=bool).scatter_(-1, ids, True).sum((0, 1))
-                                                  ->  f = ids.reshape(-1); c = torch.zeros(E).scatter_add(0, f, ones_like(f))
+                                                  ->  f = ids.reshape(-1)
+                                                      c = torch.zeros(E).scatter_add(0, f, ones_like(f))
         # ids top-k (or max) indices over E scores: one True per id in each row (torchtitan 0.3)
     perm = torch.argsort(v, stable=s)             ->  perm = torch.sort(v, stable=s)[1]
     counts = torch.histc(v.float(), ...)          ->  counts = torch.histc(torch.sort(v)[0].float(), ...)
@@ -288,7 +289,9 @@ def mask_count_to_counts(gm: fx.GraphModule, node: fx.Node, order: dict) -> str 
         return None
     dims = arg(node, 1, "dim")
     dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
-    if sorted(d % rank for d in dims) != list(range(rank - 1)) or arg(node, 2, "keepdim", False) or node.kwargs.get("dtype"):
+    if sorted(d % rank for d in dims) != list(range(rank - 1)) or arg(node, 2, "keepdim", False):
+        return None
+    if node.kwargs.get("dtype"):
         return None
     if not isinstance(E, int) or not _indices_below(ids, E):
         return None

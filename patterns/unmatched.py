@@ -13,9 +13,10 @@ another graph (transformers' Switch Transformers).
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
-from .common import Rejection, arg, getitem_of, is_call, module_path, shape_of
+from .common import Rejection, arg, dtype_of, getitem_of, is_call, module_path, shape_of
 
 IDIOM = "unmatched"
 _SLICE_LIMIT = 4000  # nodes walked forward from the ids: a whole MoE layer, not a whole model
@@ -114,6 +115,12 @@ def _reason(router: fx.Node, reached: list[fx.Node], stacked: list[fx.Node], lin
                   for n in reached if any(w in n.all_input_nodes for w in stacked)})
     if stacked:
         names = ", ".join(w.name for w in stacked[:3])
+        loop = next((n for n in reached if is_call(n, "split") and dtype_of(n.args[0]) != torch.bfloat16
+                     and isinstance(arg(n, 1, "split_size_or_sections"), (list, tuple))), None)
+        if loop is not None:
+            return (f"{head} ({names}); its experts run as a loop over rows split by per-expert counts "
+                    f"({loop.name}), which becomes torch._grouped_mm products (sorted_grouped_mm) only in bfloat16, "
+                    f"grouped_mm's dtype; these rows are {dtype_of(loop.args[0])}")
         if any(is_call(n, "_grouped_mm", "aten::_grouped_mm") for n in reached):
             return (f"{head} ({names}); closest idiom sorted_grouped_mm/hf_grouped_mm, which start from "
                     f"torch._grouped_mm calls sharing one offsets tensor: no pair of up and down projections here does")

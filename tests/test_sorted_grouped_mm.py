@@ -55,6 +55,15 @@ def test_experts_for_loop_over_split_rows_cpu_bf16(variant):
         _check_gpu_bf16(lambda: SortedGroupedMoE(**FOR_LOOPS[variant]), IDIOM, "cpu", "aot_eager")
 
 
+@pytest.mark.parametrize("variant", FOR_LOOPS)
+def test_experts_for_loop_in_float32_is_left_alone_with_the_reason(variant, caplog):
+    """torch._grouped_mm computes in bf16 only, so a float32 loop over split rows keeps its loop, and
+    the report says why instead of naming unrelated idioms."""
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        assert_left_alone(SortedGroupedMoE(**FOR_LOOPS[variant]), _inputs()[0],
+                          "becomes torch._grouped_mm products (sorted_grouped_mm) only in bfloat16", caplog)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sorted_grouped_mm_matches_eager_cpu_bf16(variant):
     _check_gpu_bf16(lambda: SortedGroupedMoE(**VARIANTS[variant]), IDIOM, "cpu", "aot_eager")
