@@ -41,6 +41,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -360,7 +361,10 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, inputs: list[Tensor], sync_check: bool):
         super().__init__()
         self.slot_of = {id(t): i for i, t in enumerate(inputs)}
-        self.keep = list(inputs)  # every traced tensor stays alive while recording: ids stay unique
+        # constants stay alive while recording (the plan holds them too); a traced result is forgotten
+        # when it dies (`_trace`), so an id Python gives again never maps to its old slot, and the
+        # recorded call frees its intermediates as an unrecorded one does
+        self.keep = list(inputs)
         self.n_inputs = len(inputs)
         self.n_slots = len(inputs)
         self.steps: list[tuple] = []
@@ -459,8 +463,7 @@ class _Recorder(TorchDispatchMode):
         slot = self.slot_of[id(base)]
         if func in _ALIASES and (out.shape, out.stride(), out.storage_offset()) == (
                 base.shape, base.stride(), base.storage_offset()):
-            self.slot_of[id(out)] = slot
-            self.keep.append(out)
+            self._trace(out, slot)
             return True
         self.steps.append((_VIEW, slot, tuple(out.shape), out.stride(), out.storage_offset(), self._new_slot(out)))
         return True
@@ -468,14 +471,23 @@ class _Recorder(TorchDispatchMode):
     def _new_slot(self, t: Tensor) -> int:
         slot = self.n_slots
         self.n_slots += 1
-        self.slot_of[id(t)] = slot
-        self.keep.append(t)
+        self._trace(t, slot)
         return slot
 
+    def _trace(self, t: Tensor, slot: int) -> None:
+        key = id(t)
+        self.slot_of[key] = slot
+        weakref.finalize(t, self._forget, key, slot)
+
+    def _forget(self, key: int, slot: int) -> None:
+        if self.slot_of.get(key) == slot:
+            del self.slot_of[key]
+
     def _template(self, args) -> tuple[list, list, list]:
-        """(args with each traced tensor left for its slot, [(position, index in a list or -1, slot)],
-        [(position, descriptor snapshot, slot of its base)]): a TMA descriptor over a traced tensor
-        is rebuilt over that slot's tensor at each replay."""
+        """(args with each traced tensor's place left empty for its slot, [(position, index in a list
+        or -1, slot)], [(position, descriptor snapshot, slot of its base)]): a TMA descriptor over a
+        traced tensor is rebuilt over that slot's tensor at each replay. A template holds constants
+        only, never a tensor of the recorded call (a plan would keep it alive)."""
         template, fills, descs = list(args), [], []
         for i, a in enumerate(args):
             if isinstance(a, Tensor):
@@ -483,12 +495,14 @@ class _Recorder(TorchDispatchMode):
                 if slot is None:
                     self.keep.append(a)  # a constant (made before the call, or by C++ without a dispatch)
                 else:
+                    template[i] = None
                     fills.append((i, -1, slot))
             elif isinstance(a, (list, tuple)) and any(isinstance(t, Tensor) for t in a):
                 template[i] = list(a)
                 for j, t in enumerate(a):
                     slot = self.slot_of.get(id(t)) if isinstance(t, Tensor) else None
                     if slot is not None:
+                        template[i][j] = None
                         fills.append((i, j, slot))
                     elif isinstance(t, Tensor):
                         self.keep.append(t)
@@ -501,6 +515,7 @@ class _Recorder(TorchDispatchMode):
                 if slot is None:
                     self.keep.append(a.base)
                 else:
+                    snapshot.base = None
                     descs.append((i, snapshot, slot))
         return template, fills, descs
 

@@ -376,3 +376,50 @@ def _never_launched(triton):
 
         _KERNEL.append(never_launched)
     return _KERNEL[0]
+
+
+def test_a_recorded_call_frees_its_intermediates_as_it_goes():
+    """The recording does not keep the call's dead intermediates alive (its peak memory stays the
+    implementation's), and a result it traced then lost is not confused with a later tensor."""
+    import weakref
+
+    alive = []
+
+    def impl(x):
+        a = x * 2
+        dead = weakref.ref(a)
+        b = a + 1
+        del a
+        alive.append(dead() is not None)
+        c = torch.tensor([3.0])  # made by C++ without a dispatch of its own: a constant, whatever its id
+        return b * c
+
+    planned = plans.planned(impl, cuda_only=False)
+    for i in range(plans.RECORD_AT + 2):
+        x = torch.full((2,), float(i))
+        _equal(planned(x), (x * 2 + 1) * 3)
+    assert plans.stats()["planned"] == 1
+    assert alive == [False] * plans.RECORD_AT  # the recorded (third) call freed `a` too
+
+
+def test_a_plan_holds_no_tensor_of_the_recorded_call():
+    """Once the caller drops the recorded call's results, none of that call's tensors (inputs,
+    intermediates, results, a descriptor's base) stays alive in the plan."""
+    import gc
+    import weakref
+
+    made = []
+
+    def impl(x):
+        a = x * 2
+        out = torch.cat([a, x]).add_(1)
+        made.extend(weakref.ref(t) for t in (x, a, out))
+        return out, a.sum()
+
+    planned = plans.planned(impl, cuda_only=False)
+    for i in range(plans.RECORD_AT):
+        planned(torch.full((3,), float(i)))
+    gc.collect()
+    assert plans.stats()["planned"] == 1
+    assert all(r() is None for r in made), [r() for r in made]
+    _equal(planned(torch.ones(3)), (torch.cat([torch.full((3,), 2.0), torch.ones(3)]) + 1, torch.tensor(6.0)))
