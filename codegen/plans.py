@@ -142,8 +142,11 @@ def planned(impl: Callable | None = None, *, cuda_only: bool = True):
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         recorder = _Recorder(inputs, sync_check=first.is_cuda)
-        result = recorder.run(impl, args, kwargs)
-        plan = recorder.plan(result)
+        try:
+            result = recorder.run(impl, args, kwargs)
+            plan = recorder.plan(result)
+        finally:
+            recorder.close()
         if plan is not None:
             _PLANS[key] = plan
         elif state - RECORD_AT + 1 >= _TRIES:
@@ -478,6 +481,12 @@ class _Recorder(TorchDispatchMode):
         key = id(t)
         self.slot_of[key] = slot
         weakref.finalize(t, self._forget, key, slot)
+
+    def close(self) -> None:
+        """Let go of the recorded call's tensors (the traced results' finalizers outlive the recorder)."""
+        self.keep.clear()
+        self.slot_of.clear()
+        self.steps = []
 
     def _forget(self, key: int, slot: int) -> None:
         if self.slot_of.get(key) == slot:
