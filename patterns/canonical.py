@@ -8,6 +8,8 @@ exactly as Dynamo traced it.
 
 Rules (eager spelling -> canonical form):
 
+    out.scatter_reduce(d, index, src, "sum")     ->  torch.scatter_add(out, d, index, src)
+        # include_self (the default), or into a fresh zeros
     lib::op(out, index, src)                      ->  torch.scatter_add(out, 0, index, src) (or index_add)
         # a library's own op (torchtitan's deterministic_scatter_add) whose value and gradients
         # equal the torch function's on probes (`canonical_opaque`); put back where no region takes it
@@ -251,6 +253,25 @@ def zeros_plus_value_to_value(gm: fx.GraphModule, node: fx.Node, order: dict) ->
     return None
 
 
+def scatter_reduce_sum_to_scatter_add(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`out.scatter_reduce(dim, index, src, "sum")` -> `torch.scatter_add(out, dim, index, src)`: the
+    same sums (include_self=True, the default; with include_self=False only into a fresh zeros, whose
+    entries add nothing either way). The in-place form stays."""
+    if not is_call(node, "scatter_reduce") or len(node.args) < 4:
+        return None
+    base, dim, index = node.args[0], arg(node, 1, "dim"), arg(node, 2, "index")
+    src, reduce = arg(node, 3, "src"), arg(node, 4, "reduce")
+    if reduce != "sum" or set(node.kwargs) - {"dim", "index", "src", "reduce", "include_self"}:
+        return None
+    if not node.kwargs.get("include_self", True) and not is_call(base, *ZEROS):
+        return None
+    if not all(isinstance(t, fx.Node) for t in (base, index, src)) or not isinstance(dim, int):
+        return None
+    added = insert_call(gm, node, torch.scatter_add, (base, dim, index, src))
+    node.replace_all_uses_with(added)
+    return f"{node.name} -> scatter_add"
+
+
 # --- sorting by expert: argsort, histograms, un-sorting ------------------------------------------
 
 def argsort_to_sort(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
@@ -451,7 +472,8 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 
 RULES = [opaque_op_to_torch, merge_duplicate_reads, arange_mask_to_one_hot, masked_weight_to_gate_column,
-         column_then_none_to_one_index, zeros_plus_value_to_value, mask_count_to_counts, cast_cumsum_to_dtype,
+         column_then_none_to_one_index, zeros_plus_value_to_value, scatter_reduce_sum_to_scatter_add,
+         mask_count_to_counts, cast_cumsum_to_dtype,
          argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, einsum_to_bmm, einsum_weighted_sum_to_product, broadcast_matmul_to_bmm,
          split_loop_to_grouped_mm]

@@ -791,6 +791,7 @@ class SortedGroupedMoE(Router):
     sort: "argsort" (stable), "sort" (torch.sort of the ids, counts of its values, max=E-1)
     combine: "scatter_add" (into zeros_like), "scatter_add_" (in place), "index_add", "shared" (into a
              shared expert's output), "unsort" (`u = zeros_like(y); u[perm] = y; u.view(T, K, d).sum(1)`),
+             "scatter_reduce" (`zeros_like(x).scatter_reduce(0, index, y, "sum", include_self=False)`),
              or the name of a `sonic_test::` library op called as op(zeros_like(x), index, y) (torchtitan 0.3)
     casts: torchtitan's `.bfloat16()` on the rows and weights (no-ops on a bf16 model)
     offsets: "dtype" (`torch.cumsum(counts, 0, dtype=torch.int32)`), "cast" (`counts.cumsum(0).to(torch.int32)`)
@@ -874,6 +875,8 @@ class SortedGroupedMoE(Router):
             return out
         if self.combine == "index_add":
             return torch.zeros_like(x).index_add(0, tok, y)
+        if self.combine == "scatter_reduce":
+            return torch.zeros_like(x).scatter_reduce(0, index, y, "sum", include_self=False)
         if hasattr(torch.ops.sonic_test, self.combine):
             return getattr(torch.ops.sonic_test, self.combine)(torch.zeros_like(x), index, y)
         if self.combine == "unsort":

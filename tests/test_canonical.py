@@ -714,3 +714,48 @@ def test_a_library_op_into_other_than_fresh_zeros_is_never_run_at_compile_time()
 
 
 _COUNTED: list = []
+
+
+def scatter_reduce_sum(out, index, src):
+    return out.scatter_reduce(0, index, src, "sum")
+
+
+def scatter_add_sum(out, index, src):
+    return out.scatter_add(0, index, src)
+
+
+def scatter_reduce_sum_into_zeros(out, index, src):
+    return torch.zeros_like(out).scatter_reduce(0, index, src, "sum", include_self=False)
+
+
+def scatter_reduce_sum_without_self(out, index, src):
+    return out.scatter_reduce(0, index, src, "sum", include_self=False)
+
+
+def scatter_reduce_max(out, index, src):
+    return out.scatter_reduce(0, index, src, "amax")
+
+
+def _scatter_args():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(T, d, generator=g), torch.randint(0, T, (T * K, d), generator=g),
+            torch.randn(T * K, d, generator=g))
+
+
+@pytest.mark.parametrize("fn", [scatter_reduce_sum, scatter_reduce_sum_into_zeros])
+def test_a_summing_scatter_reduce_becomes_a_scatter_add(fn):
+    args = _scatter_args()
+    gm = traced(fn, *args)
+    assert canonicalize(gm)
+    assert "scatter_add" in ops(gm) and "scatter_reduce" not in ops(gm), ops(gm)
+    if fn is scatter_reduce_sum:
+        assert ops(gm) == ops(traced(scatter_add_sum, *args))  # two spellings, one graph
+    same_value(gm, fn, *args)
+
+
+@pytest.mark.parametrize("fn", [scatter_reduce_sum_without_self, scatter_reduce_max])
+def test_other_scatter_reduces_stay(fn):
+    gm = traced(fn, *_scatter_args())
+    before = ops(gm)
+    canonicalize(gm)
+    assert ops(gm) == before

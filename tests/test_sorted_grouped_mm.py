@@ -37,6 +37,7 @@ VARIANTS = {
     # scaled after the experts and added back by the library's own op
     "library-op-scatter_add": dict(combine="rows_scatter_add"),
     "torchtitan-0.3": dict(combine="rows_scatter_add", rows="index", counts="mask_sum", casts=True),
+    "scatter_reduce-sum": dict(combine="scatter_reduce"),
 }
 
 
