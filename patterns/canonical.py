@@ -294,8 +294,9 @@ def mask_count_to_counts(gm: fx.GraphModule, node: fx.Node, order: dict) -> str 
     -> `torch.zeros(E, dtype=torch.int64).scatter_add(0, f, torch.ones_like(f))`, f = ids.reshape(-1)
     (torchtitan 0.3 counts each expert's tokens from a routing mask): ids are the top-k (or max)
     indices over E scores, distinct within a row, so each row of the mask holds one True per id and
-    the column sums are the ids' counts (int64 both). The counts keep a static shape (a bincount's
-    depends on the ids' values), wherever they are read."""
+    the column sums are the ids' counts (int64 both); the zeros and the mask have no reader but the
+    scatter and the sum (nothing writes into them between). The counts keep a static shape (a
+    bincount's depends on the ids' values), wherever they are read."""
     if not is_call(node, "sum") or len(node.args) < 1:
         return None
     mask = node.args[0]
@@ -305,6 +306,8 @@ def mask_count_to_counts(gm: fx.GraphModule, node: fx.Node, order: dict) -> str 
     shape = shape_of(mask)
     if not is_call(base, "zeros_like", "zeros") or value is not True or not shape or not isinstance(ids, fx.Node):
         return None
+    if list(mask.users) != [node] or list(base.users) != [mask]:
+        return None  # another reader could write into the mask (or its zeros) before the sum
     E, rank = shape[-1], len(shape)
     if dim not in (-1, rank - 1) or len(shape_of(ids)) != rank or tuple(shape_of(ids)[:-1]) != tuple(shape[:-1]):
         return None

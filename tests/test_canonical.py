@@ -677,6 +677,13 @@ def mask_counts_of_other_ids(scores, ids):
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True).sum(dim=0)
 
 
+def mask_counts_after_a_write(scores):
+    _, ids = torch.topk(scores, K)
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True)
+    mask[:, 0] = False  # expert 0 not counted: no longer the ids' counts
+    return mask.sum(dim=0)
+
+
 def mask_counts_per_token(scores):
     _, ids = torch.topk(scores, K)
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True).sum(dim=-1)
@@ -685,6 +692,7 @@ def mask_counts_per_token(scores):
 @pytest.mark.parametrize("fn,args", [
     (mask_counts_of_other_ids, (torch.randn(T, E), torch.randint(0, E, (T, K)))),  # repeats possible: not counts
     (mask_counts_per_token, (torch.randn(T, E),)),
+    (mask_counts_after_a_write, (torch.randn(T, E),)),
 ])
 def test_other_mask_sums_stay(fn, args):
     gm = traced(fn, *args)
