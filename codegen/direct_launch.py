@@ -68,7 +68,6 @@ class _Launcher:
     def __call__(self, grid, args: tuple, kwargs: dict) -> None:
         fn = self.fn
         if not self.usable or fn.pre_run_hooks or hooked():
-            plans.abort("a launch through JITFunction.run (hooks, or an annotated signature)")
             fn.run(*args, grid=grid, warmup=False, **kwargs)
             return
         runtime = _knobs.runtime
@@ -82,11 +81,9 @@ class _Launcher:
         try:
             kernel = self.kernels.get(key)
         except TypeError:  # an unhashable constexpr: Triton's own path
-            plans.abort("a launch with an unhashable constexpr")
             fn.run(*args, grid=grid, warmup=False, **kwargs)
             return
         if kernel is None or self.globals_changed():
-            plans.abort("a kernel compiled (or a global it read changed)")
             kernel = fn.run(*args, grid=grid, warmup=False, **kwargs)
             if kernel is not None:
                 self.kernels[key] = kernel

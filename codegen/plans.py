@@ -310,10 +310,11 @@ def _build(template, slots):
 
 
 class _TritonRunGuard:
-    """While a call is recorded, `JITFunction.run` (every Triton launch that does not come through
-    `codegen.direct_launch`, whose own fallbacks abort) drops the recording: a launch the recorder
-    does not see would be missing from the plan. `launching()` marks direct_launch's own
-    `kernel[grid]` calls, which it records."""
+    """While a call is recorded, `JITFunction.run` drops the recording: it is every Triton launch the
+    recorder does not see (a compile, an autotuner's timing, direct_launch's fallbacks, a launch that
+    does not come through direct_launch), and a plan would miss it. `launching()` marks
+    direct_launch's own `kernel[grid]` calls, which it records. (Interpreted kernels do not run
+    through `JITFunction.run`: `launch._launch` aborts its autotuning itself.)"""
 
     def __init__(self, recorder):
         self.original = None
@@ -325,7 +326,8 @@ class _TritonRunGuard:
 
         def run(fn, *args, **kwargs):
             if recorder.thread == threading.get_ident() and not recorder.launching and not recorder.depth:
-                abort(f"{getattr(fn, '__name__', fn)} launched outside codegen.direct_launch")
+                abort(f"{getattr(fn, '__name__', fn)} launched through JITFunction.run (compiled, tuned, or "
+                      f"launched outside codegen.direct_launch)")
             return original(fn, *args, **kwargs)
 
         self.cls, self.original = JITFunction, original
