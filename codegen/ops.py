@@ -608,6 +608,65 @@ def _list_backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
 moe_experts_list_op.register_autograd(_list_backward, setup_context=_setup_list_context)
 
 
+# ----------------------------------------------------------------- separate stacked gate and up weights
+
+
+def _expert_views(stacked: Tensor, transposed: bool) -> list[Tensor]:
+    """The E per-expert [out, in] views of a stacked [E, out, in] (or, transposed, [E, in, out]) weight."""
+    return [w.t() for w in stacked.unbind(0)] if transposed else list(stacked.unbind(0))
+
+
+def _moe_experts_split_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
+                           w_down: Tensor, b1: Optional[Tensor], b2: Optional[Tensor], activation: str,
+                           interleaved: bool, transposed: bool, alpha: float, limit: float, save_h: bool,
+                           slot_token: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _moe_experts_list_fwd(x, topk_ids, topk_weights, *(_expert_views(w, transposed) for w in (w_gate, w_up, w_down)),
+                                 b1, b2, activation, interleaved, alpha, limit, save_h, slot_token)
+
+
+moe_experts_split_op = torch.library.custom_op("sonic::moe_experts_split", _moe_experts_split_fwd, mutates_args=())
+
+
+@moe_experts_split_op.register_fake
+def _moe_experts_split_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, activation, interleaved,
+                            transposed, alpha, limit, save_h, slot_token=None):
+    return _moe_experts_list_fake(x, topk_ids, topk_weights, *(_expert_views(w, transposed) for w in (w_gate, w_up, w_down)),
+                                  b1, b2, activation, interleaved, alpha, limit, save_h, slot_token)
+
+
+register_nograd("moe_experts_split", _moe_experts_split_fwd, _moe_experts_split_fake)
+
+
+def _setup_split_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, activation, interleaved, transposed, alpha, limit, _, \
+        slot_token = inputs
+    _, h, sorted_rows, offsets = output
+    _saved_outputs_are_not_differentiable(ctx, h)
+    ctx.save_for_backward(x, topk_ids, topk_weights, h, sorted_rows, offsets, slot_token, b1, b2, w_gate, w_up, w_down)
+    ctx.transposed = transposed
+    ctx.flags = (activation, interleaved, alpha, limit)
+
+
+def _split_backward(ctx, grad_out, _grad_h, _grad_rows, _grad_offsets):
+    """The list form's backward on the experts' views; each stacked weight's gradient is a view of
+    the stacked gradients it returns (gate and up: the two halves of dW1), not E tensors to stack."""
+    x, topk_ids, topk_weights, h, sorted_rows, offsets, slot_token, b1, b2, w_gate, w_up, w_down = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(x)
+    views = [_expert_views(w, ctx.transposed) for w in (w_gate, w_up, w_down)]
+    dx, dw, dw1, dw2, db1, db2 = moe_experts_list_backward_op(
+        grad_out, x, topk_ids, topk_weights, *views, b1, b2, h, sorted_rows, offsets, *ctx.flags, slot_token)
+    gate_rows = views[0][0].shape[0]
+    d_gate, d_up = dw1[:, :gate_rows], dw1[:, gate_rows:]
+    if ctx.transposed:  # the stacked weights hold [in, out] per expert
+        d_gate, d_up, dw2 = (g.transpose(1, 2) for g in (d_gate, d_up, dw2))
+    grads = (dx, None, dw, d_gate, d_up, dw2, None if b1 is None else db1, None if b2 is None else db2)
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
+
+
+moe_experts_split_op.register_autograd(_split_backward, setup_context=_setup_split_context)
+
+
 def validate_moe_inputs(x, topk_ids, topk_weights, w1, w2, b1=None, b2=None, *, activation, transposed,
                         slot_token=None):
     """Clear errors for shapes, dtypes and devices the op cannot take (never a wrong answer)."""
@@ -718,6 +777,21 @@ def drop_slots_from(topk_ids, topk_weights, E: int, *, K: int | None = None, app
     position = apply(torch.sub, (apply(torch.cumsum, (ones, 0), {"dtype": torch.int32}), 1))
     slot_token = apply(torch.floor_divide, (position, K)) if K != 1 else position
     return ids, apply(torch.reshape, (topk_weights, (-1,))), slot_token
+
+
+def slots_from_offsets(x, offsets, E: int, apply=_call) -> tuple:
+    """Rows that arrive grouped by expert (`torch._grouped_mm`'s layout: row r belongs to expert e
+    where offsets[e-1] <= r < offsets[e], with 0 before the first) as the slot form `moe_experts`
+    takes, one slot per row of x: (ids [R], -1 for the rows past offsets[-1], which are padding;
+    weights [R], ones in x's dtype; slot_token [R], the row itself). `offsets` is the [E] int32
+    nondecreasing tensor grouped_mm takes. A searchsorted and elementwise ops on the device, no host
+    sync; `apply` as in `drop_slots_from`."""
+    column = apply(torch.select, (x, 1, 0))
+    ones = apply(torch.ones_like, (column,), {"dtype": torch.int32})
+    row = apply(torch.sub, (apply(torch.cumsum, (ones, 0), {"dtype": torch.int32}), 1))
+    expert = apply(torch.searchsorted, (offsets, row), {"right": True})
+    ids = apply(torch.where, (apply(torch.ge, (expert, E)), -1, expert))
+    return ids, apply(torch.ones_like, (column,)), row
 
 
 def validate_moe_list_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1=None, b2=None, *, activation,

@@ -505,7 +505,7 @@ def fake_mode_of(gm: fx.GraphModule):
     return None
 
 
-SAVE_H_ARG = 12  # where sonic::moe_experts and sonic::moe_experts_list take save_h
+SAVE_H_ARG = {"moe_experts": 12, "moe_experts_list": 12, "moe_experts_split": 13}  # where each op takes save_h
 
 
 def _grad_flows(match: MoEMatch, *fakes) -> bool:
@@ -557,7 +557,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         return node if node is None or dtype_of(node) == match.dtype else to(node, match.dtype)
 
     def experts(name, args):  # save_h says whether a gradient flows (`_grad_flows`); `nograd` where none does
-        return insert(overload(name, args[SAVE_H_ARG]), args)
+        return insert(overload(name, args[SAVE_H_ARG[name]]), args)
 
     x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
     if match.flat_top1:
@@ -585,11 +585,9 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
                          (match.router_probs, ids, weights, M_TILE, token_rounding, True))
         ids, weights, slot_token = (insert(operator.getitem, (rounded, i)) for i in range(3))
 
-    if match.w_up is not None:  # two stacked parameters: the list op on their per-expert views
-        lists = tuple(_unbound(cast(t), match.shape["E"], insert, match.transposed)
-                      for t in (match.w1, match.w_up, match.w2))
-        call = experts("moe_experts_list",
-                       _list_call_args(match, lists, cast(match.b1), cast(match.b2), x, ids, weights, slot_token))
+    if match.w_up is not None:  # two stacked parameters: the split op (the list form on their per-expert views)
+        stacked = tuple(cast(t) for t in (match.w1, match.w_up, match.w2))
+        call = experts("moe_experts_split", _split_call_args(match, stacked, x, ids, weights, slot_token))
     elif match.expert_lists is None:
         w1, w2, b1, b2 = (cast(t) for t in (match.w1, match.w2, match.b1, match.b2))
         fakes = [example_value(a) for a in (x, ids, weights, w1, w2, b1, b2)]
@@ -625,16 +623,6 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     return call
 
 
-def _unbound(stacked: fx.Node, E: int, insert, transposed: bool = False) -> list[fx.Node]:
-    """The E views `stacked[e]` of an [E, ., .] tensor, from one unbind (its backward stacks the
-    experts' gradients once, where E selects would each add a zero-filled [E, ., .] tensor);
-    `transposed` ([E, in, out] storage): each view's `.t()`, the [out, in] slice the list op takes
-    (strided, no copy: the kernels read any strides the experts share)."""
-    parts = insert(torch.unbind, (stacked, 0))
-    views = [insert(operator.getitem, (parts, e)) for e in range(E)]
-    return [insert(torch.t, (v,)) for v in views] if transposed else views
-
-
 def _stacked_list_biases(bias_lists, insert) -> tuple[fx.Node | None, fx.Node | None]:
     """(b1 [E, w1_out], b2 [E, d]) nodes stacking the list form's per-expert biases (gate then up
     for separate gate and up), None where there are none. A copy of E (w1_out + d) elements a call,
@@ -668,6 +656,22 @@ def _list_call_args(match: MoEMatch, lists, b1: fx.Node | None, b2: fx.Node | No
         rows, ids, weights, w_gate, w_up, w_down, b1, b2,
         match.activation, match.interleaved, float(match.alpha), float(match.limit), save_h, slot_token,
     )
+
+
+def _split_call_args(match: MoEMatch, stacked, x: fx.Node, ids: fx.Node, weights: fx.Node,
+                     slot_token: fx.Node | None) -> tuple:
+    """`sonic::moe_experts_split` arguments: the stacked gate, up and down weights, validated as the
+    list form validates their per-expert views."""
+    from moe_compiler.codegen.ops import _expert_views, validate_moe_list_inputs
+
+    views = [_expert_views(example_value(w), match.transposed) for w in stacked]
+    fake_x, fake_weights = example_value(x), example_value(weights)
+    validate_moe_list_inputs(fake_x, example_value(ids), fake_weights, *views, None, None,
+                             activation=match.activation, interleaved=match.interleaved,
+                             slot_token=example_value(slot_token))
+    save_h = _grad_flows(match, fake_x, fake_weights, None, None, *(example_value(w) for w in stacked))
+    return (x, ids, weights, *stacked, None, None, match.activation, match.interleaved, match.transposed,
+            float(match.alpha), float(match.limit), save_h, slot_token)
 
 
 def _replace_accumulator(graph: fx.Graph, match: MoEMatch, result: fx.Node) -> None:

@@ -89,9 +89,10 @@ def fuse_router(gm: fx.GraphModule, call: fx.Node) -> tuple[bool, str]:
 def match_router(call: fx.Node, routing: tuple[fx.Node, fx.Node] | None = None) -> RouterMatch:
     """The router of a sonic MoE call. `routing`: the router's [T, K] (ids, weights) when the call's
     own are not them (an input-scaled call: rows x[t] * w[t, k] with unit weights)."""
-    expect(is_call(call, "sonic::moe_experts", "sonic::moe_experts_list"), f"{call.name} is not a sonic MoE call")
+    expect(is_call(call, "sonic::moe_experts", "sonic::moe_experts_list", "sonic::moe_experts_split"),
+           f"{call.name} is not a sonic MoE call")
     ids, weights = call.args[1], call.args[2]
-    slot_form = call.args[13]  # slot_token, in both forms (x, ids, weights, 3 weights or lists, b1, b2, 5 flags, save_h)
+    slot_form = call.args[-1]  # slot_token, last in every form
     expect(not is_call(_src(ids), "sonic::round_routing_slots"),
            "token rounding reads the router probabilities (sonic::round_routing_slots)")
     expect(slot_form is None, "the call takes the slot form (slots dropped: an expert-parallel plan's sentinels)")

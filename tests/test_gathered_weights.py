@@ -20,12 +20,12 @@ from .test_naive_patterns import (D, _check_autocast, _check_gpu_bf16, _check_re
                                   assert_left_alone)
 
 IDIOM = "gathered_weights"
-LIST_OP, STACKED_OP = "sonic::moe_experts_list", "sonic::moe_experts"
+SPLIT_OP, STACKED_OP = "sonic::moe_experts_split", "sonic::moe_experts"
 
 VARIANTS = {  # kwargs, the op, the reported layout
-    "gpt-fast": (dict(), LIST_OP, "separate gate/up (two stacked parameters)"),
-    "separate-mul_sum-letters": (dict(combine="mul_sum", letters=True), LIST_OP, "separate gate/up (two stacked parameters)"),
-    "separate-in_out": (dict(orient="in_out"), LIST_OP, "separate gate/up (two stacked parameters, transposed)"),
+    "gpt-fast": (dict(), SPLIT_OP, "separate gate/up (two stacked parameters)"),
+    "separate-mul_sum-letters": (dict(combine="mul_sum", letters=True), SPLIT_OP, "separate gate/up (two stacked parameters)"),
+    "separate-in_out": (dict(orient="in_out"), SPLIT_OP, "separate gate/up (two stacked parameters, transposed)"),
     "fused-out_in": (dict(gate_up="fused"), STACKED_OP, "concatenated"),
     "fused-in_out-w_first": (dict(gate_up="fused", orient="in_out", combine="einsum_w_first"), STACKED_OP,
                              "concatenated, transposed"),

@@ -4,7 +4,7 @@
 Each rewrite test checks, in training and under no_grad: outputs and every gradient (router,
 experts, input) equal eager, exactly one region rewritten by the expected idiom, and
 `sonic::moe_experts_list` executed (`sonic::moe_experts` for stacked [E, ., .] parameters sliced
-per expert, unless gate and up are two of them). The negative grid must stay untouched, with its reason logged,
+per expert, `sonic::moe_experts_split` where gate and up are two of them). The negative grid must stay untouched, with its reason logged,
 and still equal eager. The loop needs `capture_dynamic_output_shape_ops`, patched per test here.
 """
 from __future__ import annotations
@@ -36,8 +36,10 @@ def _inputs(dtype=torch.float32, device="cpu", seed=0):
     return x.to(device, dtype), cotangent.to(device, dtype)
 
 
-def _compile(model, compiler="aot_eager"):
-    return torch.compile(model, backend="sonic", options={"sonic.compiler": compiler, "sonic.fallback": False})
+def _compile(model, compiler="aot_eager", **options):
+    """`options`: more sonic options by their names without the prefix (patterns=...)."""
+    extra = {f"sonic.{k}": v for k, v in options.items()}
+    return torch.compile(model, backend="sonic", options={"sonic.compiler": compiler, "sonic.fallback": False, **extra})
 
 
 def _out_and_grads(model, x, cotangent, params):
@@ -70,8 +72,8 @@ def _check_rewrite(model, idiom, compiler="aot_eager", op=OP):
         assert_close_to_eager(inference, eager[0], what="no_grad output")
         with torch.no_grad():
             names = profiled_op_names(lambda: compiled(x))
-    other = {OP: "sonic::moe_experts", "sonic::moe_experts": OP}[op]
-    assert op in names and other not in names, sorted(n for n in names if "::" in n)[:20]
+    others = {OP, "sonic::moe_experts", "sonic::moe_experts_split"} - {op}
+    assert op in names and not others & set(names), sorted(n for n in names if "::" in n)[:20]
     return report
 
 
@@ -247,8 +249,8 @@ def test_dense_experts_matches_eager(variant):
 
 @pytest.mark.parametrize("variant", BMM_VARIANTS)
 def test_dense_bmm_matches_eager(variant):
-    separate = BMM_VARIANTS[variant].get("gate_up") == "separate"  # the list op, on each expert's views
-    op = "sonic::moe_experts_list" if separate else "sonic::moe_experts"
+    separate = BMM_VARIANTS[variant].get("gate_up") == "separate"  # the split op: the list form on each expert's views
+    op = "sonic::moe_experts_split" if separate else "sonic::moe_experts"
     report = _check_rewrite(BmmMoE(**BMM_VARIANTS[variant]), "dense_bmm", op=op)
     layout = report.rewritten[0].details["layout"]
     assert ("router-scaled inputs" in layout) == (BMM_VARIANTS[variant].get("gate_on", "input") == "input"), layout
@@ -425,8 +427,9 @@ STACKED_VARIANTS = {
     "T-fused": (dict(gate_up="fused"), "sonic::moe_experts", "concatenated"),
     "linear-plain": (dict(orient="linear", gate_up="plain"), "sonic::moe_experts", "concatenated"),
     "in_out-fused": (dict(orient="in_out", gate_up="fused"), "sonic::moe_experts", "concatenated, transposed"),
-    # [E, in, out] gate and up: the list op on each slice's .t() (views, no copy)
-    "in_out-separate": (dict(orient="in_out"), OP, "separate gate/up (two stacked parameters, transposed)"),
+    # [E, in, out] gate and up: the split op (the list form on each slice's .t(): views, no copy)
+    "in_out-separate": (dict(orient="in_out"), "sonic::moe_experts_split",
+                        "separate gate/up (two stacked parameters, transposed)"),
     # d == n: [E, in, out] and [E, out, in] have one shape; only the graph's (absent) transpose tells
     "in_out-plain-square": (dict(n=D, orient="in_out", gate_up="plain"), "sonic::moe_experts", "concatenated, transposed"),
     "T-fused-square": (dict(n=D // 2, gate_up="fused"), "sonic::moe_experts", "concatenated"),
@@ -554,13 +557,13 @@ NEGATIVE = {
 }
 
 
-def assert_left_alone(model, x, reason, caplog):
+def assert_left_alone(model, x, reason, caplog, **options):
     """Compiled under no_grad: no region rewritten, one rejected with `reason` (logged as untouched),
-    and the output still eager's."""
+    and the output still eager's. `options` as `_compile` takes them."""
     with torch.no_grad():
         want = model(x)
         with caplog.at_level(logging.DEBUG, logger="moe_compiler"), moe_compiler.capture() as report:
-            got = _compile(model)(x)
+            got = _compile(model, **options)(x)
     assert not report.rewritten and report.rejected, str(report)
     assert any(reason in r.reason for r in report.rejected), str(report)
     assert "untouched" in caplog.text and reason in caplog.text
