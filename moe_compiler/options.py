@@ -4,8 +4,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-PATTERNS = ("hf_grouped_mm", "sorted_grouped_mm", "hf_batched_mm", "hf_eager_loop", "expert_loop", "dense_experts", "dense_bmm", "repeat_loop",
-            "gathered_weights")  # every idiom the pass driver knows, in the order it runs them
+PATTERNS = ("hf_grouped_mm", "sorted_grouped_mm", "grouped_rows", "hf_batched_mm", "hf_eager_loop", "expert_loop",
+            "dense_experts", "dense_bmm", "repeat_loop", "gathered_weights")  # every idiom the pass driver knows, in the order it runs them
+# The idioms run unless `sonic.patterns` names others. `grouped_rows` (experts over rows grouped
+# upstream) is opt-in: its rewrite is exact, but there the op has no gather or scatter to fuse, and
+# torch's grouped GEMMs are faster (docs/PATTERNS.md, grouped rows).
+DEFAULT_PATTERNS = tuple(p for p in PATTERNS if p != "grouped_rows")
 COMPILERS = ("inductor", "aot_eager", "eager")
 ROUNDING_MODES = ("nearest", "up", "down")  # codegen.token_rounding.MODES (kept import-free here)
 PREFIX = "sonic."
@@ -15,8 +19,9 @@ PREFIX = "sonic."
 class SonicOptions:
     # False: run no pattern at all, plain Inductor; the A/B switch for "is the rewrite at fault?"
     enabled: bool = True
-    # Which idioms to look for; a subset narrows the search when one pattern misbehaves.
-    patterns: tuple[str, ...] = PATTERNS
+    # Which idioms to look for; a subset narrows the search when one pattern misbehaves, and
+    # `PATTERNS` (every one) adds the opt-in `grouped_rows`.
+    patterns: tuple[str, ...] = DEFAULT_PATTERNS
     # What compiles the rewritten graph. "eager"/"aot_eager" start in milliseconds instead of
     # Inductor's seconds: for debugging and for CPU tests of the rewrite itself.
     compiler: str = "inductor"

@@ -13,6 +13,7 @@ from moe_compiler.patterns import (
     dense_experts,
     expert_loop,
     gathered_weights,
+    grouped_rows,
     hf_batched_mm,
     hf_eager_loop,
     hf_grouped_mm,
@@ -34,6 +35,7 @@ log = logging.getLogger("moe_compiler")
 FINDERS = {
     "hf_grouped_mm": hf_grouped_mm.find,
     "sorted_grouped_mm": sorted_grouped_mm.find,  # tokens sorted by expert, grouped_mm, scatter_add back (torchtitan)
+    "grouped_rows": grouped_rows.find,  # grouped_mm experts over rows grouped upstream (after a dispatch)
     "hf_batched_mm": hf_batched_mm.find,
     "hf_eager_loop": hf_eager_loop.find,  # recognises only, to explain; never rewrites
     "expert_loop": expert_loop.find,  # nn.ModuleList experts looped over with torch.where + index_add
@@ -105,6 +107,8 @@ def token_rounding_for(match: MoEMatch, options: SonicOptions) -> tuple[str | No
                  match.module)
     if match.sentinels is not None:
         return None, "off (expert-parallel sentinels: the slot form is taken by the dropped slots)"
+    if match.group_offsets:
+        return None, "off (rows grouped by expert upstream: no router in the region)"
     if match.router_probs is None:
         log.warning("sonic.token_rounding: %s keeps plain top-k: its router does not rank by softmax/sigmoid "
                     "probabilities that the graph shows (%s)", match.module, match.router)
@@ -123,6 +127,8 @@ def router_outcome(gm: fx.GraphModule, call: fx.Node, match: MoEMatch, router: s
         return router
     if match.gates:  # the op's weights are gathered from a [T, E] gate matrix: no router form to fuse
         return f"{router}, not fused: weights gathered from a [T, E] gate matrix"
+    if match.group_offsets:  # the routing happened before the graph's rows: nothing to fuse
+        return router
     try:
         found = match_router(call, (match.topk_ids, match.topk_weights) if match.input_scaled else None)
     except NoMatch as why:

@@ -74,6 +74,11 @@ class MoEMatch:
     # slots as padding), "clamp" (the slot runs expert E-1, as the region's clamp makes it: the op
     # gets the clamped ids). None: ids are a top-k over E, or an id out of range is the op's error.
     sentinels: str | None = None
+    # The rows arrive grouped by expert (experts after a dispatch, no router in the region): topk_ids
+    # is the [E] int32 offsets node grouped_mm reads (row r runs expert e where offs[e-1] <= r <
+    # offs[e]; rows past offs[-1] are padding), topk_weights is None, T the rows and K 1. The
+    # rewrite calls the op in the slot form, one slot per row (`codegen.ops.slots_from_offsets`).
+    group_offsets: bool = False
     verified: str = "-"  # what verification by evaluation found (`patterns.verify`), for the report
 
     def op_inputs(self) -> list[fx.Node]:
@@ -97,6 +102,8 @@ class MoEMatch:
             layout += ", router-scaled inputs"
         if self.sentinels is not None:
             layout += ", ids >= E " + ("dropped" if self.sentinels == "drop" else "clamped to E-1") + " (expert parallel)"
+        if self.group_offsets:
+            layout += ", rows grouped by expert upstream (offsets)"
         return {
             "activation": self.activation,
             "layout": layout,
@@ -533,7 +540,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     the op's `nograd` overload (`codegen.nograd`: the same op without its Python autograd layer).
     """
     from moe_compiler.codegen.nograd import overload
-    from moe_compiler.codegen.ops import drop_slots_from, validate_moe_inputs
+    from moe_compiler.codegen.ops import drop_slots_from, slots_from_offsets, validate_moe_inputs
     from moe_compiler.codegen.token_rounding import M_TILE
 
     graph = gm.graph
@@ -574,6 +581,10 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     x = cast(x)  # after the scaling, which the region computes before its products too
     if match.sentinels is not None and token_rounding is not None:
         raise ValueError("token rounding does not apply to routing with expert-parallel sentinels")
+    if match.group_offsets:  # one slot per row, its expert from the offsets; rows past the last are padding
+        if token_rounding is not None:
+            raise ValueError("token rounding does not apply to rows grouped by expert upstream")
+        ids, weights, slot_token = slots_from_offsets(x, ids, match.shape["E"], apply=insert)
     if match.sentinels == "drop":  # the slot form with the dropped slots as padding: the same steps as eager
         ids, weights, slot_token = drop_slots_from(ids, weights, match.shape["E"], K=shape_of(ids)[1], apply=insert)
     elif match.sentinels == "clamp":
@@ -777,10 +788,11 @@ def check_stacked_biases(b1, b2, *, E, w1_out, d, x_dtype) -> None:
 
 
 def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, *, E, K, T, d,
-                 w_up=None, added_to=None) -> MoEMatch:
+                 w_up=None, added_to=None, group_offsets=False) -> MoEMatch:
     """Legality shared by every idiom (dtypes, shapes, a closed region), then the typed match.
     `w_up`: the up projection's own stacked parameter, shaped as w1 (the gate) then; `added_to`: see
-    MoEMatch (outside the region)."""
+    MoEMatch (outside the region); `group_offsets`: topk_ids is the rows' [E] group offsets and
+    there are no weights (see MoEMatch)."""
     from moe_compiler.codegen.activations import GATED
 
     x_dtype = dtype_of(x)
@@ -790,8 +802,13 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
         expect(shape_of(w_up) == shape_of(w1) and dtype_of(w_up) == x_dtype,
                f"up weights {shape_of(w_up)} ({dtype_of(w_up)}) are not shaped as the gate's {shape_of(w1)} ({x_dtype})")
         expect(b1 is None, "biases on separate stacked gate and up parameters are not supported")
-    expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point, "routing weights are not floating point")
-    expect(dtype_of(topk_ids) is not None and not dtype_of(topk_ids).is_floating_point, "expert ids are not integers")
+    if group_offsets:
+        expect(topk_weights is None and dtype_of(topk_ids) == torch.int32 and shape_of(topk_ids) == (E,),
+               f"grouped_mm offsets are not [E={E}] int32")
+    else:
+        expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point,
+               "routing weights are not floating point")
+        expect(dtype_of(topk_ids) is not None and not dtype_of(topk_ids).is_floating_point, "expert ids are not integers")
     s1, s2 = shape_of(w1), shape_of(w2)
     expect(len(s1) == 3 and len(s2) == 3 and s1[0] == E == s2[0], f"expert weights {s1} / {s2} do not hold E={E} experts")
     w1_in, w1_out = (s1[1], s1[2]) if transposed else (s1[2], s1[1])
@@ -802,7 +819,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     check_stacked_biases(b1, b2, E=E, w1_out=w1_out, d=d, x_dtype=x_dtype)
 
     # the region must be exactly what was validated (plus integer/shape glue)
-    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2, w_up, added_to) if b is not None}
+    inputs = {x, topk_ids, w1, w2} | {b for b in (topk_weights, b1, b2, w_up, added_to) if b is not None}
     region = backward_slice([anchor], stop=inputs)
     for node in list(region):
         region |= {u for u in node.users if is_inplace(u) and walk.is_harmless_inplace(u)}
@@ -827,6 +844,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
         limit=act["limit"],
         shape={"T": T, "d": d, "n": n, "E": E, "K": K},
         dtype=x_dtype,
+        group_offsets=group_offsets,
         **site_fields(site, topk_ids, topk_weights, T, E, experts_module=module_path(site)),
     )
 
@@ -879,11 +897,13 @@ def check_closed(region: set[fx.Node], walk: RegionWalk) -> None:
 def site_fields(site: fx.Node, topk_ids: fx.Node, topk_weights: fx.Node, T, E, *, experts_module: str) -> dict:
     """The MoEMatch fields read off the region's site: module, router, shared expert, router probs."""
     cls = module_class(site)
+    grouped = topk_weights is None  # rows grouped upstream: topk_ids are grouped_mm's offsets
     return dict(
         module=module_path(site),
-        router=describe_router(topk_ids, topk_weights) + (f" ({cls})" if cls else ""),
+        router=("none: rows grouped by expert upstream" if grouped else describe_router(topk_ids, topk_weights))
+        + (f" ({cls})" if cls else ""),
         shared_expert=describe_shared_expert(site.graph, experts_module),
-        router_probs=router_probs(topk_ids, T, E),
+        router_probs=None if grouped else router_probs(topk_ids, T, E),
         module_source=module_source(site),
     )
 

@@ -194,6 +194,32 @@ def _weight_of(node, walk: RegionWalk) -> tuple[fx.Node, bool]:
     return walk.through(weight), transposed
 
 
+def grouped_experts(calls: list[fx.Node], walk: RegionWalk) -> tuple[fx.Node, fx.Node | None, fx.Node, bool, dict]:
+    """(w1, w_up, w2, transposed, activation) of an up and a down grouped_mm (w1 gate and up
+    together, w_up None) or two ups and a down (w1 the gate, w_up the up) sharing offsets, with the
+    activation between them identified by probing; the nodes in between marked into `walk`."""
+    *ups, down = calls
+    layouts = [_weight_of(c.args[1], walk) for c in calls]
+    expect(len({t for _, t in layouts}) == 1, "up and down weights use different layouts")
+    transposed = layouts[0][1]
+    w2 = layouts[-1][0]
+    a = walk.through(down.args[0])
+    if len(ups) == 1:
+        h = walk.forward(ups[0])
+        act = identify_activation(h, a)
+        expect(not isinstance(act, str), str(act))
+        w1, w_up = layouts[0][0], None
+        walk.mark(*backward_slice([a], stop={h}))
+    else:
+        hs = tuple(walk.forward(u) for u in ups)
+        found = identify_pair_activation(hs[0], hs[1], a)
+        expect(not isinstance(found, str), str(found))
+        act, swapped = found
+        w1, w_up = (layouts[1][0], layouts[0][0]) if swapped else (layouts[0][0], layouts[1][0])
+        walk.mark(*backward_slice([a], stop=set(hs)))
+    return w1, w_up, w2, transposed, act
+
+
 def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     walk = RegionWalk()
     expect(len(calls) in (2, 3), f"expected two or three grouped_mm calls sharing offsets, found {len(calls)}")
@@ -232,27 +258,7 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     expect(len(shape_of(x)) == 2 and same_size(shape_of(x)[0], T) and same_size(shape_of(x)[1], d),
            "gathered hidden states are not [T, d] (every column of each token)")
 
-    # weights
-    layouts = [_weight_of(c.args[1], walk) for c in calls]
-    expect(len({t for _, t in layouts}) == 1, "up and down weights use different layouts")
-    transposed = layouts[0][1]
-    w2 = layouts[-1][0]
-
-    # the activation between the grouped mms
-    a = walk.through(down.args[0])
-    if len(ups) == 1:
-        h = walk.forward(ups[0])
-        act = identify_activation(h, a)
-        expect(not isinstance(act, str), str(act))
-        w1, w_up = layouts[0][0], None
-        walk.mark(*backward_slice([a], stop={h}))
-    else:
-        hs = tuple(walk.forward(u) for u in ups)
-        found = identify_pair_activation(hs[0], hs[1], a)
-        expect(not isinstance(found, str), str(found))
-        act, swapped = found
-        w1, w_up = (layouts[1][0], layouts[0][0]) if swapped else (layouts[0][0], layouts[1][0])
-        walk.mark(*backward_slice([a], stop=set(hs)))
+    w1, w_up, w2, transposed, act = grouped_experts(calls, walk)
 
     # y, scaled by the sorted weights unless the inputs were, then scattered back to the tokens
     y = _forward_float_casts(walk.forward(down), walk)

@@ -13,6 +13,10 @@ is right only on easy ones:
     sentinel     (regions that drop ids >= E) random ids with about a third of the slots E, one
                  token's every slot among them
 
+Rows grouped by expert upstream (`MoEMatch.group_offsets`) get offsets instead of ids: random
+counts with an eighth of the rows past the last offset (padding), the first and last expert
+idle, every row on one expert, and equal counts.
+
 Each result is compared with `codegen.reference.torch_moe_experts` on the same float64 inputs
 (per-expert lists stacked, gate and up concatenated, the [T, K] weights gathered from a gate
 matrix, input-scaled rows summed per token, a shared expert's output added) and must agree to
@@ -130,7 +134,7 @@ class _Region:
     def signature(self) -> str:
         fields = {k: str(getattr(self.match, k)) for k in ("activation", "interleaved", "transposed", "alpha",
                                                              "limit", "gates", "input_scaled", "flat_top1",
-                                                             "sentinels")}
+                                                             "sentinels", "group_offsets")}
         metas = [(tuple(map(_concrete, shape_of(n))), str(getattr(example_value(n), "dtype", type(example_value(n)))))
                  for n in self.inputs]
         return repr((self.module.code, metas, sorted(fields.items()), str(self.device)))
@@ -183,6 +187,10 @@ class _Region:
     def _inputs(self, routing: str, generator: torch.Generator, fixed: dict) -> list:
         m = self.match
         T, K, E = (_concrete(m.shape[k]) for k in ("T", "K", "E"))
+        if m.group_offsets:
+            offsets = _offsets(routing, T, E, generator).to(example_value(m.topk_ids).dtype)
+            return [_laid_out_as(m.topk_ids, offsets.to(self.device)) if node is m.topk_ids else fixed[node]
+                    for node in self.inputs]
         ids, weights = _routing(routing, T, K, E, generator)
         if routing == "sentinel":
             ids = torch.where(torch.rand(T, K, generator=generator) < 1 / 3, E, ids)
@@ -208,7 +216,14 @@ class _Region:
 
         m = self.match
         at = {node: value for node, value in zip(self.inputs, values)}
-        x, ids, weights = at[m.x], at[m.topk_ids], at[m.topk_weights]
+        x = at[m.x]
+        if m.group_offsets:  # row r runs the expert whose group holds it (E past the last group: dropped below)
+            offsets = at[m.topk_ids]
+            rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
+            ids = torch.searchsorted(offsets, rows, right=True).unsqueeze(1)
+            weights = torch.ones(x.shape[0], 1, dtype=torch.float64, device=x.device)
+        else:
+            ids, weights = at[m.topk_ids], at[m.topk_weights]
         if m.flat_top1:
             ids, weights = ids.unsqueeze(-1), weights.unsqueeze(-1)
         if m.gates:
@@ -227,7 +242,7 @@ class _Region:
         flags = dict(activation=m.activation, interleaved=m.interleaved, transposed=m.transposed, alpha=m.alpha,
                      limit=m.limit)
         ids = ids.long()
-        if m.sentinels == "drop":  # a dropped slot adds nothing: weight 0 on a real expert, exactly
+        if m.sentinels == "drop" or m.group_offsets:  # a dropped slot adds nothing: weight 0 on a real expert, exactly
             keep = ids < w1.shape[0]
             ids, weights = torch.where(keep, ids, 0), torch.where(keep, weights, 0)
         elif m.sentinels == "clamp":
@@ -293,6 +308,20 @@ def _routing(routing: str, T: int, K: int, E: int, generator: torch.Generator):
         ids = ids.sort(dim=1, descending=True).values
         weights = torch.full((T, K), 0.5, dtype=torch.float64)
     return ids, weights
+
+
+def _offsets(routing: str, R: int, E: int, generator: torch.Generator) -> torch.Tensor:
+    """[E] int64 end offsets of R rows grouped by expert (grouped_mm's offs) for one routing."""
+    if routing == "random":  # an eighth of the rows past the last offset: padding
+        counts = torch.bincount(torch.randint(0, E, (R - R // 8,), generator=generator), minlength=E)
+    elif routing == "idle" and E >= 3:  # the first and last expert get no row
+        counts = torch.bincount(torch.randint(1, E - 1, (R,), generator=generator), minlength=E)
+    elif routing == "crowded":  # every row on one expert
+        counts = torch.zeros(E, dtype=torch.int64)
+        counts[E // 2] = R
+    else:  # equal groups, the remainder past the last offset
+        counts = torch.full((E,), R // E, dtype=torch.int64)
+    return torch.cumsum(counts, 0)
 
 
 def _laid_out_as(node: fx.Node, value: torch.Tensor) -> torch.Tensor:

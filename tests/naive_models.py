@@ -898,3 +898,45 @@ class SortedGroupedMoE(Router):
                 h = F.silu(g) * u
             outs.append(h @ B(self.w2[e]))
         return torch.cat(outs, dim=0)
+
+
+class GroupedRowsExperts(nn.Module):
+    """Experts over rows already grouped by expert, as torchtitan's and torchtune's GroupedExperts
+    run after a dispatch that happened elsewhere (all-to-all, a padding wrapper): forward(rows,
+    num_rows_per_expert) with three (or two) `torch._grouped_mm` over the counts' offsets, no router.
+
+    gate_up: "separate" (w1, w3: silu(g) * u) or "fused" (w13 chunked in two)
+    orient: "out_in" (torchtitan: [E, n, d], transposed in the call) or "in_out" (torchtune: [E, d, n])
+    offsets: "dtype" (cumsum(counts, 0, dtype=int32)) or "cast" (counts.cumsum(0).to(int32))
+    casts: fp32 parameters cast to bf16 at each call and the output cast back (torchtitan 0.2.0)
+    """
+
+    def __init__(self, d=16, n=8, E=4, gate_up="separate", orient="out_in", offsets="dtype", casts=False):
+        super().__init__()
+        self.gate_up, self.orient, self.offsets, self.casts = gate_up, orient, offsets, casts
+        width = 2 * n if gate_up == "fused" else n
+
+        def stacked(rows, cols):
+            shape = (E, rows, cols) if orient == "out_in" else (E, cols, rows)
+            return nn.Parameter(torch.randn(*shape) / cols ** 0.5)
+
+        self.w1, self.w2 = stacked(width, d), stacked(d, n)
+        self.w3 = stacked(n, d) if gate_up == "separate" else None
+
+    def _mm(self, rows, w, offs):
+        w = w.bfloat16() if self.casts else w
+        return torch._grouped_mm(rows, w.transpose(-2, -1) if self.orient == "out_in" else w, offs=offs)
+
+    def forward(self, rows, counts):
+        if self.offsets == "dtype":
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        else:
+            offs = counts.cumsum(0).to(torch.int32)
+        x = rows.bfloat16() if self.casts else rows
+        if self.gate_up == "separate":
+            h = F.silu(self._mm(x, self.w1, offs)) * self._mm(x, self.w3, offs)
+        else:
+            g, u = self._mm(x, self.w1, offs).chunk(2, dim=-1)
+            h = F.silu(g) * u
+        out = self._mm(h, self.w2, offs)
+        return out.type_as(rows)

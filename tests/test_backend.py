@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_compiler.backend import inductor_patches, source_hash
-from moe_compiler.options import PATTERNS, SonicOptions, field_names, split_options
+from moe_compiler.options import DEFAULT_PATTERNS, SonicOptions, field_names, split_options
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -32,8 +32,8 @@ def test_option_validation(bad):
 
 
 def test_options_are_hashable_and_frozen():
-    opts = SonicOptions(patterns=",".join(PATTERNS))
-    assert hash(opts) == hash(SonicOptions()) and opts.patterns == PATTERNS
+    opts = SonicOptions(patterns=",".join(DEFAULT_PATTERNS))
+    assert hash(opts) == hash(SonicOptions()) and opts.patterns == DEFAULT_PATTERNS
     with pytest.raises(Exception):
         opts.debug = True
 

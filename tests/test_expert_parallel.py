@@ -6,7 +6,9 @@ reach its experts module as the sentinel E_local with weight 0 (transformers' al
 5.17's batched_mm, clamps them to expert E_local - 1). The rewrite must compute the same, on the
 device. `OneRankEP` is that rank's view, in one process; the plans themselves run in two gloo
 processes in `test_expert_parallel_plans` (tests/ep_plan_worker.py) and
-`test_ep_train_example_matches_one_process` (examples/ep_train.py under torchrun).
+`test_ep_train_example_matches_one_process` (examples/ep_train.py under torchrun). torchtitan's
+all-to-all form, where only the experts over the received rows are compiled, runs in
+`test_all_to_all_expert_parallel_runs_the_op_over_the_received_rows` (tests/a2a_ep_worker.py).
 """
 from __future__ import annotations
 
@@ -300,6 +302,32 @@ def test_expert_parallel_plans(tmp_path):
         assert all("slots dropped" in r for r in got["dropped"]), got
         assert got["logits_err"] < 1e-5 and got["loss_err"] < 1e-5, got
         assert got["expert_grads"] == 2 * LAYERS and got["grad_err"] < 1e-4 * got["grad_scale"], got
+
+
+def test_all_to_all_expert_parallel_runs_the_op_over_the_received_rows(tmp_path):
+    """Two gloo processes with torchtitan's form of expert parallelism (tests/a2a_ep_worker.py: each
+    rank's routed rows sent to their experts' rank by all_to_all, regrouped, the experts compiled on
+    their own with backend="sonic", rows marked dynamic): on each rank the experts are rewritten once
+    (`grouped_rows`; `sorted_grouped_mm` finds no router there and says so), a later step with
+    other counts runs one `sonic::` forward call and compiles nothing, and at every step the loss,
+    the input's gradient and the rank's experts' gradients are as close to a float32 one-process
+    run as the same EP step with eager experts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .a2a_ep_worker import RANKS, STEPS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "tests.a2a_ep_worker", str(tmp_path), str(_free_port())], cwd=root,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for rank in range(RANKS):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["rewritten"] == ["grouped_rows"] and got["rejected"] == ["sorted_grouped_mm"], got
+        assert got["calls"][-1] == 1, got
+        assert len(got["close"]) == STEPS * 5 and all(ok for _, _, ok, _ in got["close"]), got["close"]
 
 
 def test_ep_train_example_matches_one_process(tmp_path):

@@ -2,9 +2,9 @@
 value on every routing; each routing catches what only it exposes; the driver refuses a finder's
 wrong proposal.
 
-The regions here are written as plain functions over (x, ids, w, w1, w2), traced by Dynamo and
-handed to `verify` as matches, so that a mutation can sit anywhere, including where no finder
-looks.
+The regions here are written as plain functions over (x, ids, w, w1, w2), or (x, offs, w1, w2) for
+rows grouped upstream, traced by Dynamo and handed to `verify` as matches, so that a mutation can
+sit anywhere, including where no finder looks.
 """
 import pytest
 import torch
@@ -211,3 +211,64 @@ def test_bench_verify_smoke(tmp_path):
     rows = json.loads((tmp_path / "verify.json").read_text())["rows"]
     assert [(r["verify"], r["rewritten"]) for r in rows] == [(True, 1), (False, 1)]
     assert rows[0]["outcome"] == f"evaluated equal on {len(ROUTINGS)} routings" and rows[1]["outcome"] == "-"
+
+
+def grouped_rows(x, offs, w1, w2):
+    """The experts over rows grouped by expert (grouped_mm's offsets), as `grouped_rows` finds them."""
+    g, u = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs)
+
+
+def _group_sizes(offs):
+    return torch.diff(offs, prepend=torch.zeros_like(offs[:1]))
+
+
+GROUPED_MUTANTS = {  # name: (region, the offsets routing that must catch it)
+    "a padding row written": (lambda x, offs, w1, w2: grouped_rows(x, offs, w1, w2)
+                              + x * (torch.arange(x.shape[0]) >= offs[-1]).unsqueeze(1), "random"),
+    "wrong only when an expert is idle": (lambda x, offs, w1, w2: grouped_rows(x, offs, w1, w2)
+                                          + x * (_group_sizes(offs) == 0).any(), "idle"),
+    "wrong only when one expert takes every row": (lambda x, offs, w1, w2: grouped_rows(x, offs, w1, w2)
+                                                   + x * (_group_sizes(offs).max() == x.shape[0]), "crowded"),
+    "gate and up swapped": (lambda x, offs, w1, w2: _swapped(x, offs, w1, w2), "random"),
+}
+
+
+def _swapped(x, offs, w1, w2):
+    g, u = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(u) * g, w2.transpose(-2, -1), offs=offs)
+
+
+def traced_grouped_match(fn) -> MoEMatch:
+    """`fn` over (x, offs, w1, w2) traced by Dynamo in bf16 (grouped_mm traces in bf16 only on the
+    CPU), as a grouped-rows match: the offsets in place of the ids, no weights."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    R, dg, ng = 3 * T, 16, 8  # grouped_mm wants 16-byte strides
+    args = (torch.randn(R, dg, dtype=torch.bfloat16), torch.tensor([4, 9, 9, 20, 30], dtype=torch.int32),
+            torch.randn(E, 2 * ng, dg, dtype=torch.bfloat16), torch.randn(E, dg, ng, dtype=torch.bfloat16))
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    (gm,) = graphs
+    inputs = {node.name: node for node in gm.graph.nodes if node.op == "placeholder"}
+    x, offs, w1, w2 = (inputs[f"l_{name}_"] for name in ("x", "offs", "w1", "w2"))
+    anchor = next(node for node in gm.graph.nodes if node.op == "output").args[0]
+    anchor = anchor[0] if isinstance(anchor, (tuple, list)) else anchor
+    region = {node for node in gm.graph.nodes if node.op in ("call_function", "call_method")} - {anchor}
+    return MoEMatch(idiom="test", module="test", anchor=anchor, region=region, x=x, topk_ids=offs, topk_weights=None,
+                    w1=w1, w2=w2, shape={"T": R, "d": dg, "n": ng, "E": E, "K": 1}, dtype=torch.bfloat16,
+                    group_offsets=True)
+
+
+def test_experts_over_grouped_rows_verify():
+    assert verify(traced_grouped_match(grouped_rows)) == f"evaluated equal on {len(ROUTINGS)} routings"
+
+
+@pytest.mark.parametrize("name", list(GROUPED_MUTANTS))
+def test_grouped_rows_that_differ_in_one_place_are_refused_by_their_routing(name):
+    fn, routing = GROUPED_MUTANTS[name]
+    with pytest.raises(NoMatch, match=f"region differs: {routing} routing"):
+        verify(traced_grouped_match(fn))
