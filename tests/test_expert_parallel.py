@@ -278,24 +278,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_expert_parallel_plans(tmp_path):
-    """Two gloo processes under transformers' plan (`DistributedConfig(tp_size=2, ep_size=2)`):
-    each rank rewrites both MoE layers at inference (the all-reduce plan: other ranks' experts as
-    sentinels) and in training (the all-to-all plan), runs one `sonic::` forward call per layer, and
-    matches a one-process eager run: logits, loss, and its own experts' gradients."""
+def _worker_results(module: str, tmp_path, ranks: int) -> list[dict]:
+    """Run `python -m module OUT PORT` (it spawns the gloo ranks) and read each rank's JSON."""
     import json
     import os
     import subprocess
     import sys
 
-    from .ep_plan_worker import LAYERS, RANKS
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-m", "tests.ep_plan_worker", str(tmp_path), str(_free_port())], cwd=root,
+    run = subprocess.run([sys.executable, "-m", module, str(tmp_path), str(_free_port())], cwd=root,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
-    for rank in range(RANKS):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def test_expert_parallel_plans(tmp_path):
+    """Two gloo processes under transformers' plan (`DistributedConfig(tp_size=2, ep_size=2)`):
+    each rank rewrites both MoE layers at inference (the all-reduce plan: other ranks' experts as
+    sentinels) and in training (the all-to-all plan), runs one `sonic::` forward call per layer, and
+    matches a one-process eager run: logits, loss, and its own experts' gradients."""
+    from .ep_plan_worker import LAYERS, RANKS
+
+    for got in _worker_results("tests.ep_plan_worker", tmp_path, RANKS):
         assert (got["infer_rewritten"], got["infer_rejected"]) == (LAYERS, 0), got
         assert (got["train_rewritten"], got["train_rejected"]) == (LAYERS, 0), got
         assert got["infer_calls"] == got["train_calls"] == LAYERS, got
@@ -312,19 +316,9 @@ def test_all_to_all_expert_parallel_runs_the_op_over_the_received_rows(tmp_path)
     other counts runs one `sonic::` forward call and compiles nothing, and at every step the loss,
     the input's gradient and the rank's experts' gradients are as close to a float32 one-process
     run as the same EP step with eager experts."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from .a2a_ep_worker import RANKS, STEPS
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-m", "tests.a2a_ep_worker", str(tmp_path), str(_free_port())], cwd=root,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    for rank in range(RANKS):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for got in _worker_results("tests.a2a_ep_worker", tmp_path, RANKS):
         assert got["rewritten"] == ["grouped_rows"] and got["rejected"] == ["sorted_grouped_mm"], got
         assert got["calls"][-1] == 1, got
         assert len(got["close"]) == STEPS * 5 and all(ok for _, _, ok, _ in got["close"]), got["close"]
