@@ -219,6 +219,9 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
                     records.append(RegionRecord(graph_id, match.idiom, match.module, "rewritten", details=details))
                 if options.debug:
                     g.graph.lint()
+        if "grouped_rows" not in options.patterns:  # say where the opt-in idiom would take experts left here
+            records += [RegionRecord(graph_id, grouped_rows.IDIOM, m.module, "rejected", GROUPED_ROWS_HINT, hint=True)
+                        for g in graphs for m in _found_only(grouped_rows.find, g)]
         if not records:  # no idiom found a candidate: say why of each router that reaches expert weights
             records = [RegionRecord(graph_id, r.idiom, r.module, "rejected", r.reason)
                        for g in graphs for r in explain_unmatched(g)]
@@ -245,6 +248,19 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
                 r.hint = True
     publish(records)
     return records
+
+
+GROUPED_ROWS_HINT = ("experts over rows grouped by expert upstream (grouped_mm over offsets, no router in the "
+                     "graph): the opt-in grouped_rows idiom rewrites them, which is exact but slower than torch's "
+                     "grouped GEMM on the GPU; options={'sonic.patterns': moe_compiler.options.PATTERNS} turns it on")
+
+
+def _found_only(find, gm: fx.GraphModule) -> list[MoEMatch]:
+    """The structural matches of a finder (nothing verified, nothing rewritten); none if it raises."""
+    try:
+        return [m for m in find(gm) if isinstance(m, MoEMatch)]
+    except Exception:  # an explanation only: a finder's bug must not fail the compile
+        return []
 
 
 DDP_HINT = (" (under DistributedDataParallel Dynamo splits the graph at gradient-bucket boundaries, which can cut an "

@@ -156,14 +156,17 @@ def test_experts_of_a_layer_sorted_grouped_mm_leaves_alone(case):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_grouped_rows_is_opt_in():
-    """Without `sonic.patterns` naming it, rows grouped upstream keep torch's grouped GEMMs."""
+def test_grouped_rows_is_opt_in_and_the_report_says_how():
+    """Without `sonic.patterns` naming it, rows grouped upstream keep torch's grouped GEMMs, and the
+    report says which option would rewrite them (a warning)."""
     torch.manual_seed(0)
     model = GroupedRowsExperts(d=D, E=E).to(torch.bfloat16)
     x, counts = torch.randn(R, D, dtype=torch.bfloat16), torch.tensor(COUNTS["full"])
     with torch.no_grad(), moe_compiler.capture() as report:
         _compile(model)(x, counts)
-    assert not report.rewritten and IDIOM not in {r.idiom for r in report.records}, str(report)
+    assert not report.rewritten, str(report)
+    (hint,) = [r for r in report.rejected if r.idiom == IDIOM]
+    assert hint.hint and "opt-in grouped_rows" in hint.reason and "moe_compiler.options.PATTERNS" in hint.reason
 
 
 @pytest.mark.gpu
