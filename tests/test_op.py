@@ -173,6 +173,34 @@ def test_list_opcheck(layout, bias):
     torch.library.opcheck(moe_experts_list_op, (x, ids, w, gate, up, down, b1, b2, "swiglu", False, 1.702, 7.0, True))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_split_op_matches_the_reference_and_its_gradients_are_the_stacked_ones(transposed):
+    """`sonic::moe_experts_split`: gate and up as two stacked parameters ([E, n, d], or [E, d, n]
+    with `transposed`), the value and every gradient of the stacked op on their concatenation;
+    each stacked parameter's gradient comes back in its own layout."""
+    from moe_compiler.codegen.ops import moe_experts_split_op
+
+    x, ids, w, w1, w2, _, _ = make_inputs()
+    n = w2.shape[2]
+    gate, up = w1[:, :n].clone(), w1[:, n:].clone()
+    down = w2.clone()
+    if transposed:
+        gate, up, down = (t.transpose(1, 2).contiguous() for t in (gate, up, down))
+    leaves = [t.requires_grad_() for t in (x, w, gate, up, down)]
+    got = moe_experts_split_op(x, ids, w, gate, up, down, None, None, "swiglu", False, transposed, 1.702, 7.0, True)[0]
+    t = (lambda u: u.transpose(1, 2)) if transposed else (lambda u: u)
+    want = torch_moe_experts(x, ids, w, torch.cat((t(gate), t(up)), 1), t(down), None, None, activation="swiglu")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(got)
+    for name, a, b in zip(["x", "w", "gate", "up", "down"], torch.autograd.grad(got, leaves, grad),
+                          torch.autograd.grad(want, leaves, grad)):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+    x, w, gate, up, down = (t.detach().float().requires_grad_() for t in (x, w, gate, up, down))
+    torch.library.opcheck(moe_experts_split_op, (x, ids, w, gate, up, down, None, None, "swiglu", False, transposed,
+                                                 1.702, 7.0, True))
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda a: a["gate"].pop(), "need E > 0 tensors"),
     (lambda a: a.update(gate=a["gate"][:1] + [a["gate"][1][:, :5]] + a["gate"][2:]), "of one shape"),
