@@ -33,7 +33,8 @@ def measure(R, d, n, E):
     from moe_compiler.options import PATTERNS
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    w1, w3 = ((torch.randn(E, n, d, device="cuda", generator=g) / d ** 0.5).bfloat16().requires_grad_() for _ in range(2))
+    w1, w3 = ((torch.randn(E, n, d, device="cuda", generator=g) / d ** 0.5).bfloat16().requires_grad_()
+              for _ in range(2))
     w2 = (torch.randn(E, d, n, device="cuda", generator=g) / n ** 0.5).bfloat16().requires_grad_()
     x = torch.randn(R, d, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(R, d, device="cuda", generator=g, dtype=torch.bfloat16)

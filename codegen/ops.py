@@ -620,8 +620,9 @@ def _moe_experts_split_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_
                            w_down: Tensor, b1: Optional[Tensor], b2: Optional[Tensor], activation: str,
                            interleaved: bool, transposed: bool, alpha: float, limit: float, save_h: bool,
                            slot_token: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _moe_experts_list_fwd(x, topk_ids, topk_weights, *(_expert_views(w, transposed) for w in (w_gate, w_up, w_down)),
-                                 b1, b2, activation, interleaved, alpha, limit, save_h, slot_token)
+    views = (_expert_views(w, transposed) for w in (w_gate, w_up, w_down))
+    return _moe_experts_list_fwd(x, topk_ids, topk_weights, *views, b1, b2, activation, interleaved, alpha, limit,
+                                 save_h, slot_token)
 
 
 moe_experts_split_op = torch.library.custom_op("sonic::moe_experts_split", _moe_experts_split_fwd, mutates_args=())
@@ -630,8 +631,9 @@ moe_experts_split_op = torch.library.custom_op("sonic::moe_experts_split", _moe_
 @moe_experts_split_op.register_fake
 def _moe_experts_split_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, b1, b2, activation, interleaved,
                             transposed, alpha, limit, save_h, slot_token=None):
-    return _moe_experts_list_fake(x, topk_ids, topk_weights, *(_expert_views(w, transposed) for w in (w_gate, w_up, w_down)),
-                                  b1, b2, activation, interleaved, alpha, limit, save_h, slot_token)
+    views = (_expert_views(w, transposed) for w in (w_gate, w_up, w_down))
+    return _moe_experts_list_fake(x, topk_ids, topk_weights, *views, b1, b2, activation, interleaved, alpha, limit,
+                                  save_h, slot_token)
 
 
 register_nograd("moe_experts_split", _moe_experts_split_fwd, _moe_experts_split_fake)
