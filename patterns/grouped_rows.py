@@ -30,7 +30,6 @@ from .common import (
     RegionWalk,
     Rejection,
     arg,
-    dtype_of,
     expect,
     finish_match,
     is_call,
@@ -38,7 +37,7 @@ from .common import (
     shape_of,
 )
 from .hf_grouped_mm import grouped_calls
-from .sorted_grouped_mm import grouped_experts
+from .sorted_grouped_mm import grouped_experts, grouped_input
 
 IDIOM = "grouped_rows"
 
@@ -57,16 +56,11 @@ def _check(offs, calls: list[fx.Node]) -> MoEMatch:
     expect(isinstance(offs, fx.Node), "grouped_mm without offsets (a batched product) is not an experts layer")
     expect(len(calls) in (2, 3), f"expected two or three grouped_mm calls sharing offsets, found {len(calls)}")
     *ups, down = calls
-    expect(all(arg(c, 3, "bias") is None and arg(c, 4, "out_dtype") is None for c in calls),
-           "grouped_mm with a bias or an out_dtype is not matched")
+    expect(all(arg(c, 4, "out_dtype") is None for c in calls), "grouped_mm with an out_dtype is not matched")
     E = shape_of(offs)[0] if len(shape_of(offs) or ()) == 1 else None
-    expect(isinstance(E, int) and dtype_of(offs) is not None and not dtype_of(offs).is_floating_point,
-           "grouped_mm offsets are not a static [E] integer tensor")
+    expect(isinstance(E, int), "grouped_mm offsets are not a static [E] tensor")  # int32: finish_match
     walk = RegionWalk()
-    walk.mark(*calls)
-    rows = {walk.through(u.args[0]) for u in ups}
-    expect(len(rows) == 1, "the up projections read different rows")
-    (x,) = rows
+    x = grouped_input(calls, walk)
     expect(len(shape_of(x)) == 2, f"the grouped rows are {shape_of(x)}, not [R, d]")
     R, d = shape_of(x)
     w1, w_up, w2, transposed, act = grouped_experts(calls, walk)

@@ -194,6 +194,16 @@ def _weight_of(node, walk: RegionWalk) -> tuple[fx.Node, bool]:
     return walk.through(weight), transposed
 
 
+def grouped_input(calls: list[fx.Node], walk: RegionWalk) -> fx.Node:
+    """The rows every up projection of grouped_mm calls sharing offsets reads (no-op casts skipped),
+    none of the calls with a bias; the calls marked into `walk`."""
+    expect(all(arg(c, 3, "bias") is None for c in calls), "grouped_mm with bias is not matched")
+    walk.mark(*calls)
+    rows = {walk.through(u.args[0]) for u in calls[:-1]}
+    expect(len(rows) == 1, "the up projections read different rows")
+    return rows.pop()
+
+
 def grouped_experts(calls: list[fx.Node], walk: RegionWalk) -> tuple[fx.Node, fx.Node | None, fx.Node, bool, dict]:
     """(w1, w_up, w2, transposed, activation) of an up and a down grouped_mm (w1 gate and up
     together, w_up None) or two ups and a down (w1 the gate, w_up the up) sharing offsets, with the
@@ -224,12 +234,8 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     walk = RegionWalk()
     expect(len(calls) in (2, 3), f"expected two or three grouped_mm calls sharing offsets, found {len(calls)}")
     *ups, down = calls
-    expect(all(arg(c, 3, "bias") is None for c in calls), "grouped_mm with bias is not matched")
-    walk.mark(*calls)
+    rows = grouped_input(calls, walk)
     E, counted = _counts(offs, walk)
-    up_inputs = {walk.through(u.args[0]) for u in ups}
-    expect(len(up_inputs) == 1, "the up projections read different rows")
-    (rows,) = up_inputs
 
     # rows = x[perm // K], maybe scaled by the sorted weights first
     inner = through_float_casts(rows, walk)
