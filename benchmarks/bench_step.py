@@ -4,6 +4,7 @@ Inductor, side by side in one process.
 
     python benchmarks/bench_step.py --shapes 7b-256,qwen3,olmoe --rounds 2
     python benchmarks/bench_step.py --shapes tiny --device cpu --iters 3   # smoke (CPU: wall only)
+    python benchmarks/bench_step.py --shapes 4096x2048x768x128x8           # any (T, d, n, E, K)
 
 The block is transformers' `Qwen3MoeSparseMoeBlock` at each shape (T, d, n, E, K), bf16 (fp32 on
 the CPU), random weights, input [1, T, d]; a step drops the gradients, runs the block and
@@ -26,11 +27,11 @@ import statistics
 import torch
 
 from moe_compiler.benchmarking import (
-    SHAPES,
     add_common_args,
     command_line,
     print_table,
     resolve_shapes,
+    shape_dims,
     step_times,
     write_json,
 )
@@ -114,7 +115,7 @@ def main(argv=None):
     torch._dynamo.config.recompile_limit = 64
     rows, results = [], []
     for sname in shapes:
-        T, d, n, E, K = shape = SHAPES[sname]
+        T, d, n, E, K = shape = shape_dims(sname)
         block = build_block(shape, device, dtype, args.seed)
         g = torch.Generator(device=device).manual_seed(args.seed)
         x = torch.randn(1, T, d, generator=g, device=device, dtype=dtype)

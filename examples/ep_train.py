@@ -26,6 +26,8 @@ step and its largest relative difference from the one-process run, tokens/s per 
 tokens / step time / GPUs; median step after the first, slowest rank), peak memory per GPU,
 first-step (compile) time, graphs and graph breaks, MoE regions rewritten and sonic:: op calls
 per step on every rank. Rank 0 prints the tables and writes a JSON file and a PNG into --out.
+`--step-times` adds the host, GPU-busy and wall ms of one more fwd+bwd step (the slowest rank's),
+`--profile` rank 0's top kernels of one more step (every rank takes both extra steps).
 """
 from __future__ import annotations
 

@@ -45,7 +45,14 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from hf_train import _train_steps, add_training_args, build_model, resolve_training_args  # the same model and data
+from hf_train import (  # the same model, data and step measurements
+    _train_steps,
+    add_training_args,
+    build_model,
+    fwd_bwd_step_times,
+    profile_step,
+    resolve_training_args,
+)
 from torch.distributed.fsdp import fully_shard
 
 from moe_compiler.benchmarking import command_line, print_table, progress_printer, write_json
@@ -139,6 +146,10 @@ def run_steps(model, run, batches, args, label: str, progress, *, tokens: float,
         "moe_regions_rewritten": len(report.rewritten),
         "sonic_op_calls": calls,
     }
+    if args.step_times:  # every rank takes these steps: the collectives need them all
+        result.update(fwd_bwd_step_times(run, opt, batches[-1], args.device))
+    if args.profile:
+        profile_step(run, opt, batches[-1], label, show=dist.get_rank() == 0)
     del run, model, opt
     torch._dynamo.reset()  # drop the compiled layers before the next model is built
     gc.collect()
@@ -164,6 +175,9 @@ def summarize(provider: str, ranks: list[dict], reference: dict | None) -> dict:
         "peak_gib": [r["peak_gib"] for r in ranks],
         **{key: [r[key] for r in ranks] for key in ("graphs", "graph_breaks", "moe_regions_rewritten", "sonic_op_calls")},
     }
+    for key in ("step_host_ms", "step_busy_ms", "step_wall_ms"):  # --step-times: the slowest rank's
+        if key in ranks[0]:  # None on the CPU
+            out[key] = max((r[key] for r in ranks if r[key] is not None), default=None)
     if reference is not None:
         out["reference_losses"] = reference["losses"]
         out["reference_peak_gib"] = reference["peak_gib"]
@@ -176,17 +190,20 @@ def report(results: list[dict], args, world: int, label: str | None = None) -> N
     label = label or f"FSDP x{world}"
     base = next((r for r in results if r["provider"] == "eager"), results[0])
     inductor = next((r for r in results if r["provider"] == "inductor"), None)
+    step_cols = [c for c in ("step_host_ms", "step_busy_ms", "step_wall_ms") if c in results[0]]
     print_table(
         ["provider", "tokens/s per GPU", "step ms", f"x {base['provider']}", "x inductor", "peak GiB per GPU",
          "first step s", "graphs / breaks", "MoE regions rewritten per rank", "sonic::moe_experts calls per step",
-         "max rel loss diff vs 1 process"],
+         "max rel loss diff vs 1 process", *(c.replace("_", " ") for c in step_cols)],
         [[r["provider"], r["tokens_per_s_per_gpu"], r["step_ms"],
           r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
           r["tokens_per_s_per_gpu"] / inductor["tokens_per_s_per_gpu"] if inductor else None, max(r["peak_gib"]),
           r["first_step_s"], f"{max(r['graphs'])} / {max(r['graph_breaks'])}", str(r["moe_regions_rewritten"]),
-          str([c[SONIC_OPS[0]] for c in r["sonic_op_calls"]]), r.get("max_rel_loss_diff")] for r in results],
+          str([c[SONIC_OPS[0]] for c in r["sonic_op_calls"]]), r.get("max_rel_loss_diff"),
+          *(r.get(c) for c in step_cols)] for r in results],
         {"tokens/s per GPU": ".0f", "step ms": ".1f", f"x {base['provider']}": ".2f", "x inductor": ".2f",
-         "peak GiB per GPU": ".2f", "first step s": ".1f", "max rel loss diff vs 1 process": ".2e"})
+         "peak GiB per GPU": ".2f", "first step s": ".1f", "max rel loss diff vs 1 process": ".2e",
+         **{c.replace("_", " "): ".2f" for c in step_cols}})
     names = [(r["provider"], label, r["losses"]) for r in results]
     names += [(r["provider"], "1 process", r["reference_losses"]) for r in results if "reference_losses" in r]
     print_table(["step", *(f"{p} {how}" for p, how, _ in names)],

@@ -135,13 +135,16 @@ def fwd_bwd_step_times(run, opt, ids, device) -> dict:
     return dict(step_host_ms=host, step_busy_ms=busy, step_wall_ms=wall)
 
 
-def profile_step(run, opt, ids, provider: str, rows: int = 15) -> None:
-    """One more step under the profiler: where the time goes, by kernel (GPU) or op (CPU)."""
+def profile_step(run, opt, ids, provider: str, rows: int = 15, show: bool = True) -> None:
+    """One more step under the profiler: where the time goes, by kernel (GPU) or op (CPU), printed
+    where `show` (every rank of a distributed run takes the step; one prints it)."""
     with torch.profiler.profile() as prof:
         run(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(str(ids.device.type))
+    if not show:
+        return
     key = "cuda_time_total" if ids.is_cuda else "cpu_time_total"
     print(f"\n{provider}: one step by {key}\n"
           + prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70))
@@ -179,6 +182,9 @@ def add_training_args(parser, *, out: str, batch_help: str) -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--sonic-compiler", default="inductor", help="sonic.compiler (aot_eager for quick CPU runs)")
+    parser.add_argument("--profile", action="store_true", help="print each provider's top kernels for one more step (rank 0's)")
+    parser.add_argument("--step-times", action="store_true",
+                        help="also report host ms, GPU-busy ms and wall ms of one more fwd+bwd step, launched normally")
 
 
 def resolve_training_args(parser, args, *, tiny_batch: int) -> tuple[list[str], list[torch.Tensor]]:
@@ -201,9 +207,6 @@ def main(argv=None):
     add_training_args(parser, out="hf_train", batch_help="default: 8 real, 2 tiny")
     parser.add_argument("--token-rounding", default=None, choices=("nearest", "up", "down"),
                         help="sonic.token_rounding for the sonic provider (default: plain top-k)")
-    parser.add_argument("--profile", action="store_true", help="print each provider's top kernels for one more step")
-    parser.add_argument("--step-times", action="store_true",
-                        help="also report host ms, GPU-busy ms and wall ms of one more fwd+bwd step, launched normally")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="model.gradient_checkpointing_enable() for every provider (recompute each layer in the backward)")
     args = parser.parse_args(argv)

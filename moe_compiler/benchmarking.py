@@ -455,11 +455,25 @@ def comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def _spelled_dims(name: str) -> tuple[int, ...] | None:
+    """(T, d, n, E, K) from a name spelled "TxdxnxExK" (4096x2048x768x128x8), else None."""
+    parts = name.split("x")
+    if len(parts) == 5 and all(p.isdigit() and int(p) > 0 for p in parts):
+        return tuple(int(p) for p in parts)
+    return None
+
+
+def shape_dims(name: str) -> tuple[int, ...]:
+    """(T, d, n, E, K) of a `SHAPES` name or of one spelled "TxdxnxExK"."""
+    return _spelled_dims(name) or SHAPES[name]
+
+
 def resolve_shapes(names: Iterable[str], table: Mapping = SHAPES, groups: Mapping | None = None) -> list[str]:
-    """Shape names, group names expanded (`SHAPE_GROUPS` for `SHAPES`); ValueError on an unknown one."""
+    """Shape names, group names expanded (`SHAPE_GROUPS` for `SHAPES`); ValueError on an unknown one.
+    With `SHAPES` a shape may also be spelled "TxdxnxExK" (read by `shape_dims`)."""
     groups = SHAPE_GROUPS if groups is None and table is SHAPES else groups or {}
     out = [shape for name in names for shape in groups.get(name, [name])]
-    unknown = [shape for shape in out if shape not in table]
+    unknown = [shape for shape in out if shape not in table and not (table is SHAPES and _spelled_dims(shape))]
     if unknown:
         raise ValueError(f"unknown shape {unknown[0]!r}; choose from {sorted(table)}"
                          + (f" or {sorted(groups)}" if groups else ""))

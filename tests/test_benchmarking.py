@@ -181,6 +181,17 @@ def test_resolve_shapes_expands_groups_and_rejects_unknown_names():
         assert 0 < K <= E and T * K > 0 and d > 0 and n > 0
 
 
+def test_a_shape_may_be_spelled_by_its_dims():
+    assert bm.resolve_shapes(["4096x2048x768x128x8", "qwen3"]) == ["4096x2048x768x128x8", "qwen3"]
+    assert bm.shape_dims("4096x2048x768x128x8") == (4096, 2048, 768, 128, 8)
+    assert bm.shape_dims("qwen3") == bm.SHAPES["qwen3"]
+    for bad in ("4096x2048x768x128", "4096x2048x768x128x0", "4096x2048x768x128xk"):
+        with pytest.raises(ValueError, match="unknown shape"):
+            bm.resolve_shapes([bad])
+    with pytest.raises(ValueError, match="unknown shape"):  # only SHAPES' resolver reads dims
+        bm.resolve_shapes(["4x4x4x4x1"], {"x": (1, 2, 3, 4, 1)})
+
+
 def test_import_is_cheap_and_changes_no_global_setting():
     """Imported on its own (after moe_compiler), the module pulls in neither matplotlib, tqdm nor
     transformers, and leaves torch's global settings as they were."""

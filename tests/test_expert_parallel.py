@@ -327,7 +327,8 @@ def test_all_to_all_expert_parallel_runs_the_op_over_the_received_rows(tmp_path)
 def test_ep_train_example_matches_one_process(tmp_path):
     """examples/ep_train.py under torchrun (2 gloo processes, tiny Qwen3-MoE, fp32): every rank
     rewrites its experts, runs the op and its backward once per layer per step, and the losses equal
-    one process's on the same batches while training moves them."""
+    one process's on the same batches while training moves them; --profile and --step-times take
+    their extra steps on every rank (a rank that skipped one would hang the other's collectives)."""
     import json
     import pathlib
     import subprocess
@@ -340,10 +341,12 @@ def test_ep_train_example_matches_one_process(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(root / "examples" / "ep_train.py"), "--device", "cpu", "--model", "qwen3_moe", "--scale", "tiny",
            "--layers", str(layers), "--steps", str(steps), "--batch", "4", "--lr", "5", "--providers", "sonic",
-           "--sonic-compiler", "aot_eager", "--out", str(tmp_path)]
+           "--sonic-compiler", "aot_eager", "--profile", "--step-times", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.count("sonic EP x2: one step by cpu_time_total") == 1, proc.stdout[-4000:]
     (sonic,) = json.loads((tmp_path / "qwen3_moe_tiny_ep2.json").read_text())["results"]
+    assert sonic["step_wall_ms"] > 0, sonic
     assert all(n >= 1 for n in sonic["moe_regions_rewritten"]), sonic["moe_regions_rewritten"]
     for calls in sonic["sonic_op_calls"]:
         assert calls == {"sonic::moe_experts": layers, "sonic::moe_experts_backward": layers}, calls
