@@ -26,6 +26,7 @@ GATED = {
     # soft caps alpha (gate) and limit (up): alpha tanh(g / alpha) * sigmoid(g) * limit tanh(u / limit)   (Inkling2)
     "swiglu_softcap": True,
     "relu": False,  # relu(h)                                          (Switch Transformer, T5)
+    "gelu_tanh": False,  # gelu_tanh(h)                                  (GPT-2-style MLPs)
 }
 ACTIVATIONS = tuple(GATED)
 
@@ -81,7 +82,7 @@ def _unary_and_grad(name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         return _silu_and_grad(x)
     if name in ("geglu", "gelu"):
         return _gelu_erf_and_grad(x)
-    if name == "geglu_tanh":
+    if name in ("geglu_tanh", "gelu_tanh"):
         return _gelu_tanh_and_grad(x)
     if name == "relu2":
         r = torch.relu(x)

@@ -339,6 +339,7 @@ def _differentiable_activation(h: torch.Tensor, activation: str, flags: dict) ->
         "geglu": F.gelu,
         "gelu": F.gelu,
         "geglu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
         "relu2": lambda t: torch.relu(t) ** 2,
         "relu": torch.relu,
     }

@@ -13,6 +13,7 @@ order of `codegen.activations.ACTIVATIONS`):
     7 swiglu_clamp  silu(g') * u',  g' = min(g, limit), u' = clamp(u, +-limit)   (DeepSeek-V4)
     8 swiglu_softcap  alpha tanh(g / alpha) * sigmoid(g) * limit tanh(u / limit)   (Inkling2)
     9 relu        relu(h)             (non-gated; no gradient at 0, as torch's)
+    10 gelu_tanh  gelu_tanh(h)        (non-gated)
     15 identity   h               (internal: lets the up-projection kernel serve as a plain gathered GEMM)
 
 Everything here is float32 math on float32 tiles; the callers upcast H and downcast the results.
@@ -94,6 +95,8 @@ def _act_fwd(g, u, alpha, limit, ACTIVATION: tl.constexpr):
         a = alpha * _tanh(g / alpha) * tl.sigmoid(g) * (limit * _tanh(u / limit))
     elif ACTIVATION == 9:
         a = tl.maximum(g, 0.0)
+    elif ACTIVATION == 10:
+        a = _unary_fwd(g, 2)
     else:
         a = g
     return a
@@ -150,6 +153,8 @@ def _act_bwd(g, u, da, alpha, limit, ACTIVATION: tl.constexpr):
         elif ACTIVATION == 9:
             a = tl.maximum(g, 0.0)
             dact = tl.where(g > 0.0, 1.0, 0.0)
+        elif ACTIVATION == 10:
+            a, dact = _unary_fwd_and_grad(g, 2)
         else:
             a, dact = _unary_fwd_and_grad(g, 0)
         dg = da * dact
