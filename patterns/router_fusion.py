@@ -410,6 +410,10 @@ class _Walk:
                    f"the top-k ranks {_describe(choice)}, not the scores plus a bias")
             a, b = choice.args
             bias = b if a is scores else a if b is scores else None
+            row = _row_of(bias)
+            if row is not None and shape_of(row) == shape_of(scores)[1:]:
+                self.take(bias)
+                bias = row  # bias.unsqueeze(0) (DeepSeek-V3's spelling): the same [E] vector on every row
             expect(isinstance(bias, fx.Node) and shape_of(bias) == shape_of(scores)[1:],
                    "the top-k ranks the scores plus something that is not an [E] bias")
             expect(dtype_of(choice) == dtype_of(scores), f"the bias ({dtype_of(bias)}) promotes the scores' dtype")
@@ -507,6 +511,22 @@ def _dead_readers(region: set[fx.Node]) -> set[fx.Node]:
             is_dead(user)
     return dead
 
+
+def _row_of(node) -> fx.Node | None:
+    """v when `node` is an [E] vector v made a [1, E] row: `v.unsqueeze(0)`, `v[None]`,
+    `v[None, :]`, `v.view(1, -1)` or `v.reshape(1, -1)`."""
+    if not isinstance(node, fx.Node) or not isinstance(node.args[0] if node.args else None, fx.Node):
+        return None
+    v = node.args[0]
+    if len(shape_of(v) or ()) != 1:
+        return None
+    if is_call(node, "unsqueeze") and len(node.args) == 2 and node.args[1] == 0 and not node.kwargs:
+        return v
+    if node.op == "call_function" and node.target is operator.getitem and node.args[1] in ((None,), None, (None, slice(None))):
+        return v
+    if is_call(node, "view", "reshape") and node.args[1:] in ((1, -1), ((1, -1),), (1, shape_of(v)[0]), ((1, shape_of(v)[0]),)):
+        return v
+    return None
 
 def _describe(node) -> str:
     if not isinstance(node, fx.Node):

@@ -597,13 +597,21 @@ def test_token_rounding_keeps_the_router():
 # --- DeepSeek-style group routers written differently --------------------------------------------------
 
 
-def _deepseek_forward(group_score="top2", fill=float("-inf")):
-    """DeepseekV3TopkRouter.forward with the group score and the mask fill as knobs."""
+def _deepseek_forward(group_score="top2", fill=float("-inf"), bias_row=None):
+    """DeepseekV3TopkRouter.forward with the group score, the mask fill and the bias's spelling as
+    knobs (bias_row: "unsqueeze", "none_index" or "view" make the [E] bias a [1, E] row first)."""
     def forward(self, hidden_states):
         hidden_states = hidden_states.view(-1, self.hidden_dim)
         router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
         scores = router_logits.sigmoid()
-        choice = scores + self.e_score_correction_bias
+        bias = self.e_score_correction_bias
+        if bias_row == "unsqueeze":
+            bias = bias.unsqueeze(0)
+        elif bias_row == "none_index":
+            bias = bias[None, :]
+        elif bias_row == "view":
+            bias = bias.view(1, -1)
+        choice = scores + bias
         grouped = choice.view(-1, self.num_group, self.num_experts // self.num_group)
         if group_score == "top2":
             group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
@@ -637,6 +645,13 @@ def test_group_router_fill_zero_fused():
     """Older DeepSeek code fills masked experts with 0.0: fused with fill=0.0 (a bias keeps the
     choices apart, so no tie decides the result)."""
     _check_fused(_deepseek_with(_deepseek_forward(fill=0.0)), "group-top1/2->topk->gather->renorm->scale, fused")
+
+
+@pytest.mark.parametrize("bias_row", ["unsqueeze", "none_index", "view"])
+def test_group_router_with_its_bias_as_a_row_fused(bias_row):
+    """`scores + bias.unsqueeze(0)` (DeepSeek-V3's reference code) is the [E] bias added to every row."""
+    _check_fused(_deepseek_with(_deepseek_forward(bias_row=bias_row)),
+                 "sigmoid+bias->group-top1/2->topk->gather->renorm->scale, fused")
 
 
 @pytest.mark.parametrize("group_score", ["top3", "max"])
