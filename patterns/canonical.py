@@ -14,6 +14,15 @@ Rules (eager spelling -> canonical form):
         # a library's own op (torchtitan's deterministic_scatter_add) whose value and gradients
         # equal the torch function's on probes (`canonical_opaque`); put back where no region takes it
 
+    p = torch.nonzero(m); p[:, 0], p[:, 1]        ->  torch.where(m)[0], torch.where(m)[1]
+        # when every use of p is a constant column (or p.unbind(1); of a 1-D mask p.squeeze(-1)):
+        # the same indices, same order
+    v[m], v[m] = u                                ->  v[torch.where(m)], v[torch.where(m)] = u
+        # m a boolean mask of two or more of v's leading dims (w[ids == e]): the same elements in
+        # the same order; one torch.where(m) per mask, shared with the code's own
+    out.index_put_((tok,), v, accumulate=True)    ->  out.index_add_(0, tok, v)
+    out.scatter_add_(0, tok[:, None].expand(-1, d), v)  ->  out.index_add_(0, tok, v)
+        # rows added into rows: tok 1-D integer, v exactly the rows' shape (functional forms too)
     m = ids.unsqueeze(-1) == torch.arange(E)      ->  m = F.one_hot(ids, E)
         # [T, K, E] masks (litgpt's LLaMAMoE), when ids are top-k/max indices over E scores (so in
         # [0, E), where one_hot is defined) and every use of m reads only where it is nonzero:
@@ -54,11 +63,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .canonical_opaque import opaque_op_to_torch
+from .canonical_opaque import ORIGINAL, opaque_op_to_torch
 from .canonical_products import (broadcast_matmul_to_bmm, einsum_to_bmm, einsum_weighted_sum_to_product,
                                  split_loop_to_grouped_mm)
-from .common import (ZEROS, arg, dtype_of, example_value, getitem_of, insert_call, is_call, op_name, shape_of,
-                     storage_of, writes_in_place)
+from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, getitem_of, insert_call, is_call, op_name,
+                     same_shape, same_size, shape_of, storage_of, writes_in_place)
 
 
 def canonicalize(gm: fx.GraphModule) -> list[str]:
@@ -87,6 +96,116 @@ def _erase_if_dead(graph: fx.Graph, node: fx.Node, order: dict) -> None:
         graph.erase_node(node)
         order.pop(node, None)
         todo += inputs
+
+
+# --- index pairs of a mask, by columns of nonzero ---------------------------------------------
+
+def nonzero_columns_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`p = torch.nonzero(m)` (or `m.nonzero()`, `torch.argwhere(m)`) read only as columns `p[:, c]`
+    -> `torch.where(m)[c]`: the same int64 indices in the same (row-major) order. Every use must be
+    a constant column (`p[:, c]`, `p.unbind(1)`; for a 1-D mask also `p.squeeze(-1)`, `p.view(-1)`,
+    `p.flatten()`), or Dynamo's read of the row count, so no reader sees the [N, D] matrix itself."""
+    if not is_call(node, "nonzero", "argwhere") or arg(node, 1, "as_tuple", False) is not False:
+        return None
+    if node.kwargs.keys() - {"as_tuple"} or len(node.args) != 1:
+        return None
+    mask, value = node.args[0], example_value(node)
+    ndim = len(shape_of(mask) or ())
+    if not isinstance(mask, fx.Node) or not isinstance(value, torch.Tensor) or ndim < 1 or not node.users:
+        return None
+    columns = []  # (user, column index) or (unbind user, None)
+    for user in node.users:
+        index = user.args[1] if user.op == "call_function" and user.target is operator.getitem else None
+        if (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and isinstance(index[1], int)
+                and not isinstance(index[1], bool) and -ndim <= index[1] < ndim and user.args[0] is node):
+            columns.append((user, index[1] % ndim))
+        elif is_call(user, "unbind") and arg(user, 1, "dim", 0) in (1, -1) and len(user.args) <= 2 and user.args[0] is node:
+            columns.append((user, None))
+        elif ndim == 1 and user.args[0] is node and (
+                (is_call(user, "squeeze") and user.args[1:] in ((), (-1,), (1,)) and not user.kwargs)
+                or (is_call(user, "view", "reshape") and user.args[1:] in ((-1,), ((-1,),)))
+                or (is_call(user, "flatten") and len(user.args) == 1 and not user.kwargs)):
+            columns.append((user, 0))  # the indices of a 1-D mask as one vector
+        elif user.target is torch.ops.aten.sym_size.int and user.args[1:] == (0,):  # Dynamo's checks of the count
+            columns.append((user, "count"))
+        else:
+            return None
+    where = insert_call(gm, node, torch.where, (mask,))
+    fake_mode = fake_mode_of(gm)
+    if fake_mode is not None:  # the columns keep nonzero's row count (its symbol), as the readers have it
+        with fake_mode:
+            where.meta["example_value"] = tuple(value.unbind(1))
+    for user, c in columns:
+        if c == "count":
+            first = insert_call(gm, user, operator.getitem, (where, 0))
+            twin = insert_call(gm, user, torch.ops.aten.sym_size.int, (first, 0))
+        else:
+            twin = where if c is None else insert_call(gm, user, operator.getitem, (where, c))
+        user.replace_all_uses_with(twin)
+        _erase_if_dead(gm.graph, user, order)
+    return f"{node.name} -> where({mask.name})"
+
+
+# --- selection by a boolean mask -----------------------------------------------------------------
+
+def boolean_index_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`v[m]` (read; also `v[m, None]`) or `v[m] = u` (write) with m a boolean mask of two or more of
+    v's leading dims (`w[ids == e]`: an expert's weights) -> `v[i0, i1, ..]` with `(i0, i1, ..) =
+    torch.where(m)`: both select the elements where m is True in row-major order. An existing
+    `torch.where(m)` before `node` is reused, so the rows and the weights of one expert share it."""
+    setitem = node.op == "call_function" and op_name(node.target) == "setitem" and len(node.args) == 3
+    getitem = node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2
+    if not (setitem or getitem):
+        return None
+    v, m = node.args[0], node.args[1]
+    rest = ()
+    if isinstance(m, tuple) and m and all(r is None or r == slice(None) for r in m[1:]):
+        m, rest = m[0], m[1:]  # v[m, None], v[m, :]: the mask, then new or whole dims
+    if not isinstance(m, fx.Node) or dtype_of(m) != torch.bool or not isinstance(example_value(v), torch.Tensor):
+        return None
+    mask_shape, shape = shape_of(m) or (), shape_of(v) or ()
+    if len(mask_shape) < 2 or not same_shape(mask_shape, shape[:len(mask_shape)]):
+        return None  # (1-D masks stay: the loop finders read `x[m]`, `out[m] = y` as they are)
+    where = next((u for twin in _equal_masks(m) for u in twin.users if is_call(u, "where") and len(u.args) == 1
+                  and not u.kwargs and order.get(u, len(order)) < order[node]), None)
+    if where is None:
+        where = insert_call(gm, node, torch.where, (m,))
+        order[where] = order[node] - 0.5  # before node: later selections by m reuse it
+    index = []
+    for i in range(len(mask_shape)):
+        got = next((u for u in where.users if u.op == "call_function" and u.target is operator.getitem
+                    and u.args[1] == i and order.get(u, len(order)) < order[node]), None)
+        if got is None:
+            got = insert_call(gm, node, operator.getitem, (where, i))
+            order[got] = order[node] - 0.25
+        index.append(got)
+    index = index[0] if len(index) == 1 and not rest else (*index, *rest)
+    if setitem:
+        twin = insert_call(gm, node, operator.setitem, (v, index, node.args[2]))
+        twin.meta.pop("example_value", None)
+    else:
+        twin = insert_call(gm, node, operator.getitem, (v, index))
+    node.replace_all_uses_with(twin)
+    order[twin] = order[node]
+    if setitem:  # an effect: erased here, where _erase_if_dead would keep it
+        order.pop(node)
+        gm.graph.erase_node(node)
+    return f"{node.name} -> {v.name}[where({m.name})]"
+
+
+_COMPARISONS = ("eq", "__eq__", "ne", "__ne__", "lt", "__lt__", "le", "__le__", "gt", "__gt__", "ge", "__ge__")
+
+
+def _equal_masks(m: fx.Node) -> list[fx.Node]:
+    """m, then the other comparisons of the same tensor with the same constants (`ids == e` spelled
+    twice), when nothing writes into that tensor in place."""
+    found = [m]
+    if is_call(m, *_COMPARISONS) and len(m.args) == 2 and not m.kwargs and isinstance(m.args[0], fx.Node):
+        src = m.args[0]
+        if not any(writes_in_place(u) and u.args[0] is src for u in src.users):
+            found += [u for u in src.users if u is not m and u.op == m.op and u.target == m.target
+                      and u.args == m.args and not u.kwargs]
+    return found
 
 
 # --- masks compared against arange ------------------------------------------------------------
@@ -253,6 +372,94 @@ def zeros_plus_value_to_value(gm: fx.GraphModule, node: fx.Node, order: dict) ->
     return None
 
 
+# --- rows added into rows: index_put(accumulate=True) and row-broadcast scatter_add -------------
+
+def index_put_accumulate_to_index_add(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`out.index_put_((tok,), v, accumulate=True)` (or `index_put`) -> `out.index_add_(0, tok, v)`
+    (`index_add`): both add row i of v into row tok[i] of out, repeated rows summed, when tok is one
+    1-D integer index tensor and v has exactly the rows' shape (no broadcast)."""
+    if not is_call(node, "index_put", "index_put_") or node.op != "call_method":
+        return None
+    if node.kwargs.keys() - {"accumulate"} or len(node.args) not in (3, 4):
+        return None
+    out, indices, v = node.args[:3]
+    accumulate = node.args[3] if len(node.args) == 4 else node.kwargs.get("accumulate", False)
+    if accumulate is not True or not isinstance(indices, (tuple, list)) or len(indices) != 1:
+        return None
+    tok = indices[0]
+    if not _row_indices(tok) or not isinstance(v, fx.Node) or not isinstance(out, fx.Node):
+        return None
+    if not same_shape(shape_of(v), (shape_of(tok)[0], *shape_of(out)[1:])) or dtype_of(v) != dtype_of(out):
+        return None
+    name = "index_add_" if node.target == "index_put_" else "index_add"
+    _replace_by_method(gm, node, name, (out, 0, tok, v), order)
+    return f"{node.name} -> {name}(0, {tok.name})"
+
+
+def row_scatter_add_to_index_add(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`out.scatter_add_(0, idx, v)` (or `scatter_add`, `torch.scatter_add`) with idx = tok's values
+    repeated along each row (`tok[:, None].expand(-1, d)`, `tok.unsqueeze(-1).expand_as(v)`,
+    `tok.view(-1, 1).repeat(1, d)`...) -> `out.index_add_(0, tok, v)`: idx[i, j] = tok[i] for every
+    j, so both add row i of v into row tok[i] of out. out and v are 2-D with equal rows widths."""
+    if not is_call(node, "scatter_add", "scatter_add_") or node.kwargs or len(node.args) != 4:
+        return None
+    out, dim, idx, v = node.args
+    if not all(isinstance(t, fx.Node) for t in (out, idx, v)) or dim not in (0, -2):
+        return None
+    if ORIGINAL in node.meta:  # a library op's stand-in, put back as it was where no region takes it
+        return None
+    tok = _row_broadcast_of(idx)
+    if tok is None or len(shape_of(out)) != 2 or not same_shape(shape_of(idx), shape_of(v)):
+        return None
+    if not same_shape(shape_of(v), (shape_of(tok)[0], shape_of(out)[1])) or dtype_of(v) != dtype_of(out):
+        return None
+    name = "index_add_" if is_call(node, "scatter_add_") else "index_add"
+    _replace_by_method(gm, node, name, (out, 0, tok, v), order)
+    return f"{node.name} -> {name}(0, {tok.name})"
+
+
+def _row_indices(tok) -> bool:
+    """A 1-D integer (not boolean) tensor node."""
+    dtype = dtype_of(tok)
+    return (isinstance(tok, fx.Node) and len(shape_of(tok) or ()) == 1 and dtype is not None
+            and not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool)
+
+
+def _row_broadcast_of(idx: fx.Node) -> fx.Node | None:
+    """tok when `idx` [N, d] holds tok[i] in every column of row i: tok [N] made a column (`tok[:, None]`,
+    `unsqueeze(-1|1)`, `view/reshape(-1|N, 1)`), then widened (`expand(-1|N, d)`, `expand_as`,
+    `repeat(1, d)`)."""
+    if is_call(idx, "expand", "expand_as", "repeat") and isinstance(idx.args[0], fx.Node):
+        if is_call(idx, "repeat"):
+            reps = idx.args[1] if len(idx.args) == 2 and isinstance(idx.args[1], (tuple, list)) else idx.args[1:]
+            if tuple(reps)[:1] != (1,) or len(reps) != 2:
+                return None
+        column = idx.args[0]
+        if len(shape_of(column) or ()) != 2 or not same_size(shape_of(column)[1], 1):
+            return None
+        if is_call(column, "unsqueeze") and arg(column, 1, "dim") in (-1, 1):
+            tok = column.args[0]
+        elif getitem_of(column, (slice(None), None)) is not None:
+            tok = column.args[0]
+        elif is_call(column, "view", "reshape") and len(column.args) >= 2:
+            tok = column.args[0]
+        else:
+            return None
+        return tok if _row_indices(tok) and same_size(shape_of(tok)[0], shape_of(idx)[0]) else None
+    return None
+
+
+def _replace_by_method(gm: fx.GraphModule, node: fx.Node, name: str, args: tuple, order: dict) -> None:
+    """Put `args[0].<name>(*args[1:])` in node's place (its value and readers), and drop node."""
+    with gm.graph.inserting_before(node):
+        twin = gm.graph.call_method(name, args)
+    twin.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace")})
+    node.replace_all_uses_with(twin)
+    order[twin] = order[node]
+    order.pop(node)
+    gm.graph.erase_node(node)
+
+
 def scatter_reduce_sum_to_scatter_add(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`out.scatter_reduce(dim, index, src, "sum")` -> `torch.scatter_add(out, dim, index, src)`: the
     same sums (include_self=True, the default; with include_self=False only into a fresh zeros, whose
@@ -365,7 +572,7 @@ def scatter_unsort_to_gather(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
     if not is_call(sort, "sort") or len(shape_of(perm)) != 1 or not shape_of(y):
         return None
     N = shape_of(perm)[0]
-    if not (isinstance(N, int) and shape_of(y)[0] == N):
+    if not (isinstance(N, int) and same_size(shape_of(y)[0], N)):
         return None
     if [u for u in out.users if u is not node and order.get(u, len(order)) < order[node]]:
         return None  # out is read before it is written
@@ -474,8 +681,10 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
     return True
 
 
-RULES = [opaque_op_to_torch, merge_duplicate_reads, arange_mask_to_one_hot, masked_weight_to_gate_column,
+RULES = [opaque_op_to_torch, merge_duplicate_reads, nonzero_columns_to_where, boolean_index_to_where,
+         arange_mask_to_one_hot, masked_weight_to_gate_column,
          column_then_none_to_one_index, zeros_plus_value_to_value, scatter_reduce_sum_to_scatter_add,
+         index_put_accumulate_to_index_add, row_scatter_add_to_index_add,
          mask_count_to_counts, cast_cumsum_to_dtype,
          argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, einsum_to_bmm, einsum_weighted_sum_to_product, broadcast_matmul_to_bmm,

@@ -437,9 +437,14 @@ def same_size(a: Any, b: Any) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     try:
-        return bool(torch.sym_eq(a, b)) if hasattr(torch, "sym_eq") else a == b
+        return bool(a == b)
     except Exception:  # an unprovable symbolic comparison is "not equal"
         return False
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Two shapes (tuples of sizes) provably equal (`same_size` of each pair)."""
+    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
 def backward_slice(outputs: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:

@@ -74,6 +74,7 @@ class Slice:
     base: fx.Node  # W, a graph input
     index: int  # e
     transposed: bool  # read as [in, out] (`rows @ W[e]`), not [out, in] (`F.linear(rows, W[e])`, `rows @ W[e].T`)
+    part: bool = False  # a range of W[e]'s rows (`W[e, :n]`, `W[e][n:]`: a fused gate_up read in halves)
 
 
 @dataclasses.dataclass
@@ -140,14 +141,14 @@ def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, f
             walk.mark(weight)
             weight, transposed = inner, not transposed
         found = _slice_of(weight)
-        expect(found is not None, f"{what} weight is neither a parameter of the expert nor a slice W[e] of a stacked [E, ., .] parameter")
+        expect(found is not None, f"{what} weight is neither a parameter of the expert nor a slice W[e] (or rows W[e, a:b]) of a stacked [E, ., .] parameter")
         walk.mark(weight)
         if bias is not None:
             found_bias = _slice_of(bias, dims=2)
             expect(found_bias is not None and found_bias[1] == found[1],
                    f"{what} bias is not the slice B[{found[1]}] of a stacked [E, out] parameter, as its weight is of {found[0].name}")
             walk.mark(bias)
-        return inp, weight, Slice(found[0], found[1], transposed), bias
+        return inp, weight, Slice(found[0], found[1], transposed, found[2]), bias
     expect(not transposed, f"{what} multiplies by a parameter that is not a slice W[e] of stacked experts")
     expect(is_weight(weight) and len(shape_of(weight)) == 2, f"{what} weight is not a parameter of the expert")
     expect(bias is None or (is_weight(bias) and len(shape_of(bias)) == 1), f"{what} bias is not a 1-D parameter of the expert")
@@ -176,15 +177,31 @@ def _transposed_2d(node) -> fx.Node | None:
     return None
 
 
-def _slice_of(node, dims: int = 3) -> tuple[fx.Node, int] | None:
-    """(W, e) when `node` is `W[e]`: a constant integer index into dim 0 of a graph input W of
-    `dims` dimensions (3 for weights, 2 for biases)."""
+def _slice_of(node, dims: int = 3) -> tuple[fx.Node, int, bool] | None:
+    """(W, e, part) when `node` is `W[e]`: a constant integer index into dim 0 of a graph input W of
+    `dims` dimensions (3 for weights, 2 for biases); or, with part True, a constant range of W[e]'s
+    first dim, `W[e, a:b]` or `W[e][a:b]` (a fused gate_up parameter read in halves)."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
         return None
     base, index = node.args
+    part = False
+    if isinstance(index, tuple) and len(index) == 2 and _constant_range(index[1]):
+        index, part = index[0], True  # W[e, a:b]
+    elif _constant_range(index) and _is_getitem(base):
+        base, index, part = base.args[0], base.args[1], True  # W[e][a:b]
     if not is_weight(base) or len(shape_of(base)) != dims or not isinstance(index, int) or isinstance(index, bool):
         return None
-    return base, index
+    return base, index, part
+
+
+def _is_getitem(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
+
+
+def _constant_range(index) -> bool:
+    """A slice a:b with constant (or absent) ends and no step."""
+    return (isinstance(index, slice) and index.step is None
+            and all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (index.start, index.stop)))
 
 
 def expert_mlp(y: fx.Node, walk: RegionWalk, e: int, stacked: bool = False) -> ExpertMLP:
@@ -366,8 +383,12 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
 
     same_experts(experts)
     expect(len(experts) == E, f"{len(experts)} experts for E={E}")
+    parts = any(one is not None and one.part for ex in experts for one in ex.slices)
     w1, w_up, w2, transposed = _stacked_params(experts, E)
     b1, b2 = _stacked_biases(experts, E)
+    if parts:  # ranges of W[e]: the list op on those views (never on W itself, whose other rows they leave out)
+        expect(not transposed, "ranges of stacked [E, in, out] weight slices are not supported")
+        return finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts, **kw)
     if w_up is not None and not transposed:
         # the list op on the slices W[e] themselves: views of the stacked parameters, read where they are
         # (bias slices B[e], if any, are stacked by the rewrite as Linear biases are)

@@ -78,6 +78,9 @@ def make_experts(kind, d, n, E, acts=None, bias=False):
         return nn.ModuleList(PlainExpert(d, n, relu2, b) for b in biases)
     if kind == "plain_relu":  # nn.ReLU between two biased Linears: Switch Transformer's, T5's expert
         return nn.ModuleList(nn.Sequential(nn.Linear(d, n, bias=b), nn.ReLU(), nn.Linear(n, d, bias=b)) for b in biases)
+    if kind == "plain_gelu_tanh":  # GPT-2's MLP: nn.GELU("tanh") between two Linears
+        return nn.ModuleList(nn.Sequential(nn.Linear(d, n, bias=b), nn.GELU(approximate="tanh"), nn.Linear(n, d, bias=b))
+                             for b in biases)
     raise ValueError(kind)
 
 
@@ -105,13 +108,17 @@ class LoopMoE(Router):
     """for e in range(E): rows of expert e, expert e on them, index_add into the output.
 
     where:   "one_hot" (torch.where(mask[e]) -> k, tok), "eq" (torch.where(ids == e) -> tok, k),
-             "nonzero" (mask[e].nonzero(as_tuple=True))
+             "nonzero" (mask[e].nonzero(as_tuple=True)), "nonzero_columns" (p = (ids == e).nonzero():
+             tok, k = p[:, 0], p[:, 1]), "argwhere_unbind" (tok, k = torch.argwhere(ids == e).unbind(1))
     scale:   "index_none" (w[tok, k, None]), "unsqueeze" (w[tok, k].unsqueeze(-1)),
-             "slice" (w[tok, k][:, None]), "cast" (w[tok, k, None].to(x.dtype)), "none" (unscaled)
+             "slice" (w[tok, k][:, None]), "cast" (w[tok, k, None].to(x.dtype)), "none" (unscaled),
+             "bool_mask" (w[ids == e].unsqueeze(-1)), "bool_mask_none" (w[ids == e, None]); with where="eq"
     combine: "inplace" (out.index_add_), "functional" (out = out.index_add(...)), "setitem_iadd"
              (out[tok] += y: Mistral's reference code), "setitem_add" (out[tok] = out[tok] + y),
              "setitem_iadd_read" (out[tok] += y, those rows also kept aside in a list: read elsewhere),
-             "assign" (out[tok] = y: the sum only when K == 1)
+             "assign" (out[tok] = y: the sum only when K == 1), "index_put" (out.index_put_((tok,), y,
+             accumulate=True)), "scatter_add" (out.scatter_add_(0, tok[:, None].expand(-1, d), y)),
+             "scatter_add_functional" (out = out.scatter_add(0, tok.view(-1, 1).repeat(1, d), y))
     acc:     "zeros_like" or "zeros" (torch.zeros((T, d), dtype=..., device=...))
     rows:    "index" (x[tok]) or "none_reshape" (x[None, tok].reshape(-1, d): transformers 4.x's Mixtral)
     experts_used: the experts the loop visits (default all); read_inside: the loop reads `out`;
@@ -136,13 +143,23 @@ class LoopMoE(Router):
     def _rows(self, ids, mask, e):
         if self.where == "eq":
             return torch.where(ids == e)
+        if self.where == "nonzero_columns":
+            pairs = (ids == e).nonzero()
+            return pairs[:, 0], pairs[:, 1]
+        if self.where == "argwhere_unbind":
+            tok, k = torch.argwhere(ids == e).unbind(1)
+            return tok, k
         if self.where == "nonzero":
             k, tok = mask[e].nonzero(as_tuple=True)
         else:
             k, tok = torch.where(mask[e])
         return tok, k
 
-    def _scale(self, w, tok, k, dtype):
+    def _scale(self, w, tok, k, dtype, ids=None, e=None):
+        if self.scale == "bool_mask":  # the [T, K] mask's True elements, row-major: w[tok, k] in where's order
+            return w[ids == e].unsqueeze(-1)
+        if self.scale == "bool_mask_none":
+            return w[ids == e, None]
         if self.scale == "index_none":
             return w[tok, k, None]
         if self.scale == "unsqueeze":
@@ -169,7 +186,7 @@ class LoopMoE(Router):
             tok, k = self._rows(ids, mask, e)
             y = self.experts[e](x[tok] if self.rows == "index" else x[None, tok].reshape(-1, d))
             if self.scale != "none":
-                y = y * self._scale(w, tok, k, x.dtype)
+                y = y * self._scale(w, tok, k, x.dtype, ids, e)
             if self.read_inside:
                 y = y + out[tok]
             if self.combine == "functional":
@@ -184,6 +201,12 @@ class LoopMoE(Router):
                 out[tok] = out[tok] + y.to(x.dtype)
             elif self.combine == "assign":
                 out[tok] = y.to(x.dtype)
+            elif self.combine == "index_put":
+                out.index_put_((tok,), y.to(x.dtype), accumulate=True)
+            elif self.combine == "scatter_add":
+                out.scatter_add_(0, tok[:, None].expand(-1, d), y.to(x.dtype))
+            elif self.combine == "scatter_add_functional":
+                out = out.scatter_add(0, tok.view(-1, 1).repeat(1, d), y.to(x.dtype))
             else:
                 out.index_add_(0, tok, y.to(x.dtype))
             if self.mutate_input == "x" and e == 1:
@@ -272,7 +295,8 @@ class PerKLoopMoE(Router):
 
     order:   "k_outer" (for k: for e) or "e_outer" (for e: for k)
     where:   "where" (tok = torch.where(ids[:, k] == e)[0]), "nonzero" (.nonzero(as_tuple=True)[0]),
-             "mask" (the boolean mask itself: x[m], w[m, k, None]; with combine="setitem_iadd")
+             "mask" (the boolean mask itself: x[m], w[m, k, None]; with combine="setitem_iadd"),
+             "nonzero_squeeze" (m.nonzero().squeeze(-1)), "nonzero_flatten" (m.nonzero().flatten())
     scale:   "index_none" (w[tok, k, None]), "slice" (w[tok, k:k+1]), "unsqueeze" (w[tok, k].unsqueeze(-1))
     combine: "inplace" (out.index_add_) or "setitem_iadd" (out[tok] += y)
     columns: the columns k visited (default all K); weight_shift: scale by column (k + shift) % K;
@@ -295,6 +319,10 @@ class PerKLoopMoE(Router):
             tok = m
         elif self.where == "nonzero":
             tok = m.nonzero(as_tuple=True)[0]
+        elif self.where == "nonzero_squeeze":
+            tok = m.nonzero().squeeze(-1)
+        elif self.where == "nonzero_flatten":
+            tok = m.nonzero().flatten()
         else:
             tok = torch.where(m)[0]
         experts = self.twins if k == self.twin_for else self.experts
@@ -398,7 +426,8 @@ class StackedLoopMoE(Router):
     orient:  "T" (xe @ W[e].T, W [E, out, in]), "linear" (F.linear(xe, W[e]), W [E, out, in]),
              "in_out" (xe @ W[e], W [E, in, out])
     gate_up: "separate" (w1, w3: silu(xe w1) * (xe w3)), "fused" (one w13 of width 2n, chunked),
-             "plain" (gelu(xe w1), non-gated)
+             "plain" (gelu(xe w1), non-gated), "halves" (one w13 [E, 2n, d] read as W[e, :n] for the
+             gate and W[e, n:] for the up), "halves_swapped" (W[e][n:] the gate, W[e][:n] the up)
     down_orient: the down projection's orientation when it differs (a layout mismatch)
     index:   "own" (W[e]), "next" (W[(e + 1) % E]), "shuffled" (W[perm[e]], one fixed permutation)
     experts_used: the experts the loop visits (default all); mutate: clamp_ the down slice in place
@@ -413,7 +442,8 @@ class StackedLoopMoE(Router):
         self.mutate = mutate
         self.perm = [(e * 3 + 1) % E for e in range(E)] if E != 3 else [1, 2, 0]
 
-        self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, orient)
+        self.n = n
+        self.w1 = stacked_param(E, 2 * n if gate_up in ("fused", "halves", "halves_swapped") else n, d, orient)
         if gate_up == "separate":
             self.w3 = stacked_param(E, n, d, orient)
         self.w2 = stacked_param(E, d, n, self.down_orient)
@@ -430,14 +460,25 @@ class StackedLoopMoE(Router):
             return W[self.perm[e]]
         return W[e]
 
-    def _project(self, h, W, e, orient, B=None):
+    def _half(self, W, e, which):
+        """Rows [:n] ("low") or [n:] ("high") of W[e]: one index (halves) or two (halves_swapped);
+        for [E, in, out] the columns."""
+        n = self.n
+        if self.orient == "in_out":
+            return W[e, :, :n] if which == "low" else W[e, :, n:]
+        if self.gate_up == "halves":
+            return W[e, :n] if which == "low" else W[e, n:]
+        return W[e][:n] if which == "low" else W[e][n:]
+
+    def _project(self, h, W, e, orient, B=None, half=None):
+        W_e = self._half(W, e, half) if half else self._slice(W, e)
         if orient == "T":
-            return h @ self._slice(W, e).T
+            return h @ W_e.T
         if orient == "linear":
             if B is not None:
-                return F.linear(h, self._slice(W, e), B[(e + 1) % self.E] if self.bias == "next" else B[e])
-            return F.linear(h, self._slice(W, e))
-        return h @ self._slice(W, e)
+                return F.linear(h, W_e, B[(e + 1) % self.E] if self.bias == "next" else B[e])
+            return F.linear(h, W_e)
+        return h @ W_e
 
     def forward(self, x):
         _, w, ids = self.route(x)
@@ -451,6 +492,10 @@ class StackedLoopMoE(Router):
             elif self.gate_up == "fused":
                 g, u = self._project(xe, self.w1, e, self.orient, b1).chunk(2, dim=-1)
                 h = F.silu(g) * u
+            elif self.gate_up in ("halves", "halves_swapped"):
+                gate, up = ("low", "high") if self.gate_up == "halves" else ("high", "low")
+                h = F.silu(self._project(xe, self.w1, e, self.orient, half=gate)) * self._project(
+                    xe, self.w1, e, self.orient, half=up)
             else:
                 h = F.gelu(self._project(xe, self.w1, e, self.orient, b1))
             if self.mutate:
@@ -816,7 +861,8 @@ class SortedGroupedMoE(Router):
         self.casts, self.offsets, self.orient, self.experts, self.counts = casts, offsets, orient, experts, counts
         self.gate_up, self.score_before, self.rows, self.sort, self.combine = gate_up, score_before, rows, sort, combine
         self.histc_max, self.tok_k, self.scatter_rows, self.descending = histc_max, tok_k, scatter_rows, descending
-        self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, orient)
+        self.n = n
+        self.w1 = stacked_param(E, 2 * n if gate_up in ("fused", "halves", "halves_swapped") else n, d, orient)
         if gate_up == "separate":
             self.w3 = stacked_param(E, n, d, orient)
         self.w2 = stacked_param(E, d, n, orient)

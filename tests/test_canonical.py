@@ -588,6 +588,7 @@ def _combine_args(dtype=torch.float32):
 
 
 @pytest.mark.parametrize("name,index_of,torch_name,dtype", [
+    # (a library op's stand-in stays a scatter_add: `restore_opaque_ops` puts it back by its arguments)
     ("rows_scatter_add", lambda tok, d: tok.reshape(-1, 1).expand(-1, d), "scatter_add", torch.float32),
     ("rows_index_add", lambda tok, d: tok, "index_add", torch.float32),
     ("rows_index_add_bf16_only", lambda tok, d: tok, "index_add", torch.bfloat16),
@@ -767,3 +768,190 @@ def test_other_scatter_reduces_stay(fn):
     before = ops(gm)
     canonicalize(gm)
     assert ops(gm) == before
+
+
+# --- nonzero's index pairs read by columns ------------------------------------------------------
+
+def _pairs_args():
+    g = torch.Generator().manual_seed(2)
+    x, scores = torch.randn(T, d, generator=g), torch.randn(T, E, generator=g)
+    return x, scores
+
+
+def _pairs_by(spelling):
+    def fn(x, scores):
+        w, ids = torch.topk(scores.softmax(-1), K)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            m = ids == e
+            if spelling == "where":
+                tok, k = torch.where(m)
+            elif spelling == "nonzero_columns":
+                p = m.nonzero()
+                tok, k = p[:, 0], p[:, 1]
+            elif spelling == "argwhere_unbind":
+                tok, k = torch.argwhere(m).unbind(1)
+            out.index_add_(0, tok, x[tok] * w[tok, k, None] * (e + 1))
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("spelling", ["nonzero_columns", "argwhere_unbind"])
+def test_nonzero_pairs_read_by_columns_become_where(spelling):
+    args = _pairs_args()
+    fn = _pairs_by(spelling)
+    gm = traced(fn, *args)
+    applied = canonicalize(gm)
+    assert any(line.startswith("nonzero_columns_to_where") for line in applied), applied
+    assert "nonzero" not in ops(gm) and "argwhere" not in ops(gm), ops(gm)
+    where = traced(_pairs_by("where"), *args)
+    canonicalize(where)
+    assert [o for o in ops(gm) if o != "sym_size"] == [o for o in ops(where) if o != "sym_size"]  # one form
+    same_value(gm, fn, *args)
+
+
+def _one_column(spelling):
+    def fn(x, scores):
+        w, ids = torch.topk(scores, K)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            p = (ids[:, 0] == e).nonzero()
+            tok = {"squeeze": lambda: p.squeeze(-1), "view": lambda: p.view(-1), "flatten": lambda: p.flatten(),
+                   "column": lambda: p[:, 0], "matrix": lambda: p.sum(-1)}[spelling]()
+            out.index_add_(0, tok, x[tok] * w[tok, 0, None])
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("spelling", ["squeeze", "view", "flatten", "column"])
+def test_a_one_dimensional_masks_nonzero_as_one_vector_becomes_where(spelling):
+    args = _pairs_args()
+    gm = traced(_one_column(spelling), *args)
+    canonicalize(gm)
+    assert "nonzero" not in ops(gm) and "where" in ops(gm), ops(gm)
+    same_value(gm, _one_column(spelling), *args)
+
+
+def test_nonzero_read_as_a_matrix_stays():
+    args = _pairs_args()
+    gm = traced(_one_column("matrix"), *args)
+    canonicalize(gm)
+    assert ops(gm).count("nonzero") == E and "where" not in ops(gm), ops(gm)
+    same_value(gm, _one_column("matrix"), *args)
+
+
+# --- rows added by index_put(accumulate=True) and by a row-broadcast scatter_add ------------------
+
+def _rows_args(dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, T, (T * K,), generator=g)  # repeats: they must be summed
+    return torch.randn(T, d, generator=g).to(dtype), tok, torch.randn(T * K, d, generator=g).to(dtype)
+
+
+def rows_index_add(out, tok, v):
+    return out.clone().index_add_(0, tok, v)
+
+
+def rows_index_put(out, tok, v):
+    return out.clone().index_put_((tok,), v, accumulate=True)
+
+
+def rows_index_put_functional(out, tok, v):
+    return out.index_put((tok,), v, accumulate=True)
+
+
+def rows_scatter_add_expand(out, tok, v):
+    return out.clone().scatter_add_(0, tok[:, None].expand(-1, v.shape[1]), v)
+
+
+def rows_scatter_add_expand_as(out, tok, v):
+    return torch.scatter_add(out, 0, tok.unsqueeze(-1).expand_as(v), v)
+
+
+def rows_scatter_add_repeat(out, tok, v):
+    return out.scatter_add(0, tok.view(-1, 1).repeat(1, v.shape[1]), v)
+
+
+@pytest.mark.parametrize("fn", [rows_index_put, rows_index_put_functional, rows_scatter_add_expand,
+                                rows_scatter_add_expand_as, rows_scatter_add_repeat])
+def test_rows_added_by_index_put_or_a_row_scatter_add_become_an_index_add(fn):
+    args = _rows_args()
+    gm = traced(fn, *args)
+    assert canonicalize(gm)
+    assert {"index_add", "index_add_"} & set(ops(gm)), ops(gm)
+    assert not {"index_put", "index_put_", "scatter_add", "scatter_add_"} & set(ops(gm)), ops(gm)
+    same_value(gm, fn, *args)
+
+
+def rows_index_put_replace(out, tok, v):
+    return out.clone().index_put_((tok,), v)  # accumulate=False: the last write wins, no sum
+
+
+def rows_index_put_broadcast(out, tok, v):
+    return out.clone().index_put_((tok,), v[:1], accumulate=True)  # one row broadcast to every index
+
+
+def rows_scatter_add_per_element(out, tok, v):
+    idx = torch.stack([tok, tok.flip(0)], 1).repeat(1, v.shape[1] // 2)  # columns differ
+    return out.clone().scatter_add_(0, idx, v)
+
+
+def rows_index_put_mask(out, tok, v):
+    return out.clone().index_put_((tok[: out.shape[0]] > 3,), v[:1], accumulate=True)  # a boolean mask
+
+
+@pytest.mark.parametrize("fn", [rows_index_put_replace, rows_index_put_broadcast, rows_scatter_add_per_element,
+                                rows_index_put_mask])
+def test_other_row_writes_stay(fn):
+    args = _rows_args()
+    gm = traced(fn, *args)
+    before = ops(gm)
+    canonicalize(gm)
+    assert ops(gm) == before
+    same_value(gm, fn, *args)
+
+
+# --- an expert's weights selected by its [T, K] boolean mask --------------------------------------
+
+def _mask_weighted(spelling):
+    def fn(x, scores):
+        w, ids = torch.topk(scores.softmax(-1), K)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, k = torch.where(ids == e)
+            if spelling == "index":
+                we = w[tok, k]
+            elif spelling == "mask":  # `ids == e` spelled again: the selection reuses where's indices
+                we = w[ids == e]
+            elif spelling == "mask_none":
+                we = w[ids == e, None][:, 0]
+            out.index_add_(0, tok, x[tok] * we[:, None] * (e + 1))
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("spelling", ["mask", "mask_none"])
+def test_weights_selected_by_a_two_dimensional_mask_become_where_indices(spelling):
+    args = _pairs_args()
+    fn = _mask_weighted(spelling)
+    gm = traced(fn, *args)
+    applied = canonicalize(gm)
+    assert sum(line.startswith("boolean_index_to_where") for line in applied) == E, applied
+    assert ops(gm).count("where") == E, ops(gm)  # one where per expert: the loop's own
+    same_value(gm, fn, *args)
+
+
+def test_a_one_dimensional_mask_selection_stays():
+    def fn(x, scores):
+        p, ids = scores.softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            m = ids == e
+            out[m] = x[m] * p[m, None]
+        return out
+
+    args = _pairs_args()
+    gm = traced(fn, *args)
+    assert not any(line.startswith("boolean_index_to_where") for line in canonicalize(gm))
+    same_value(gm, fn, *args)
+

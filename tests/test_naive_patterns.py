@@ -103,6 +103,13 @@ LOOP_VARIANTS = {
     # top-1 by probs.max(dim=-1, keepdim=True): [T, 1] ids and weights, a top-k of 1
     "max_keepdim-eq-assign": dict(top1_keepdim=True, where="eq", combine="assign"),
     "max_keepdim-one_hot-bias": dict(top1_keepdim=True, bias=True),
+    # nonzero's [N, 2] index pairs read by columns; rows added by index_put or a row-broadcast scatter_add
+    "nonzero_columns-index_put": dict(where="nonzero_columns", combine="index_put"),
+    "argwhere_unbind-scatter_add-bias": dict(where="argwhere_unbind", combine="scatter_add", bias=True),
+    "eq-scatter_add_functional": dict(where="eq", combine="scatter_add_functional"),
+    # an expert's weights selected by its [T, K] boolean mask (`w[ids == e]`); GPT-2-style GELU(tanh) experts
+    "eq-bool_mask": dict(where="eq", scale="bool_mask"),
+    "eq-bool_mask_none-gelu_tanh-bias": dict(where="eq", scale="bool_mask_none", experts="plain_gelu_tanh", bias=True),
 }
 
 DENSE_VARIANTS = {
@@ -151,6 +158,8 @@ PER_K_VARIANTS = {
     "mask-unsqueeze-top3": dict(where="mask", scale="unsqueeze", combine="setitem_iadd", K=3),
     "mask-setitem_iadd-fused-bias": dict(where="mask", combine="setitem_iadd", experts="fused", bias=True),
     "non-gated-e_outer-where": dict(experts="plain", order="e_outer"),
+    "nonzero_squeeze": dict(where="nonzero_squeeze"),
+    "nonzero_flatten-e_outer-setitem_iadd": dict(where="nonzero_flatten", order="e_outer", combine="setitem_iadd"),
 }
 
 
@@ -437,6 +446,9 @@ STACKED_VARIANTS = {
     "linear-plain-bias": (dict(orient="linear", gate_up="plain", bias=True), "sonic::moe_experts", "concatenated, bias"),
     "linear-fused-bias": (dict(orient="linear", gate_up="fused", bias=True), "sonic::moe_experts", "concatenated, bias"),
     "linear-separate-bias": (dict(orient="linear", bias=True), OP, "per-expert list, separate gate/up, bias"),
+    # a fused [E, 2n, d] read in halves W[e, :n], W[e][n:]: the list op on those views (either half the gate)
+    "linear-halves": (dict(orient="linear", gate_up="halves"), OP, "per-expert list, separate gate/up"),
+    "T-halves_swapped": (dict(gate_up="halves_swapped"), OP, "per-expert list, separate gate/up"),
 }
 
 
@@ -534,6 +546,8 @@ NEGATIVE = {
     # d == n: the down weight has w1's [E, out, in] shape but is read as [in, out]; the shapes cannot tell
     "stacked-square-orientation-mismatch": (lambda: StackedLoopMoE(n=D, gate_up="plain", down_orient="in_out"), "read both as [out, in]"),
     "stacked-weight-modified-in-loop": (lambda: StackedLoopMoE(mutate=True), "is modified in the graph"),
+    # column ranges W[e, :, :n] of an [E, in, out] parameter are not taken
+    "stacked-in_out-halves": (lambda: StackedLoopMoE(orient="in_out", gate_up="halves"), "nor a slice W[e] (or rows W[e, a:b])"),
     "dense-softmax-gates": (lambda: DenseMoE(gates="probs"), "not provably zero outside the top-k"),
     "dense-softmax-gate-columns": (lambda: DenseMoE(gates="probs", combine="slices"), "not provably zero outside the top-k"),
     "dense-mixed-activations": (lambda: DenseMoE(combine="einsum", acts=[F.silu, F.gelu, F.silu, F.silu]), "expert 1's activation"),
@@ -778,7 +792,9 @@ def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["one_hot-index_none-inplace", "eq-unsqueeze-functional-zeros", "fused-chunk",
-                                     "bias-gated", "bias-non-gated", "eq-setitem_iadd", "none_reshape-rows"])
+                                     "bias-gated", "bias-non-gated", "eq-setitem_iadd", "none_reshape-rows",
+                                     "nonzero_columns-index_put", "argwhere_unbind-scatter_add-bias",
+                                     "eq-bool_mask_none-gelu_tanh-bias"])
 def test_expert_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: LoopMoE(**LOOP_VARIANTS[variant]), "expert_loop")
 
@@ -797,7 +813,7 @@ def test_expert_loop_top1_max_gpu_bf16(variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["k_outer-where-index_none", "e_outer-nonzero-slice-setitem_iadd",
-                                     "mask-setitem_iadd-fused-bias"])
+                                     "mask-setitem_iadd-fused-bias", "nonzero_squeeze"])
 def test_expert_loop_per_column_gpu_bf16(variant):
     _check_gpu_bf16(lambda: PerKLoopMoE(**PER_K_VARIANTS[variant]), "expert_loop")
 
@@ -829,7 +845,7 @@ def test_autocast_gpu(case, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["T-separate", "in_out-fused", "linear-plain", "linear-fused-bias",
-                                     "linear-separate-bias"])
+                                     "linear-separate-bias", "linear-halves"])
 def test_expert_loop_stacked_gpu_bf16(variant):
     _check_gpu_bf16(lambda: StackedLoopMoE(**STACKED_VARIANTS[variant][0]), "expert_loop")
 
