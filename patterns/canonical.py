@@ -20,6 +20,10 @@ Rules (eager spelling -> canonical form):
     v[m], v[m] = u                                ->  v[torch.where(m)], v[torch.where(m)] = u
         # m a boolean mask of two or more of v's leading dims (w[ids == e]): the same elements in
         # the same order; one torch.where(m) per mask, shared with the code's own
+    v[(ids == e).any(-1)], torch.where((ids == e).any(-1))[0]  ->  v[tok], tok = torch.where(ids == e)[0]
+        # ids top-k indices (distinct in a row): each token of expert e once, in order
+    G[:, e][tok]                                  ->  w[tok, k], (tok, k) = torch.where(ids == e)
+        # G the gate matrix of the rule above (one_hot(ids) * w summed over k)
     out.index_put_((tok,), v, accumulate=True)    ->  out.index_add_(0, tok, v)
     out.scatter_add_(0, tok[:, None].expand(-1, d), v)  ->  out.index_add_(0, tok, v)
         # rows added into rows: tok 1-D integer, v exactly the rows' shape (functional forms too)
@@ -164,15 +168,22 @@ def boolean_index_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> st
     if not isinstance(m, fx.Node) or dtype_of(m) != torch.bool or not isinstance(example_value(v), torch.Tensor):
         return None
     mask_shape, shape = shape_of(m) or (), shape_of(v) or ()
-    if len(mask_shape) < 2 or not same_shape(mask_shape, shape[:len(mask_shape)]):
-        return None  # (1-D masks stay: the loop finders read `x[m]`, `out[m] = y` as they are)
+    tokens_of = _any_expert_hit(m)
+    if tokens_of is not None:  # (ids == e).any(-1): the tokens of torch.where(ids == e)[0]
+        m, count = tokens_of, 1
+        if not same_size(shape_of(m)[0], shape[0]):
+            return None
+    elif len(mask_shape) < 2 or not same_shape(mask_shape, shape[:len(mask_shape)]):
+        return None  # (other 1-D masks stay: the loop finders read `x[m]`, `out[m] = y` as they are)
+    else:
+        count = len(mask_shape)
     where = next((u for twin in _equal_masks(m) for u in twin.users if is_call(u, "where") and len(u.args) == 1
                   and not u.kwargs and order.get(u, len(order)) < order[node]), None)
     if where is None:
         where = insert_call(gm, node, torch.where, (m,))
         order[where] = order[node] - 0.5  # before node: later selections by m reuse it
     index = []
-    for i in range(len(mask_shape)):
+    for i in range(count):
         got = next((u for u in where.users if u.op == "call_function" and u.target is operator.getitem
                     and u.args[1] == i and order.get(u, len(order)) < order[node]), None)
         if got is None:
@@ -185,6 +196,11 @@ def boolean_index_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> st
         twin.meta.pop("example_value", None)
     else:
         twin = insert_call(gm, node, operator.getitem, (v, index))
+        for user in list(node.users):  # Dynamo's checks of the selection's row count: the indices' count
+            if user.target is torch.ops.aten.sym_size.int and user.args[1:] == (0,):
+                count = insert_call(gm, user, torch.ops.aten.sym_size.int, (index if isinstance(index, fx.Node) else index[0], 0))
+                user.replace_all_uses_with(count)
+                _erase_if_dead(gm.graph, user, order)
     node.replace_all_uses_with(twin)
     order[twin] = order[node]
     if setitem:  # an effect: erased here, where _erase_if_dead would keep it
@@ -193,7 +209,46 @@ def boolean_index_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> st
     return f"{node.name} -> {v.name}[where({m.name})]"
 
 
+def any_hit_where_to_hit_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`torch.where((ids == e).any(-1))[0]` -> `torch.where(ids == e)[0]` for top-k ids (distinct in a
+    row: the same tokens, in order, each once; `_any_expert_hit`), sharing that where if the graph
+    has one before."""
+    if not (is_call(node, "where") and len(node.args) == 1 and not node.kwargs):
+        return None
+    hit = _any_expert_hit(node.args[0])
+    if hit is None or not all(getitem_of(u, 0) is node for u in node.users):
+        return None
+    where = next((u for twin in _equal_masks(hit) for u in twin.users if is_call(u, "where") and len(u.args) == 1
+                  and not u.kwargs and order.get(u, len(order)) < order[node]), None)
+    if where is None:
+        where = insert_call(gm, node, torch.where, (hit,))
+        order[where] = order[node] - 0.5
+    for user in list(node.users):
+        tok = insert_call(gm, user, operator.getitem, (where, 0))
+        order[tok] = order[user] - 0.5
+        user.replace_all_uses_with(tok)
+        _erase_if_dead(gm.graph, user, order)
+    return f"{node.name} -> where({hit.name})"
+
+
 _COMPARISONS = ("eq", "__eq__", "ne", "__ne__", "lt", "__lt__", "le", "__le__", "gt", "__gt__", "ge", "__ge__")
+
+
+def _any_expert_hit(m) -> fx.Node | None:
+    """`hit` when m is `hit.any(-1)` (or `.any(dim=1)`) of `hit = ids == e`, ids the [T, K] indices
+    of a top-k over E scores: distinct in a row, so token t has m[t] True for exactly one k, and
+    m's True rows are torch.where(hit)[0], in order, each once."""
+    if not (is_call(m, "any") and len(shape_of(m) or ()) == 1 and arg(m, 1, "dim") in (-1, 1)):
+        return None
+    if m.kwargs.keys() - {"dim"} or len(m.args) > 2:
+        return None
+    hit = m.args[0]
+    if not (is_call(hit, "eq", "__eq__") and len(hit.args) == 2 and not hit.kwargs):
+        return None
+    ids, e = hit.args if isinstance(hit.args[0], fx.Node) else hit.args[::-1]
+    if not isinstance(ids, fx.Node) or not isinstance(e, int) or isinstance(e, bool):
+        return None
+    return hit if len(shape_of(ids) or ()) == 2 and _range_of(ids) is not None else None
 
 
 def _equal_masks(m: fx.Node) -> list[fx.Node]:
@@ -337,6 +392,42 @@ def _gate_matrix(gm: fx.GraphModule, ids: fx.Node, w: fx.Node, E: int, order: di
     product = insert_call(gm, at, operator.mul, (one_hot, weights))
     made[(ids, w)] = insert_call(gm, at, torch.sum, (product, 1))
     return made[(ids, w)]
+
+
+def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`G[:, e][tok]` (or `[tok, None]`) of a gate matrix G = (one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
+    made by `masked_weight_to_gate_column`, with (tok, k) = torch.where(ids == e) -> `w[tok, k]` (or
+    `w[tok, k, None]`): row tok[i] of G's column e sums w[tok[i], :] masked to the one slot k[i]
+    whose id is e, so the values are equal (up to the sign of a zero)."""
+    if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
+        return None
+    column, index = node.args
+    made = {g: key for key, g in gm.meta.get("sonic_gate_matrices", {}).items()}
+    if not (isinstance(column, fx.Node) and column.op == "call_function" and column.target is operator.getitem):
+        return None
+    gates, at = column.args
+    if gates not in made or not (isinstance(at, tuple) and len(at) == 2 and at[0] == slice(None) and _is_int(at[1])):
+        return None
+    ids, w = made[gates]
+    e, rest = at[1], ()
+    if isinstance(index, tuple) and len(index) == 2 and index[1] is None:
+        index, rest = index[0], (None,)
+    where = index.args[0] if isinstance(index, fx.Node) and getitem_of(index, 0) is not None else None
+    hit = where.args[0] if is_call(where, "where") and len(where.args) == 1 and not where.kwargs else None
+    if not (is_call(hit, "eq", "__eq__") and not hit.kwargs and tuple(hit.args) in ((ids, e), (e, ids))):
+        return None
+    k = next((u for u in where.users if getitem_of(u, 1) is where), None)
+    if k is None or order.get(k, len(order)) > order[node]:
+        k = insert_call(gm, node, operator.getitem, (where, 1))
+        order[k] = order[node] - 0.5
+    picked = insert_call(gm, node, operator.getitem, (w, (index, k, *rest)))
+    node.replace_all_uses_with(picked)
+    order[picked] = order[node]
+    return f"{node.name} -> {w.name}[{index.name}, {k.name}]"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def column_then_none_to_one_index(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
@@ -682,10 +773,9 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 
 RULES = [opaque_op_to_torch, merge_duplicate_reads, nonzero_columns_to_where, boolean_index_to_where,
-         arange_mask_to_one_hot, masked_weight_to_gate_column,
-         column_then_none_to_one_index, zeros_plus_value_to_value, scatter_reduce_sum_to_scatter_add,
-         index_put_accumulate_to_index_add, row_scatter_add_to_index_add,
-         mask_count_to_counts, cast_cumsum_to_dtype,
-         argsort_to_sort, histogram_of_sorted_values,
+         any_hit_where_to_hit_where, arange_mask_to_one_hot, masked_weight_to_gate_column,
+         gate_column_rows_to_weights, column_then_none_to_one_index, zeros_plus_value_to_value,
+         scatter_reduce_sum_to_scatter_add, index_put_accumulate_to_index_add, row_scatter_add_to_index_add,
+         mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, einsum_to_bmm, einsum_weighted_sum_to_product, broadcast_matmul_to_bmm,
          split_loop_to_grouped_mm]

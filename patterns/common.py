@@ -8,6 +8,8 @@ only the region used.
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import inspect
 import operator
@@ -922,7 +924,11 @@ def insert_call(gm: fx.GraphModule, before: fx.Node, target, args, kwargs=None, 
     fake_mode = fake_mode_of(gm)
     if fake_mode is not None:
         fake_args, fake_kwargs = fx.node.map_arg(args, example_value), fx.node.map_arg(kwargs or {}, example_value)
-        with fake_mode:
+        shape_env = fake_mode.shape_env
+        # a data-dependent size (torch.where's) is a fresh symbol only this value carries: not one the
+        # traced graph must bind
+        quiet = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()
+        with fake_mode, quiet:
             if autocast is None:
                 node.meta["example_value"] = target(*fake_args, **fake_kwargs)
             else:

@@ -353,6 +353,39 @@ class PerKLoopMoE(Router):
         return out
 
 
+class AnyHitLoopMoE(Router):
+    """A loop that finds an expert's tokens as the rows of [T, K] ids holding it anywhere,
+    `hit = ids == e; sel = hit.any(dim=-1)`, and each token's weight for it as the masked sum
+    `(w * hit).sum(-1)`: the same tokens and weights as `torch.where(ids == e)` and `w[tok, k]`.
+
+    rows:    "mask" (x[sel], out[sel] += ...), "where" (tok = torch.where(sel)[0]; index_add_),
+             "nonzero" (tok = sel.nonzero().squeeze(-1); out[tok] += ...)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, rows="mask", experts="gated", bias=False):
+        super().__init__(d, E, K)
+        self.experts = make_experts(experts, d, n, E, bias=bias)
+        self.rows = rows
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            hit = ids == e
+            sel = hit.any(dim=-1)
+            coef = (w * hit).sum(-1)
+            if self.rows == "mask":
+                out[sel] += coef[sel, None] * self.experts[e](x[sel])
+                continue
+            tok = torch.where(sel)[0] if self.rows == "where" else sel.nonzero().squeeze(-1)
+            y = self.experts[e](x[tok]) * coef[tok].unsqueeze(-1)
+            if self.rows == "where":
+                out.index_add_(0, tok, y)
+            else:
+                out[tok] += y
+        return out
+
+
 class SwitchLoopMoE(Router):
     """Top-1 routing by max (Switch Transformer): `p, ids = probs.max(dim=-1)`, then the loop of
     `LoopMoE` over [T] ids.

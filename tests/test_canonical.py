@@ -955,3 +955,47 @@ def test_a_one_dimensional_mask_selection_stays():
     assert not any(line.startswith("boolean_index_to_where") for line in canonicalize(gm))
     same_value(gm, fn, *args)
 
+
+
+# --- an expert's tokens as the rows holding it anywhere, its weights as a masked sum -------------
+
+def _any_hit(spelling):
+    def fn(x, scores):
+        w, ids = torch.topk(scores.softmax(-1), K)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            if spelling == "where":
+                tok, k = torch.where(ids == e)
+                out.index_add_(0, tok, x[tok] * w[tok, k].unsqueeze(-1) * (e + 1))
+                continue
+            hit = ids == e
+            sel, coef = hit.any(dim=-1), (w * hit).sum(-1)
+            tok = torch.where(sel)[0] if spelling == "any_where" else sel.nonzero().squeeze(-1)
+            out.index_add_(0, tok, x[tok] * coef[tok].unsqueeze(-1) * (e + 1))
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("spelling", ["any_where", "any_nonzero"])
+def test_tokens_holding_an_expert_anywhere_become_its_where_tokens_and_weights(spelling):
+    args = _pairs_args()
+    fn = _any_hit(spelling)
+    gm = traced(fn, *args)
+    applied = [line.split(":")[0] for line in canonicalize(gm)]
+    assert applied.count("any_hit_where_to_hit_where") == E and applied.count("gate_column_rows_to_weights") == E, applied
+    assert "any" not in ops(gm) and "one_hot" not in ops(gm), ops(gm)  # the gate matrix is dead once read as w[tok, k]
+    where = traced(_any_hit("where"), *args)
+    canonicalize(where)
+    assert sorted(o for o in ops(gm) if o != "sym_size") == sorted(o for o in ops(where) if o != "sym_size")
+    same_value(gm, fn, *args)
+
+
+def test_rows_holding_an_expert_of_ids_outside_a_top_k_stay():
+    def fn(x, ids):  # ids of unknown range, possibly repeated in a row: any() is not one slot per token
+        sel = (ids == 1).any(-1)
+        return x[torch.where(sel)[0]]
+
+    args = (torch.randn(T, d), torch.randint(0, E, (T, K)))
+    gm = traced(fn, *args)
+    assert not any(line.startswith("any_hit") for line in canonicalize(gm))
+    same_value(gm, fn, *args)

@@ -21,8 +21,8 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import (BmmMoE, DeepSeekRefMoE, DenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
-                           StackedLoopMoE, SwitchLoopMoE)
+from .naive_models import (AnyHitLoopMoE, BmmMoE, DeepSeekRefMoE, DenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE,
+                           SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -161,6 +161,20 @@ PER_K_VARIANTS = {
     "nonzero_squeeze": dict(where="nonzero_squeeze"),
     "nonzero_flatten-e_outer-setitem_iadd": dict(where="nonzero_flatten", order="e_outer", combine="setitem_iadd"),
 }
+
+
+ANY_HIT_VARIANTS = {
+    "mask": dict(),
+    "where-index_add-bias": dict(rows="where", bias=True),
+    "nonzero-iadd-fused": dict(rows="nonzero", experts="fused"),
+    "mask-top3": dict(K=3),
+}
+
+
+@pytest.mark.parametrize("variant", ANY_HIT_VARIANTS)
+def test_expert_loop_over_tokens_holding_the_expert_anywhere_matches_eager(variant):
+    # sel = (ids == e).any(-1) and (w * (ids == e)).sum(-1): torch.where(ids == e) and w[tok, k] in canonical form
+    _check_rewrite(AnyHitLoopMoE(**ANY_HIT_VARIANTS[variant]), "expert_loop")
 
 
 @pytest.mark.parametrize("variant", PER_K_VARIANTS)
@@ -816,6 +830,13 @@ def test_expert_loop_top1_max_gpu_bf16(variant):
                                      "mask-setitem_iadd-fused-bias", "nonzero_squeeze"])
 def test_expert_loop_per_column_gpu_bf16(variant):
     _check_gpu_bf16(lambda: PerKLoopMoE(**PER_K_VARIANTS[variant]), "expert_loop")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["mask", "nonzero-iadd-fused"])
+def test_expert_loop_any_hit_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: AnyHitLoopMoE(**ANY_HIT_VARIANTS[variant]), "expert_loop")
+
 
 
 @pytest.mark.gpu
