@@ -398,7 +398,8 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
     """`G[:, e][tok]` (or `[tok, None]`) of a gate matrix G = (one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
     made by `masked_weight_to_gate_column`, with (tok, k) = torch.where(ids == e) -> `w[tok, k]` (or
     `w[tok, k, None]`): row tok[i] of G's column e sums w[tok[i], :] masked to the one slot k[i]
-    whose id is e, so the values are equal (up to the sign of a zero)."""
+    whose id is e, so the values are equal (up to the sign of a zero) wherever the token's weights
+    are finite (a NaN or inf weight in another slot makes G's entry NaN, as 0 * inf is)."""
     if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
         return None
     column, index = node.args
