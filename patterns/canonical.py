@@ -469,8 +469,12 @@ def zeros_plus_value_to_value(gm: fx.GraphModule, node: fx.Node, order: dict) ->
 def index_put_accumulate_to_index_add(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`out.index_put_((tok,), v, accumulate=True)` (or `index_put`) -> `out.index_add_(0, tok, v)`
     (`index_add`): both add row i of v into row tok[i] of out, repeated rows summed, when tok is one
-    1-D integer index tensor and v has exactly the rows' shape (no broadcast)."""
+    1-D integer index tensor and v has exactly the rows' shape (no broadcast). Not under
+    `torch.use_deterministic_algorithms(True)`: index_put's accumulation has a deterministic CUDA
+    kernel, index_add's raises there."""
     if not is_call(node, "index_put", "index_put_") or node.op != "call_method":
+        return None
+    if torch.are_deterministic_algorithms_enabled():
         return None
     if node.kwargs.keys() - {"accumulate"} or len(node.args) not in (3, 4):
         return None

@@ -883,6 +883,18 @@ def test_rows_added_by_index_put_or_a_row_scatter_add_become_an_index_add(fn):
     same_value(gm, fn, *args)
 
 
+def test_index_put_stays_under_deterministic_algorithms():
+    args = _rows_args()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        gm = traced(rows_index_put, *args)
+        canonicalize(gm)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert "index_put_" in ops(gm) and "index_add_" not in ops(gm), ops(gm)
+
+
 def rows_index_put_replace(out, tok, v):
     return out.clone().index_put_((tok,), v)  # accumulate=False: the last write wins, no sum
 
