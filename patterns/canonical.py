@@ -123,9 +123,10 @@ def nonzero_columns_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
         if (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and isinstance(index[1], int)
                 and not isinstance(index[1], bool) and -ndim <= index[1] < ndim and user.args[0] is node):
             columns.append((user, index[1] % ndim))
-        elif is_call(user, "unbind") and arg(user, 1, "dim", 0) in (1, -1) and len(user.args) <= 2 and user.args[0] is node:
+        elif (is_call(user, "unbind") and arg(user, 1, "dim", 0) in (1, -1) and 1 <= len(user.args) <= 2
+              and user.args[0] is node):
             columns.append((user, None))
-        elif ndim == 1 and user.args[0] is node and (
+        elif ndim == 1 and user.args and user.args[0] is node and (
                 (is_call(user, "squeeze") and user.args[1:] in ((), (-1,), (1,)) and not user.kwargs)
                 or (is_call(user, "view", "reshape") and user.args[1:] in ((-1,), ((-1,),)))
                 or (is_call(user, "flatten") and len(user.args) == 1 and not user.kwargs)):
