@@ -383,7 +383,8 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
 
     same_experts(experts)
     expect(len(experts) == E, f"{len(experts)} experts for E={E}")
-    parts = any(one is not None and one.part for ex in experts for one in ex.slices)
+    parts = (any(one is not None and one.part for ex in experts for one in ex.slices)
+             or any(b is not None and _slice_of(b, dims=2)[2] for ex in experts for b in ex.biases))
     w1, w_up, w2, transposed = _stacked_params(experts, E)
     b1, b2 = _stacked_biases(experts, E)
     if parts:  # ranges of W[e]: the list op on those views (never on W itself, whose other rows they leave out)

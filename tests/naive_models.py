@@ -508,6 +508,8 @@ class StackedLoopMoE(Router):
         if orient == "T":
             return h @ W_e.T
         if orient == "linear":
+            if B is not None and half:  # the fused bias read in the same rows as its weight
+                return F.linear(h, W_e, B[e, :self.n] if half == "low" else B[e, self.n:])
             if B is not None:
                 return F.linear(h, W_e, B[(e + 1) % self.E] if self.bias == "next" else B[e])
             return F.linear(h, W_e)
@@ -527,8 +529,8 @@ class StackedLoopMoE(Router):
                 h = F.silu(g) * u
             elif self.gate_up in ("halves", "halves_swapped"):
                 gate, up = ("low", "high") if self.gate_up == "halves" else ("high", "low")
-                h = F.silu(self._project(xe, self.w1, e, self.orient, half=gate)) * self._project(
-                    xe, self.w1, e, self.orient, half=up)
+                h = F.silu(self._project(xe, self.w1, e, self.orient, b1, half=gate)) * self._project(
+                    xe, self.w1, e, self.orient, b1, half=up)
             else:
                 h = F.gelu(self._project(xe, self.w1, e, self.orient, b1))
             if self.mutate:

@@ -463,6 +463,8 @@ STACKED_VARIANTS = {
     # a fused [E, 2n, d] read in halves W[e, :n], W[e][n:]: the list op on those views (either half the gate)
     "linear-halves": (dict(orient="linear", gate_up="halves"), OP, "per-expert list, separate gate/up"),
     "T-halves_swapped": (dict(gate_up="halves_swapped"), OP, "per-expert list, separate gate/up"),
+    "linear-halves-bias": (dict(orient="linear", gate_up="halves", bias=True), OP,
+                           "per-expert list, separate gate/up, bias"),
 }
 
 
