@@ -70,8 +70,8 @@ import torch.nn.functional as F
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
 from .canonical_products import (broadcast_matmul_to_bmm, einsum_to_bmm, einsum_weighted_sum_to_product,
                                  split_loop_to_grouped_mm)
-from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, getitem_of, insert_call, is_call, op_name,
-                     same_shape, same_size, shape_of, storage_of, writes_in_place)
+from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, getitem_of, insert_call, is_call, is_getitem,
+                     is_int, op_name, same_shape, same_size, shape_of, storage_of, writes_in_place)
 
 
 def canonicalize(gm: fx.GraphModule) -> list[str]:
@@ -119,9 +119,9 @@ def nonzero_columns_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
         return None
     columns = []  # (user, column index) or (unbind user, None)
     for user in node.users:
-        index = user.args[1] if user.op == "call_function" and user.target is operator.getitem else None
-        if (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and isinstance(index[1], int)
-                and not isinstance(index[1], bool) and -ndim <= index[1] < ndim and user.args[0] is node):
+        index = user.args[1] if is_getitem(user) else None
+        if (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and is_int(index[1])
+                and -ndim <= index[1] < ndim and user.args[0] is node):
             columns.append((user, index[1] % ndim))
         elif (is_call(user, "unbind") and arg(user, 1, "dim", 0) in (1, -1) and 1 <= len(user.args) <= 2
               and user.args[0] is node):
@@ -159,7 +159,7 @@ def boolean_index_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> st
     torch.where(m)`: both select the elements where m is True in row-major order. An existing
     `torch.where(m)` before `node` is reused, so the rows and the weights of one expert share it."""
     setitem = node.op == "call_function" and op_name(node.target) == "setitem" and len(node.args) == 3
-    getitem = node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2
+    getitem = is_getitem(node) and len(node.args) == 2
     if not (setitem or getitem):
         return None
     v, m = node.args[0], node.args[1]
@@ -178,19 +178,8 @@ def boolean_index_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> st
         return None  # (other 1-D masks stay: the loop finders read `x[m]`, `out[m] = y` as they are)
     else:
         count = len(mask_shape)
-    where = next((u for twin in _equal_masks(m) for u in twin.users if is_call(u, "where") and len(u.args) == 1
-                  and not u.kwargs and order.get(u, len(order)) < order[node]), None)
-    if where is None:
-        where = insert_call(gm, node, torch.where, (m,))
-        order[where] = order[node] - 0.5  # before node: later selections by m reuse it
-    index = []
-    for i in range(count):
-        got = next((u for u in where.users if u.op == "call_function" and u.target is operator.getitem
-                    and u.args[1] == i and order.get(u, len(order)) < order[node]), None)
-        if got is None:
-            got = insert_call(gm, node, operator.getitem, (where, i))
-            order[got] = order[node] - 0.25
-        index.append(got)
+    where = _where_before(gm, m, node, order)
+    index = [_where_output_before(gm, where, i, node, order) for i in range(count)]
     index = index[0] if len(index) == 1 and not rest else (*index, *rest)
     if setitem:
         twin = insert_call(gm, node, operator.setitem, (v, index, node.args[2]))
@@ -219,15 +208,9 @@ def any_hit_where_to_hit_where(gm: fx.GraphModule, node: fx.Node, order: dict) -
     hit = _any_expert_hit(node.args[0])
     if hit is None or not all(getitem_of(u, 0) is node for u in node.users):
         return None
-    where = next((u for twin in _equal_masks(hit) for u in twin.users if is_call(u, "where") and len(u.args) == 1
-                  and not u.kwargs and order.get(u, len(order)) < order[node]), None)
-    if where is None:
-        where = insert_call(gm, node, torch.where, (hit,))
-        order[where] = order[node] - 0.5
+    where = _where_before(gm, hit, node, order)
     for user in list(node.users):
-        tok = insert_call(gm, user, operator.getitem, (where, 0))
-        order[tok] = order[user] - 0.5
-        user.replace_all_uses_with(tok)
+        user.replace_all_uses_with(_where_output_before(gm, where, 0, user, order))
         _erase_if_dead(gm.graph, user, order)
     return f"{node.name} -> where({hit.name})"
 
@@ -247,7 +230,7 @@ def _any_expert_hit(m) -> fx.Node | None:
     if not (is_call(hit, "eq", "__eq__") and len(hit.args) == 2 and not hit.kwargs):
         return None
     ids, e = hit.args if isinstance(hit.args[0], fx.Node) else hit.args[::-1]
-    if not isinstance(ids, fx.Node) or not isinstance(e, int) or isinstance(e, bool):
+    if not isinstance(ids, fx.Node) or not is_int(e):
         return None
     return hit if len(shape_of(ids) or ()) == 2 and _range_of(ids) is not None else None
 
@@ -262,6 +245,26 @@ def _equal_masks(m: fx.Node) -> list[fx.Node]:
             found += [u for u in src.users if u is not m and u.op == m.op and u.target == m.target
                       and u.args == m.args and not u.kwargs]
     return found
+
+
+def _where_before(gm: fx.GraphModule, mask: fx.Node, node: fx.Node, order: dict) -> fx.Node:
+    """A one-argument `torch.where` of `mask` (or of an `_equal_masks` twin) that runs before `node`:
+    the graph's own if it has one, else one inserted there, which later selections by mask reuse."""
+    where = next((u for twin in _equal_masks(mask) for u in twin.users if is_call(u, "where") and len(u.args) == 1
+                  and not u.kwargs and order.get(u, len(order)) < order[node]), None)
+    if where is None:
+        where = insert_call(gm, node, torch.where, (mask,))
+        order[where] = order[node] - 0.5
+    return where
+
+
+def _where_output_before(gm: fx.GraphModule, where: fx.Node, i: int, node: fx.Node, order: dict) -> fx.Node:
+    """`where[i]`, read before `node`: the graph's own node if one is, else one inserted there."""
+    got = next((u for u in where.users if getitem_of(u, i) is where and order.get(u, len(order)) < order[node]), None)
+    if got is None:
+        got = insert_call(gm, node, operator.getitem, (where, i))
+        order[got] = order[node] - 0.25
+    return got
 
 
 # --- masks compared against arange ------------------------------------------------------------
@@ -401,14 +404,12 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
     `w[tok, k, None]`): row tok[i] of G's column e sums w[tok[i], :] masked to the one slot k[i]
     whose id is e, so the values are equal (up to the sign of a zero) wherever the token's weights
     are finite (a NaN or inf weight in another slot makes G's entry NaN, as 0 * inf is)."""
-    if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
+    if not (is_getitem(node) and len(node.args) == 2 and is_getitem(node.args[0])):
         return None
     column, index = node.args
     made = {g: key for key, g in gm.meta.get("sonic_gate_matrices", {}).items()}
-    if not (isinstance(column, fx.Node) and column.op == "call_function" and column.target is operator.getitem):
-        return None
     gates, at = column.args
-    if gates not in made or not (isinstance(at, tuple) and len(at) == 2 and at[0] == slice(None) and _is_int(at[1])):
+    if gates not in made or not (isinstance(at, tuple) and len(at) == 2 and at[0] == slice(None) and is_int(at[1])):
         return None
     ids, w = made[gates]
     e, rest = at[1], ()
@@ -418,18 +419,11 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
     hit = where.args[0] if is_call(where, "where") and len(where.args) == 1 and not where.kwargs else None
     if not (is_call(hit, "eq", "__eq__") and not hit.kwargs and tuple(hit.args) in ((ids, e), (e, ids))):
         return None
-    k = next((u for u in where.users if getitem_of(u, 1) is where), None)
-    if k is None or order.get(k, len(order)) > order[node]:
-        k = insert_call(gm, node, operator.getitem, (where, 1))
-        order[k] = order[node] - 0.5
+    k = _where_output_before(gm, where, 1, node, order)
     picked = insert_call(gm, node, operator.getitem, (w, (index, k, *rest)))
     node.replace_all_uses_with(picked)
     order[picked] = order[node]
     return f"{node.name} -> {w.name}[{index.name}, {k.name}]"
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def column_then_none_to_one_index(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:

@@ -396,6 +396,16 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+def is_getitem(node: Any) -> bool:
+    """`src[...]`: an operator.getitem call node."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
+
+
+def is_int(value: Any) -> bool:
+    """A Python int constant (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def getitem_of(node: Any, index: Any) -> fx.Node | None:
     """If `node` is `src[index]` (operator.getitem), return src."""
     if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:

@@ -24,7 +24,6 @@ the dense code gives nan (0 * inf) and the rewrite gives the finite answer of th
 from __future__ import annotations
 
 import math
-import operator
 import re
 from typing import NamedTuple
 
@@ -40,6 +39,7 @@ from .common import (
     dtype_of,
     expect,
     is_call,
+    is_getitem,
     module_path,
     same_size,
     shape_of,
@@ -73,10 +73,6 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
         except NoMatch as exc:
             results.append(Rejection(IDIOM, module_path(node), str(exc)))
     return results
-
-
-def _is_index(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
 
 
 def _stacked_outputs(stack: fx.Node) -> list[fx.Node] | None:
@@ -136,7 +132,7 @@ def _broadcast_gates(node, walk: RegionWalk) -> fx.Node:
     if is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, 2):
         walk.mark(node)
         return node.args[0]
-    if _is_index(node) and node.args[1] in ((Ellipsis, None), (slice(None), slice(None), None)):
+    if is_getitem(node) and node.args[1] in ((Ellipsis, None), (slice(None), slice(None), None)):
         walk.mark(node)
         return node.args[0]
     raise NoMatch(f"{getattr(node, 'name', node)} is not a [T, E] matrix broadcast over a last dim")
@@ -157,13 +153,13 @@ def _column(node, walk: RegionWalk | None = None):
     if is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, 1):
         node = through_float_casts(node.args[0], walk)
         picked.append(node)
-        if _is_index(node) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2:
+        if is_getitem(node) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2:
             full, e = node.args[1]
             if full == slice(None) and isinstance(e, int):
                 walk.mark(*picked)
                 return node.args[0], e
         return None
-    if not _is_index(node) or not isinstance(node.args[1], tuple):
+    if not is_getitem(node) or not isinstance(node.args[1], tuple):
         return None
     index = node.args[1]
     if len(index) == 2 and index[0] == slice(None) and isinstance(index[1], slice):

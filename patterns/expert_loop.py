@@ -85,6 +85,7 @@ from .common import (
     expect,
     getitem_of,
     is_call,
+    is_int,
     module_path,
     same_size,
     shape_of,
@@ -181,14 +182,10 @@ def _expert_mask_shaped(mask) -> bool:
         ids = [a for a in mask.args if isinstance(a, fx.Node)]
         if len(ids) == 1 and (column := _column(ids[0])) is not None:
             ids = [column[0]]
-        return (len(ids) == 1 and any(_is_int(a) for a in mask.args)
+        return (len(ids) == 1 and any(is_int(a) for a in mask.args)
                 and is_call(getitem_of(ids[0], 1), "topk", "max"))
     one_hot = mask.args[0].args[0] if _is_index(mask) and is_call(mask.args[0], "permute") else None
     return is_call(one_hot, "one_hot") and is_call(getitem_of(one_hot.args[0], 1), "topk", "max")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _column(node) -> tuple[fx.Node, int] | None:
@@ -196,7 +193,7 @@ def _column(node) -> tuple[fx.Node, int] | None:
     if not _is_index(node) or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2:
         return None
     rows, k = node.args[1]
-    return (node.args[0], k) if rows == slice(None) and _is_int(k) else None
+    return (node.args[0], k) if rows == slice(None) and is_int(k) else None
 
 
 def _is_bool_mask(node) -> bool:
@@ -303,7 +300,7 @@ def _same_weights(a: ExpertMLP, b: ExpertMLP) -> bool:
     """Two calls of one expert: the same projections (the same graph inputs, or the same slices W[e]
     of the same stacked parameters), biases and activation."""
     def key(node):
-        if isinstance(node, fx.Node) and _is_index(node) and _is_int(node.args[1]):
+        if isinstance(node, fx.Node) and _is_index(node) and is_int(node.args[1]):
             return node.args[0], node.args[1]  # W[e], a slice node of its own at each call
         return node
     parts = lambda ex: [key(n) for n in (ex.w_gate, ex.w_up, ex.w_down, *ex.biases)]  # noqa: E731
@@ -441,7 +438,7 @@ def _expert_of_mask(mask_e, walk: RegionWalk) -> tuple[int, fx.Node, int, int | 
         ids, e = mask_e.args
         if isinstance(ids, int):
             ids, e = e, ids
-        expect(_is_int(e), "experts are selected by ids == <not a constant>")
+        expect(is_int(e), "experts are selected by ids == <not a constant>")
         column = _column(ids)
         if column is not None:  # ids[:, k] == e: [T] -> (tok,)
             walk.mark(ids)
@@ -491,7 +488,7 @@ def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk, colum
                 return False
             if extra == (None,) and len(index) == 2:
                 return index[1] == slice(column, column + 1, None)
-            return _is_int(index[1]) and index[1] == column and tuple(index[2:]) == extra
+            return is_int(index[1]) and index[1] == column and tuple(index[2:]) == extra
         if flat:  # w[tok] (then broadcast) or w[tok, None]
             return len(index) == 1 + len(extra) and _selects(index[0], where, 0) and tuple(index[1:]) == extra
         if len(index) != 2 + len(extra):

@@ -32,7 +32,6 @@ stacked experts pass B itself to `sonic::moe_experts` (no copy).
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 import torch.fx as fx
@@ -50,6 +49,7 @@ from .common import (
     expect,
     getitem_of,
     is_call,
+    is_getitem,
     module_path,
     shape_of,
     site_fields,
@@ -181,21 +181,17 @@ def _slice_of(node, dims: int = 3) -> tuple[fx.Node, int, bool] | None:
     """(W, e, part) when `node` is `W[e]`: a constant integer index into dim 0 of a graph input W of
     `dims` dimensions (3 for weights, 2 for biases); or, with part True, a constant range of W[e]'s
     first dim, `W[e, a:b]` or `W[e][a:b]` (a fused gate_up parameter read in halves)."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+    if not is_getitem(node):
         return None
     base, index = node.args
     part = False
     if isinstance(index, tuple) and len(index) == 2 and _constant_range(index[1]):
         index, part = index[0], True  # W[e, a:b]
-    elif _constant_range(index) and _is_getitem(base):
+    elif _constant_range(index) and is_getitem(base):
         base, index, part = base.args[0], base.args[1], True  # W[e][a:b]
     if not is_weight(base) or len(shape_of(base)) != dims or not isinstance(index, int) or isinstance(index, bool):
         return None
     return base, index, part
-
-
-def _is_getitem(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
 
 
 def _constant_range(index) -> bool:
