@@ -29,12 +29,15 @@ Rules (eager spelling -> canonical form):
 """
 from __future__ import annotations
 
+import math
 import operator
+import weakref
 
 import torch
 import torch.fx as fx
 
-from .common import arg, dtype_of, getitem_of, insert_call, is_call, op_name, shape_of
+from .canonical_views import chain_top, mark, view_root
+from .common import Rejection, arg, dtype_of, getitem_of, insert_call, is_call, is_int, op_name, same_size, shape_of, table_index
 
 
 # --- einsum as batched products --------------------------------------------------------------
@@ -167,6 +170,129 @@ def broadcast_matmul_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> s
     product = insert_call(gm, node, torch.bmm, (rows, b), autocast=autocast)
     node.replace_all_uses_with(product)
     return f"{node.name}: matmul over E={E} stacked weights -> bmm"
+
+
+# --- products of weights gathered by top-k ids, as the einsums `gathered_weights` reads ---------
+
+
+def _gathered_operand(node) -> tuple[fx.Node, fx.Node, fx.Node | None, bool] | None:
+    """(W [E, a, b], ids [T, K], the gather W[ids] or None, its last two dims swapped) when `node` is
+    `W[ids]` ([T, K, a, b]) or `W[ids.reshape(-1)]` ([T K, a, b]: gather None), either read as is or
+    through a transpose of its last two dims; else None."""
+    swapped = False
+    if is_call(node, "transpose") and len(node.args) == 3 and not node.kwargs:
+        ndim = len(shape_of(node))
+        if not (ndim and all(is_int(d) for d in node.args[1:]) and sorted(d % ndim for d in node.args[1:]) == [ndim - 2, ndim - 1]):
+            return None
+        node, swapped = node.args[0], True
+    found = table_index(node)
+    if found is None or len(shape_of(found[0])) != 3 or dtype_of(found[1]) not in (torch.int64, torch.int32):
+        return None
+    W, index = found
+    if len(shape_of(index)) == 2:
+        return W, index, node, swapped
+    ids = chain_top(index)
+    if len(shape_of(index)) == 1 and ids is not index and len(shape_of(ids)) == 2:
+        return W, ids, None, swapped
+    return None
+
+
+def _token_rows(gm, before, rows: fx.Node, T, K: int, width: int, flat: bool) -> fx.Node | None:
+    """A [T, width] tensor whose row t is every (t, k) product's rows, when `rows` holds each token's
+    row once for all its K slots (a size-1 K dim) or repeated over them (`x[:, None].expand(T, K, d)`,
+    `x.repeat_interleave(K, dim=0)`, reshaped); else None."""
+    base = None
+    if not flat and shape_of(rows)[1] == 1:
+        base = rows
+    else:
+        top = chain_top(rows)
+        if is_call(top, "expand") and len(shape_of(top)) >= 3 and same_size(shape_of(top)[0], T) and shape_of(top)[1] == K:
+            source = top.args[0]
+            shape = shape_of(source)
+            if len(shape) == len(shape_of(top)) and shape[1] == 1 and all(is_int(s) for s in shape[2:]) \
+                    and math.prod(shape[2:]) == width == math.prod(shape_of(top)[2:]):
+                base = source
+        elif is_call(top, "repeat_interleave") and len(shape_of(top.args[0])) == 2 and shape_of(top.args[0])[1] == width:
+            if arg(top, 1, "repeats") == K and arg(top, 2, "dim") in (0, -2) and len(top.args) <= 3 \
+                    and set(top.kwargs) <= {"repeats", "dim"}:
+                return top.args[0]
+    if base is None:
+        return None
+    return view_root(base, (T, width)) or insert_call(gm, before, torch.reshape, (base, (-1, width)))
+
+
+_TAKEN: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, set]]" = weakref.WeakKeyDictionary()
+
+
+def _taken_as_written(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of the regions `hf_batched_mm` finds in the graph as it is: transformers' batched_mm
+    experts, whose finder also reads what they do with expert-parallel sentinel ids; their bmm
+    products stay as written. Cached per graph until its node count changes."""
+    from . import hf_batched_mm
+
+    size = len(gm.graph.nodes)
+    cached = _TAKEN.get(gm.graph)
+    if cached is None or cached[0] != size:
+        regions = [m.region for m in hf_batched_mm.find(gm) if not isinstance(m, Rejection)]
+        cached = _TAKEN[gm.graph] = (size, set().union(*regions))
+    return cached[1]
+
+
+def gathered_product_to_einsum(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """A matmul or bmm of weights gathered by [T, K] ids and one row vector per (t, k) slot, as
+    the einsum `gathered_weights` reads:
+
+        x[:, None, None, :] @ W[ids]                  ->  einsum("ta,tkab->tkb", x, W[ids]).unsqueeze(2)
+        a @ W[ids]             (a [T, K, 1, a])        ->  einsum("tka,tkab->tkb", a.squeeze(2), W[ids]).unsqueeze(2)
+        torch.bmm(r, W[ids.reshape(-1)])  (r [T K, 1, a]: x repeated per slot, or any rows)
+                                                      ->  einsum("ta,tkab->tkb", x, W[ids]).reshape(-1, 1, b)
+        torch.bmm(W[f].transpose(1, 2), r.unsqueeze(-1))  ->  einsum("ta,tkab->tkb", ...).reshape(-1, b, 1)
+
+    W [E, a, b] either way round: the product of slot (t, k) is its row with expert ids[t, k]'s
+    matrix, in every spelling. The reshapes left around the results go by `canonical_views`."""
+    if not is_call(node, "matmul", "__matmul__", "bmm") or len(node.args) != 2 or node.kwargs:
+        return None
+    for side in (1, 0):
+        found = _gathered_operand(node.args[side])
+        if found is not None:
+            break
+    else:
+        return None
+    W, ids, gather, swapped = found
+    if node in _taken_as_written(gm):
+        return None
+    rows = node.args[1 - side]
+    ok, autocast = _autocast_dtype(node, *node.args) if isinstance(rows, fx.Node) else (False, None)
+    if not ok or not is_int(shape_of(ids)[1]):
+        return None
+    T, K = shape_of(ids)
+    sizes = dict(zip("ab", shape_of(W)[1:]))
+    matrix = "ba" if swapped else "ab"  # the operand's [rows, cols] as W's letters
+    contracted, kept = (matrix[0], matrix[1]) if side == 1 else (matrix[1], matrix[0])
+    tail = (1, sizes[contracted]) if side == 1 else (sizes[contracted], 1)
+    shape, flat = shape_of(rows), gather is None
+    if flat:
+        if not (len(shape) == 3 and same_size(shape[0], T * K) and tuple(shape[1:]) == tail):
+            return None
+    elif not (len(shape) == 4 and same_size(shape[0], T) and shape[1] in (1, K) and tuple(shape[2:]) == tail):
+        return None
+    width = sizes[contracted]
+    per_token = _token_rows(gm, node, rows, T, K, width, flat)
+    if per_token is not None:
+        operand, spec = per_token, "t" + contracted
+    else:
+        operand = view_root(rows, (T, K, width)) or mark(insert_call(gm, node, torch.reshape, (rows, (-1, K, width))))
+        spec = "tk" + contracted
+    if flat:
+        gather = insert_call(gm, node, operator.getitem, (W, ids))
+    product = mark(insert_call(gm, node, torch.einsum, (f"{spec},tkab->tk{kept}", operand, gather), autocast=autocast))
+    if flat:
+        out = insert_call(gm, node, torch.reshape, (product, (-1, *((1, sizes[kept]) if side == 1 else (sizes[kept], 1)))))
+    else:
+        out = insert_call(gm, node, torch.unsqueeze, (product, 2 if side == 1 else 3))
+    mark(out)
+    node.replace_all_uses_with(out)
+    return f"{node.name}: product with {W.name} gathered by {ids.name} -> einsum"
 
 
 # --- a loop over the experts' row blocks as grouped products -----------------------------------

@@ -401,6 +401,19 @@ def is_getitem(node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
 
 
+def table_index(node: Any) -> tuple[fx.Node, fx.Node] | None:
+    """(table, index) of `table[index]`, also spelt `table[index, ...]` or `table[index, :, :]` (as
+    gpt-oss's reference code does), both nodes; else None."""
+    if not (is_getitem(node) and len(node.args) == 2):
+        return None
+    table, index = node.args
+    if isinstance(index, tuple):
+        if not index or any(i is not Ellipsis and i != slice(None) for i in index[1:]):
+            return None
+        index = index[0]
+    return (table, index) if isinstance(table, fx.Node) and isinstance(index, fx.Node) else None
+
+
 def is_int(value: Any) -> bool:
     """A Python int constant (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -49,6 +49,7 @@ from .common import (
     module_path,
     same_size,
     shape_of,
+    table_index,
 )
 from .dense_experts import sums_dim
 from .module_list import topk_routing
@@ -92,17 +93,11 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
 
 
 def _gather_index(node: fx.Node, rank: int) -> fx.Node | None:
-    """The [T, K] index of `table[index]` (also spelt `table[index, ...]` or `table[index, :, :]`, as
-    gpt-oss's reference code does) on a rank-`rank` table, else None."""
-    if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
+    """The [T, K] index of `table[index]` (`common.table_index`) on a rank-`rank` table, else None."""
+    found = table_index(node)
+    if found is None:
         return None
-    table, index = node.args
-    if isinstance(index, tuple):
-        if not index or any(i is not Ellipsis and i != slice(None) for i in index[1:]):
-            return None
-        index = index[0]
-    if not (isinstance(table, fx.Node) and isinstance(index, fx.Node)):
-        return None
+    table, index = found
     return index if len(shape_of(table)) == rank and len(shape_of(index)) == 2 else None
 
 

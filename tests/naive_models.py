@@ -713,22 +713,28 @@ class GatheredMoE(Router):
     combine: "einsum", "einsum_w_first" ("ta,tai->ti"), "mul_sum" ((y * w.unsqueeze(-1)).sum(1)),
              "index_none_sum" ((y * w[..., None]).sum(dim=1))
     letters: other einsum letters for the same products
+    products: how each projection multiplies (not with the "cut" layouts):
+             "einsum"; "matmul" (`rows[:, None, None, :] @ W[ids]` over 4-D gathers, squeezed);
+             "bmm_flat" (`torch.bmm(x[:, None].expand(T, K, d).reshape(T * K, 1, d), W[ids.reshape(-1)])`);
+             "bmm_flat_t" (`torch.bmm(W[flat], x.repeat_interleave(K, 0).unsqueeze(-1)).squeeze(-1)`, the
+             weights' output dim first); "bmm_tiled" (as bmm_flat_t with the rows `x.repeat(K, 1)`: slot
+             (t, k) reads row (t K + k) mod T, not x[t]: not an MoE, the negative)
+    combine "flat": `(y.reshape(-1, d) * w.reshape(-1, 1)).view(T, K, d).sum(1)`
     Knobs that break it (the negative grid): down_ids ("flipped": the down projection gathers with
     ids.flip(-1)), up_rows ("scaled": the up projection reads 2 x), y_read (y's sum added to the
     output), sum_dim (the combine sums over d), down_orient (the down weights in the other
-    orientation), gather_read (the gathered W1[ids] also feeds the output), up_matmul (the up
-    projections as torch.matmul(W[ids], x[:, None, :, None]).squeeze(-1), W [E, out, in]), gate_bias
+    orientation), gather_read (the gathered W1[ids] also feeds the output), gate_bias
     (separate gate/up only: `+ B[ids]` on the gate projection, an unsupported layout), cut_swapped (the
     second half of the cut W13[ids] is the gate), cut_read (the cut's first half also feeds the output)
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", orient="out_in", combine="einsum", letters=False,
                  down_ids=None, up_rows=None, y_read=False, sum_dim=None, down_orient=None, gather_read=False,
-                 up_matmul=False, gate_bias=False, cut_swapped=False, cut_read=False):
+                 gate_bias=False, cut_swapped=False, cut_read=False, products="einsum"):
         super().__init__(d, E, K)
         self.gate_up, self.orient, self.combine, self.letters = gate_up, orient, combine, letters
         self.down_ids, self.up_rows, self.y_read, self.sum_dim = down_ids, up_rows, y_read, sum_dim
-        self.down_orient, self.gather_read, self.up_matmul = down_orient or orient, gather_read, up_matmul
+        self.down_orient, self.gather_read, self.products = down_orient or orient, gather_read, products
         self.gate_bias = nn.Parameter(torch.randn(E, n) * 0.1) if gate_bias else None
         self.cut_swapped, self.cut_read, self.n = cut_swapped, cut_read, n
 
@@ -737,9 +743,31 @@ class GatheredMoE(Router):
             self.w3 = stacked_param(E, n, d, orient)
         self.w2 = stacked_param(E, d, n, self.down_orient)
 
-    def _up(self, x, gathered):
-        if self.up_matmul:  # the same product as a batched matmul: not an einsum, left alone
-            return torch.matmul(gathered, x[:, None, :, None]).squeeze(-1)
+    def _product(self, rows, W, ids, orient):
+        """rows [T, i] or [T, K, i] times each slot's expert matrix of W, by `self.products`: [T, K, o]."""
+        T, K = ids.shape
+        if self.products == "matmul":
+            r = rows[:, None, None, :] if rows.dim() == 2 else rows.unsqueeze(2)
+            g = W[ids].transpose(-1, -2) if orient == "out_in" else W[ids]  # [T, K, i, o]
+            return (r @ g).squeeze(2)
+        flat = ids.reshape(-1)
+        if self.products == "bmm_flat":
+            i = rows.shape[-1]
+            r = rows[:, None, :].expand(T, K, i).reshape(T * K, 1, i) if rows.dim() == 2 else rows.reshape(T * K, 1, i)
+            g = W[flat].transpose(1, 2) if orient == "out_in" else W[flat]  # [T K, i, o]
+            return torch.bmm(r, g).view(T, K, -1)
+        if rows.dim() == 2:
+            r = (rows.repeat_interleave(K, dim=0) if self.products == "bmm_flat_t" else rows.repeat(K, 1)).unsqueeze(-1)
+        else:
+            r = rows.reshape(T * K, -1, 1)
+        g = W[flat] if orient == "out_in" else W[flat].transpose(1, 2)  # [T K, o, i]
+        return torch.bmm(g, r).squeeze(-1).view(T, K, -1)
+
+    def _up(self, x, W, ids, gathered=None):
+        """x times W[ids] (or the given gathered halves) by `self.products`."""
+        if self.products != "einsum":
+            return self._product(x, W, ids, self.orient)
+        gathered = W[ids] if gathered is None else gathered
         eq = {("out_in", False): "ti,taoi -> tao", ("in_out", False): "ti,taio->tao",
               ("out_in", True): "bh,bkfh->bkf", ("in_out", True): "bh,bkhf->bkf"}[self.orient, self.letters]
         return torch.einsum(eq, x, gathered)
@@ -747,26 +775,30 @@ class GatheredMoE(Router):
     def forward(self, x):
         _, w, ids = self.route(x)
         rows = 2 * x if self.up_rows == "scaled" else x
-        w1 = self.w1[ids]  # [T, K, ., .]
+        w1 = self.w1[ids] if self.products == "einsum" else None  # [T, K, ., .]
         if self.gate_up == "separate":
-            g = self._up(rows, w1)
-            a = F.silu(g if self.gate_bias is None else g + self.gate_bias[ids]) * self._up(x, self.w3[ids])
+            g = self._up(rows, self.w1, ids, w1)
+            u = self._up(x, self.w3, ids)
+            a = F.silu(g if self.gate_bias is None else g + self.gate_bias[ids]) * u
         elif self.gate_up == "fused":
-            g, u = self._up(x, w1).chunk(2, dim=-1)
+            g, u = self._up(x, self.w1, ids, w1).chunk(2, dim=-1)
             a = F.silu(g) * u
         elif self.gate_up in ("cut", "cut-split", "cut-sections"):
             dim = 2 if self.orient == "out_in" else 3  # the output dim of W13[ids]
             sizes = {"cut-split": self.n, "cut-sections": [self.n, self.n]}
             halves = w1.chunk(2, dim=dim) if self.gate_up == "cut" else w1.split(sizes[self.gate_up], dim=dim)
             g_w, u_w = halves[::-1] if self.cut_swapped else halves
-            a = F.silu(self._up(x, g_w)) * self._up(x, u_w)
+            a = F.silu(self._up(x, None, ids, g_w)) * self._up(x, None, ids, u_w)
             if self.cut_read:
                 a = a + halves[0].sum()
         else:
-            a = F.gelu(self._up(x, w1))
+            a = F.gelu(self._up(x, self.w1, ids, w1))
         down_ids = ids.flip(-1) if self.down_ids == "flipped" else ids
-        eq = "tao,taio->tai" if self.down_orient == "out_in" else "tao,taoi->tai"
-        y = torch.einsum(eq, a, self.w2[down_ids])
+        if self.products != "einsum":
+            y = self._product(a, self.w2, down_ids, self.down_orient)
+        else:
+            eq = "tao,taio->tai" if self.down_orient == "out_in" else "tao,taoi->tai"
+            y = torch.einsum(eq, a, self.w2[down_ids])
         if self.sum_dim is not None:
             out = (y * w.unsqueeze(-1)).sum(self.sum_dim)
         elif self.combine == "einsum":
@@ -775,6 +807,9 @@ class GatheredMoE(Router):
             out = torch.einsum("ta,tai->ti", w, y)
         elif self.combine == "mul_sum":
             out = (y * w.unsqueeze(-1)).sum(1)
+        elif self.combine == "flat":
+            T, K, d = y.shape
+            out = (y.reshape(-1, d) * w.reshape(-1, 1)).view(T, K, d).sum(1)
         else:
             out = (y * w[..., None]).sum(dim=1)
         if self.y_read:

@@ -1011,3 +1011,140 @@ def test_rows_holding_an_expert_of_ids_outside_a_top_k_stay():
     gm = traced(fn, *args)
     assert not any(line.startswith("any_hit") for line in canonicalize(gm))
     same_value(gm, fn, *args)
+
+
+# --- products of gathered weights as einsums, and the reshapes around them ---------------------
+
+def _gathered_args():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(T, d, generator=g), torch.randint(0, E, (T, K), generator=g),
+            torch.randn(E, d, 2 * n, generator=g), torch.randn(E, n, d, generator=g))
+
+
+def _gathered_by(spelling):
+    """Each slot's expert MLP, [T, K, d], on weights gathered by ids, in the spelling named."""
+    def einsum_form(x, ids, w13, w2):  # the canonical form
+        g, u = torch.einsum("ta,tkab->tkb", x, w13[ids]).chunk(2, -1)
+        return torch.einsum("tkb,tkbc->tkc", F.silu(g) * u, w2[ids])
+
+    def matmul_form(x, ids, w13, w2):
+        g, u = (x[:, None, None, :] @ w13[ids]).chunk(2, -1)
+        return ((F.silu(g) * u) @ w2[ids]).squeeze(2)
+
+    def bmm_form(x, ids, w13, w2):  # rows repeated per slot, ids flattened
+        flat = ids.reshape(-1)
+        rows = x[:, None, :].expand(T, K, d).reshape(T * K, 1, d)
+        g, u = torch.bmm(rows, w13[flat]).chunk(2, -1)
+        return torch.bmm(F.silu(g) * u, w2[flat]).view(T, K, d)
+
+    def bmm_columns_form(x, ids, w13, w2):  # the weights' output dim first, rows as columns
+        flat = ids.reshape(-1)
+        h = torch.bmm(w13[flat].transpose(1, 2), x.repeat_interleave(K, dim=0).unsqueeze(-1)).squeeze(-1)
+        g, u = h.chunk(2, -1)
+        return torch.bmm(w2[flat].transpose(1, 2), (F.silu(g) * u).unsqueeze(-1)).squeeze(-1).view(T, K, d)
+
+    def tiled_form(x, ids, w13, w2):  # slot (t, k) reads row (t K + k) mod T: not per token
+        flat = ids.reshape(-1)
+        g, u = torch.bmm(x.repeat(K, 1)[:, None, :], w13[flat]).chunk(2, -1)
+        return torch.bmm(F.silu(g) * u, w2[flat]).view(T, K, d)
+
+    return {"einsum": einsum_form, "matmul": matmul_form, "bmm": bmm_form, "bmm_columns": bmm_columns_form,
+            "tiled": tiled_form}[spelling]
+
+
+@pytest.mark.parametrize("spelling", ["matmul", "bmm", "bmm_columns"])
+def test_gathered_weight_products_become_einsums(spelling):
+    args = _gathered_args()
+    fn, canonical = _gathered_by(spelling), traced(_gathered_by("einsum"), *args)
+    gm = traced(fn, *args)
+    assert any(line.startswith("gathered_product_to_einsum") for line in canonicalize(gm))
+    assert canonicalize(canonical) == []
+    assert sorted(ops(gm)) == sorted(ops(canonical)), (ops(gm), ops(canonical))
+    same_value(gm, fn, *args)
+
+
+def test_a_gathered_product_of_rows_not_per_token_reads_them_per_slot():
+    args = _gathered_args()
+    fn = _gathered_by("tiled")
+    gm = traced(fn, *args)
+    canonicalize(gm)
+    einsums = [node for node in gm.graph.nodes if node.op == "call_function" and op_name(node.target) == "einsum"]
+    assert [node.args[0][:4] for node in einsums] == ["tka,", "tka,"]  # [T, K, d] rows, not x [T, d]
+    same_value(gm, fn, *args)
+
+
+def test_other_gathered_products_stay():
+    W, rows = torch.randn(E, d, n), torch.randn(T, 1, d)
+    by_positions = traced(lambda r, w, i: torch.bmm(r, w[i]), rows, W, torch.randint(0, E, (T,)))  # 1-D ids
+    by_floats = traced(lambda r, w, m: r[:, None] @ (w[None] * m[:, :, None, None]), rows, W, torch.rand(T, E))
+    assert canonicalize(by_positions) == [] and canonicalize(by_floats) == []
+
+
+def test_a_combine_of_flat_slots_after_gathered_products_becomes_per_slot():
+    """y [T K, d] scaled by w.reshape(-1, 1) and viewed [T, K, d]: after the products are einsums,
+    the scaling runs on their [T, K, d] result with w regrouped alike."""
+    def flat(x, ids, w13, w2, w):
+        y = _gathered_by("bmm")(x, ids, w13, w2).reshape(T * K, d)
+        return (y * w.reshape(-1, 1)).view(T, K, d).sum(1)
+
+    def per_slot(x, ids, w13, w2, w):
+        return (_gathered_by("einsum")(x, ids, w13, w2) * w.reshape(-1, K, 1)).sum(1)
+
+    args = (*_gathered_args(), torch.rand(T, K))
+    gm = traced(flat, *args)
+    assert any(line.startswith("reshape_through_elementwise") for line in canonicalize(gm))
+    assert sorted(ops(gm)) == sorted(ops(traced(per_slot, *args)))
+    same_value(gm, flat, *args)
+
+
+def test_reshapes_away_from_a_respelled_product_stay():
+    """The view rules act only next to a product `gathered_product_to_einsum` respelled: a finder
+    may read other views as written."""
+    def chains(x, g):
+        return x[:, None, None, :].reshape(T, d) * 2, g.unsqueeze(2).squeeze(2) + 1
+
+    def elementwise(g, u):
+        return (F.silu(g.unsqueeze(2)) * u.unsqueeze(2)).squeeze(2)
+
+    for fn, args in ((chains, (torch.randn(T, d), torch.randn(T, K, n))),
+                     (elementwise, (torch.randn(T, K, n), torch.randn(T, K, n)))):
+        assert canonicalize(traced(fn, *args)) == []
+
+
+def _marked_graph(fn, *args):
+    """fn traced, its reshapes marked as a respelled product's (the view rules' precondition)."""
+    from moe_compiler.patterns.canonical_views import mark, reshaped
+
+    gm = traced(fn, *args)
+    for node in gm.graph.nodes:
+        if reshaped(node) is not None:
+            mark(node)
+    return gm
+
+
+def test_marked_reshape_chains_written_in_place_reinterpreting_or_of_other_strides_stay():
+    def written(x):
+        v = x.view(1, T, d)
+        v.mul_(2)
+        return v.view(T, d) + 1
+
+    def bits(x):
+        return x.view(torch.int32).view(torch.float32) + 1
+
+    def strides(x):  # x.t() flat and back: a contiguous copy (a later view may rely on it), not x.t()
+        return x.t().reshape(-1).reshape(d, T) + 1
+
+    for fn in (written, bits, strides):
+        assert canonicalize(_marked_graph(fn, torch.randn(T, d))) == []
+
+
+def test_a_marked_reshape_of_elementwise_code_stays_when_nothing_comes_back_or_the_code_is_read_twice():
+    def nothing_back(a, b):
+        return (a * b).view(-1)
+
+    def read_twice(g):
+        h = F.silu(g.unsqueeze(2))
+        return h.squeeze(2), h.sum()
+
+    for fn, args in ((nothing_back, (torch.randn(T, d), torch.randn(T, d))), (read_twice, (torch.randn(T, K, n),))):
+        assert canonicalize(_marked_graph(fn, *args)) == []

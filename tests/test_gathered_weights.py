@@ -1,6 +1,7 @@
 """The `gathered_weights` idiom: `einsum` on `W[ids]` (stacked weights gathered per token by the
 top-k ids) as gpt-fast's Mixtral, gpt-oss's reference MLPBlock (with gathered biases) and SGLang's
-native fallback (`W13[ids]` cut into gate and up) write it, rewritten into the op.
+native fallback (`W13[ids]` cut into gate and up) write it, and the same products as batched
+matmuls or bmm over `W[ids.reshape(-1)]`, rewritten into the op.
 
 As in test_naive_patterns: outputs and every gradient equal eager in training and under no_grad,
 one region rewritten, the expected op executed; the negative grid stays untouched with its reason
@@ -36,6 +37,14 @@ VARIANTS = {  # kwargs, the op, the reported layout
     "cut-sections-letters": (dict(gate_up="cut-sections", letters=True), STACKED_OP, "concatenated"),
     "plain-in_out-letters-K_eq_E": (dict(gate_up="plain", orient="in_out", letters=True, K=4), STACKED_OP,
                                 "concatenated, transposed"),
+    # the same products as batched matmuls (`canonical_products.gathered_product_to_einsum`)
+    "matmul": (dict(products="matmul"), SPLIT_OP, "separate gate/up (two stacked parameters)"),
+    "matmul-plain-in_out": (dict(products="matmul", gate_up="plain", orient="in_out"), STACKED_OP,
+                            "concatenated, transposed"),
+    "bmm_flat-fused": (dict(products="bmm_flat", gate_up="fused"), STACKED_OP, "concatenated"),
+    "bmm_flat_t-in_out-flat": (dict(products="bmm_flat_t", orient="in_out", combine="flat"), SPLIT_OP,
+                               "separate gate/up (two stacked parameters, transposed)"),
+    "bmm_flat_t-fused-flat": (dict(products="bmm_flat_t", gate_up="fused", combine="flat"), STACKED_OP, "concatenated"),
 }
 
 
@@ -46,7 +55,7 @@ def test_gathered_weights_match_eager(variant):
     assert report.rewritten[0].details["layout"] == layout, str(report)
 
 
-@pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first", "cut-sglang-native"])
+@pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first", "cut-sglang-native", "bmm_flat_t-fused-flat"])
 def test_gathered_weights_inductor(variant):
     kwargs, op, _ = VARIANTS[variant]
     _check_rewrite(GatheredMoE(**kwargs), IDIOM, compiler="inductor", op=op)
@@ -88,7 +97,8 @@ NEGATIVE = {
     "summed-over-d": (dict(sum_dim=2), "not summed over each token's K experts"),
     "orientation-mismatch": (dict(gate_up="plain", down_orient="in_out"), "two orientations"),
     "gather-read-elsewhere": (dict(gather_read=True), "read more than once"),
-    "up-matmul": (dict(up_matmul=True), "not by an einsum with the hidden states"),
+    # x.repeat(K, 1): slot (t, k) multiplies row (t K + k) mod T, not x[t]
+    "bmm-rows-tiled": (dict(products="bmm_tiled"), "none found its first projection in those forms"),
     "separate-gate-bias": (dict(gate_bias=True), "biases on separate stacked gate and up parameters"),
     "cut-up-first": (dict(gate_up="cut", cut_swapped=True), "[up | gate] in one parameter is not a layout"),
     "cut-half-read-elsewhere": (dict(gate_up="cut", cut_read=True), "is read twice"),
@@ -103,7 +113,7 @@ def test_gathered_weights_negative_untouched(case, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first", "plain-index_none_sum",
-                                     "cut-split-in_out-mul_sum"])
+                                     "cut-split-in_out-mul_sum", "matmul", "bmm_flat-fused", "bmm_flat_t-fused-flat"])
 def test_gathered_weights_gpu_bf16(variant):
     _check_gpu_bf16(lambda: GatheredMoE(**VARIANTS[variant][0]), IDIOM)
 
