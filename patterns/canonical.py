@@ -53,6 +53,9 @@ Rules (eager spelling -> canonical form):
         # zeros_like as well: the permutation writes every row)
     torch.einsum(...), x @ W, torch.split(...) loops over experts   ->  torch.bmm, products, torch._grouped_mm
         # the rules of `canonical_products` (listed there)
+    x[:, None, None, :] @ W[ids], torch.bmm(r, W[ids.reshape(-1)])  ->  torch.einsum("ta,tkab->tkb", x, W[ids])
+        # `canonical_products.gathered_product_to_einsum`, then `canonical_views`' rules on the
+        # reshapes left around the einsums
     a = x.bfloat16(); b = x.bfloat16()            ->  b is a
     a = x[tok]; b = x[tok]                        ->  b is a
         # duplicate casts, views and row selections of one tensor (torchtitan casts x once per

@@ -1,5 +1,5 @@
-"""Canonical forms of products: einsum and matmul spellings as batched matmuls, and a loop over
-the experts' blocks of rows as grouped products. Rules of `patterns.canonical` (which runs them
+"""Canonical forms of products: einsum and matmul spellings as batched matmuls, products of
+gathered weights as einsums, and a loop over the experts' blocks of rows as grouped products. Rules of `patterns.canonical` (which runs them
 with the others and states what a rule must keep).
 
 Rules (eager spelling -> canonical form):
@@ -18,6 +18,12 @@ Rules (eager spelling -> canonical form):
         # a [T, E] matrix weighting [E, T, d] (or [T, E, d]) values summed over E
         # (both: the same sums of products, in float32/float64 only: in bf16/fp16 each product
         # would be rounded before the sum, which einsum's matmul accumulates in float32)
+    x[:, None, None, :] @ W[ids]                  ->  torch.einsum("ta,tkab->tkb", x, W[ids]).unsqueeze(2)
+    torch.bmm(x[:, None].expand(T, K, d).reshape(T * K, 1, d), W[ids.reshape(-1)])
+                                                  ->  torch.einsum("ta,tkab->tkb", x, W[ids]).reshape(-1, 1, b)
+        # products of weights gathered by [T, K] ids with one row per slot, the einsums
+        # `gathered_weights` reads (`gathered_product_to_einsum` lists the forms); the reshapes
+        # left around them go by `canonical_views`
     blocks = torch.split(rows, C.tolist())         ->  offs = torch.cumsum(C, 0, dtype=torch.int32)
     y = torch.cat([f(b, W1[e], W2[e]) for e, b in enumerate(blocks)])
                                                   ->  y = f(rows, W1, W2), each `b @ W[e]` (through
