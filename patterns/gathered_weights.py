@@ -268,7 +268,7 @@ def _check(ids: fx.Node, x: fx.Node, ups: list[fx.Node]) -> MoEMatch:
             w1, w_up = gate.gather.args[0], up.gather.args[0]
         walk.mark(*backward_slice([a], stop=set(ups)))
     y, b2 = _biased(down, ids, walk)
-    anchor, weights = _combine(y, T, K, d, walk)
+    anchor, weights = weighted_sum_over_slots(y, T, K, d, walk)
     expect(shape_of(weights) == shape_of(ids), "top-k weights and ids differ in shape")
     expect(shape_of(w1)[0] == E, f"the weights hold {shape_of(w1)[0]} experts, the router ranks E={E}")
     return finish_match(IDIOM, ups[0], walk, anchor, x, ids, weights, w1, down_p.gather.args[0], b1, b2, transposed, act,
@@ -290,7 +290,7 @@ def _down_projection(ups: list[fx.Node], ids: fx.Node) -> fx.Node:
     raise NoMatch("no down projection on weights gathered by the same ids reads the up projections")
 
 
-def _combine(y: fx.Node, T, K: int, d, walk: RegionWalk) -> tuple[fx.Node, fx.Node]:
+def weighted_sum_over_slots(y: fx.Node, T, K: int, d, walk: RegionWalk) -> tuple[fx.Node, fx.Node]:
     """(the [T, d] anchor, the [T, K] weights) of `einsum("tkd,tk->td", y, w)` (any letters, either
     order) or `(y * w.unsqueeze(-1)).sum(1)` (w[..., None], w.view(T, K, 1); casts allowed)."""
     shape = shape_of(y)

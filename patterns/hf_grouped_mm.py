@@ -61,6 +61,7 @@ from .common import (
     summed_per_token,
     users_getitem,
 )
+from .gathered_weights import weighted_sum_over_slots
 from .module_list import ranked_over
 
 IDIOM = "hf_grouped_mm"
@@ -112,6 +113,27 @@ def _weight_of(node, walk: RegionWalk) -> tuple[fx.Node, bool]:
         walk.mark(node)
         return node.args[0], False
     return node, True
+
+
+def unsorted_first(y: fx.Node) -> bool:
+    """The expert rows' one reader un-sorts them (`y[inv]`, inv an `empty_like` filled by a scatter)."""
+    readers = list(y.users)
+    return (len(readers) == 1 and readers[0].op == "call_function" and readers[0].target is operator.getitem
+            and readers[0].args[0] is y and is_call(readers[0].args[1], "empty_like"))
+
+
+def weighted_after_unsort(y: fx.Node, perm: fx.Node, T, K: int, d, walk: RegionWalk) -> tuple[fx.Node, fx.Node]:
+    """(anchor, [T, K] weights) of `einsum("tkd,tk->td", y[inv].view(T, K, d), w)` or
+    `(y[inv].view(T, K, d) * w.unsqueeze(-1)).sum(1)`: slot t*K + k reads its row back, scaled by
+    w[t, k], summed per token; the same sum as weighting the sorted rows first."""
+    (unsort,) = y.users
+    check_inverse_permutation(unsort, perm, walk)
+    view = walk.only_reader(unsort)
+    shape = shape_of(view) if view is not None else ()
+    expect(is_call(view, "view", "reshape") and len(shape) == 3 and same_size(shape[0], T) and shape[1] == K,
+           "un-sorted rows are not viewed as [T, K, d]")
+    walk.mark(view)
+    return weighted_sum_over_slots(view, T, K, d, walk)
 
 
 def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
@@ -175,17 +197,22 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     expect(not isinstance(act, str), str(act))
     walk.mark(*backward_slice([a], stop={h}))
 
-    # weighted = y * w_g[:, None];  w_g = topk_weights.reshape(-1)[perm]
-    mul, topk_weights = scaled_by_routing_weights(walk.forward(down), walk, topk_ids, perm)
+    y = walk.forward(down)
+    if unsorted_first(y):  # the rows un-sorted, then their [T, K, d] weighted and summed over K
+        anchor, topk_weights = weighted_after_unsort(y, perm, T, K, d, walk)
+    else:
+        # weighted = y * w_g[:, None];  w_g = topk_weights.reshape(-1)[perm]
+        mul, topk_weights = scaled_by_routing_weights(y, walk, topk_ids, perm)
 
-    # unsorted = weighted[inv_perm];  inv_perm[perm] = arange(TK)
-    weighted = walk.forward(mul)
-    unsort = walk.only_reader(weighted)
-    expect(unsort is not None and unsort.op == "call_function" and unsort.target is operator.getitem, "weighted rows are not un-permuted")
-    check_inverse_permutation(unsort, perm, walk)
+        # unsorted = weighted[inv_perm];  inv_perm[perm] = arange(TK)
+        weighted = walk.forward(mul)
+        unsort = walk.only_reader(weighted)
+        expect(unsort is not None and unsort.op == "call_function" and unsort.target is operator.getitem, "weighted rows are not un-permuted")
+        check_inverse_permutation(unsort, perm, walk)
 
-    # out = unsorted.view(T, K, d).sum(1)
-    anchor = summed_per_token(unsort, walk, T, K)
+        # out = unsorted.view(T, K, d).sum(1)
+        anchor = summed_per_token(unsort, walk, T, K)
+    expect(shape_of(topk_weights) == shape_of(topk_ids), "top-k weights and ids differ in shape")
     match = finish_match(
         IDIOM, up, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, E=E, K=K, T=T, d=d
     )

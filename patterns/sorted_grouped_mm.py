@@ -55,7 +55,8 @@ from .common import (
     shape_of,
     summed_per_token,
 )
-from .hf_grouped_mm import SCATTERS, _weight_of as _grouped_weight, grouped_calls, looks_scattered
+from .hf_grouped_mm import (SCATTERS, _weight_of as _grouped_weight, grouped_calls, looks_scattered, unsorted_first,
+                            weighted_after_unsort)
 from .module_list import through_float_casts, topk_routing
 
 IDIOM = "sorted_grouped_mm"
@@ -268,21 +269,24 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
 
     # y, scaled by the sorted weights unless the inputs were, then scattered back to the tokens
     y = _forward_float_casts(walk.forward(down), walk)
-    if input_scaled:
-        topk_weights = scaled[1]
-        src = y
+    if not input_scaled and unsorted_first(y):  # un-sorted, then weighted per [T, K] slot and summed
+        (anchor, topk_weights), added_to, acc = weighted_after_unsort(y, perm, T, K, d, walk), None, None
     else:
-        mul = walk.only_reader(y)
-        found = _scaled(mul, perm, walk) if mul is not None else None
-        expect(found is not None and found[0] is y, "expert outputs are not scaled by the routing weights")
-        topk_weights = found[1]
-        src = mul
-    src = _forward_float_casts(src, walk)
-    reader = walk.only_reader(src)
-    if reader is not None and reader.op == "call_function" and reader.target is operator.getitem:
-        anchor, added_to, acc = _unsorted_back(src, perm, T, K, walk), None, None
-    else:
-        anchor, added_to, acc = _scatter_back(src, tok, T, d, walk)
+        if input_scaled:
+            topk_weights = scaled[1]
+            src = y
+        else:
+            mul = walk.only_reader(y)
+            found = _scaled(mul, perm, walk) if mul is not None else None
+            expect(found is not None and found[0] is y, "expert outputs are not scaled by the routing weights")
+            topk_weights = found[1]
+            src = mul
+        src = _forward_float_casts(src, walk)
+        reader = walk.only_reader(src)
+        if reader is not None and reader.op == "call_function" and reader.target is operator.getitem:
+            anchor, added_to, acc = _unsorted_back(src, perm, T, K, walk), None, None
+        else:
+            anchor, added_to, acc = _scatter_back(src, tok, T, d, walk)
     expect(shape_of(topk_weights) == shape_of(topk_ids), "top-k weights and ids differ in shape")
     expect(dtype_of(anchor) == dtype_of(x), f"the combine is in {dtype_of(anchor)}, the hidden states in {dtype_of(x)}")
     match = finish_match(IDIOM, ups[0], walk, anchor, x, topk_ids, topk_weights, w1, w2, None, None, transposed, act,

@@ -907,6 +907,8 @@ class SortedGroupedMoE(Router):
     combine: "scatter_add" (into zeros_like), "scatter_add_" (in place), "index_add", "shared" (into a
              shared expert's output), "unsort" (`u = zeros_like(y); u[perm] = y; u.view(T, K, d).sum(1)`),
              "scatter_reduce" (`zeros_like(x).scatter_reduce(0, index, y, "sum", include_self=False)`),
+             "unsort_einsum" / "unsort_mul_sum" (the unscaled rows un-sorted as "unsort" does, then weighted
+             per slot: `einsum("tkd,tk->td", u.view(T, K, d), w)` / `(u.view(T, K, d) * w.unsqueeze(-1)).sum(1)`),
              or the name of a `sonic_test::` library op called as op(zeros_like(x), index, y) (torchtitan 0.3)
     casts: torchtitan's `.bfloat16()` on the rows and weights (no-ops on a bf16 model)
     offsets: "dtype" (`torch.cumsum(counts, 0, dtype=torch.int32)`), "cast" (`counts.cumsum(0).to(torch.int32)`)
@@ -981,6 +983,13 @@ class SortedGroupedMoE(Router):
         if self.experts != "for_loop":
             w2 = self.w2.bfloat16() if self.casts else self.w2
             y = torch._grouped_mm(h, B(w2), offs=offs).type_as(x)
+        if self.combine in ("unsort_einsum", "unsort_mul_sum"):
+            unsorted = torch.zeros_like(y)
+            unsorted[perm] = y
+            slots = unsorted.view(T, self.K, d)
+            if self.combine == "unsort_einsum":
+                return torch.einsum("tkd,tk->td", slots, w)
+            return (slots * w.unsqueeze(-1)).sum(1)
         if not self.score_before:
             y = (y.to(torch.float32) * w_sorted.reshape(-1, 1)).to(x.dtype)
         if self.scatter_rows == "perm":

@@ -30,6 +30,9 @@ VARIANTS = {
     # torchtitan 0.2's without its padding), gate and up as two grouped_mm
     "unsort-separate": dict(combine="unsort"),
     "unsort-separate-scores-before-index": dict(combine="unsort", score_before=True, rows="index"),
+    # weighted after the unsort, per [T, K] slot
+    "unsort-then-einsum": dict(combine="unsort_einsum"),
+    "unsort-then-mul_sum-index": dict(combine="unsort_mul_sum", rows="index"),
     # torchtune's GroupedExperts: gate and up [E, d, n], down [E, n, d], handed to grouped_mm untransposed
     "in_out-separate": dict(orient="in_out", score_before=True),
     "in_out-fused": dict(orient="in_out", gate_up="fused"),
@@ -68,6 +71,14 @@ def test_experts_for_loop_in_float32_is_left_alone_with_the_reason(variant, capl
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sorted_grouped_mm_matches_eager_cpu_bf16(variant):
     _check_gpu_bf16(lambda: SortedGroupedMoE(**VARIANTS[variant]), IDIOM, "cpu", "aot_eager")
+
+
+@pytest.mark.parametrize("combine", ["unsort_einsum", "unsort_mul_sum"])
+def test_fused_experts_weighted_after_the_unsort_are_transformers_layout_cpu_bf16(combine):
+    """x[perm // K], one fused gate_up, counts of the sorted ids, the un-sorted rows weighted per
+    [T, K] slot: transformers' grouped_mm path with the weights applied after the unsort."""
+    _check_gpu_bf16(lambda: SortedGroupedMoE(combine=combine, gate_up="fused", rows="index", sort="sort"),
+                    "hf_grouped_mm", "cpu", "aot_eager")
 
 
 def test_sorted_grouped_mm_inductor_cpu_bf16():
