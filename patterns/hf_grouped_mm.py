@@ -16,6 +16,10 @@ Eager code it matches (transformers/integrations/moe.py, `grouped_mm_experts_for
     inv_perm = torch.empty_like(perm); inv_perm[perm] = torch.arange(TK)
     out = weighted[inv_perm].view(T, K, d).sum(dim=1)             # [T, d]
 
+The weights may also come after the unsort, per slot of the un-sorted, unweighted rows:
+`out = torch.einsum("tkd,tk->td", y[inv_perm].view(T, K, d), top_k_weights)` (or the scaled sum
+over K), the same sum.
+
 `grouped_mm` is `torch._grouped_mm` / `F.grouped_mm` (bf16 under compile) or the opaque
 `transformers::grouped_mm_fallback` (fp32/fp16). transformers 5.17 also inserts expert-parallel
 sentinel nodes (`expert_ids_g >= E` masks, `clamp_`, `masked_fill(_)`; transformers >= 5.20 under

@@ -16,6 +16,9 @@ Eager code it matches, shapes (T tokens, d hidden, n expert width, E experts, K 
     out = torch.zeros_like(x).scatter_add(0, tok.reshape(-1, 1).expand(-1, d), y)   # (or index_add, in place,
                                                                            #  or into a shared expert's output)
 
+The rows may also go back un-sorted first (`u[perm] = y`, or a gather through the inverse
+permutation) and be weighted per [T, K] slot after (`torch.einsum("tkd,tk->td", u.view(T, K, d), w)`).
+
 Slot s of the sorted order is token perm[s] // K with expert ids.view(-1)[perm[s]]; ascending
 expert order with the histogram's counts makes grouped_mm run expert e on exactly its slots, and
 the scatter-add sums each token's K rows: `out[t] = sum_k w[t, k] * expert_{ids[t, k]}(x[t])`
