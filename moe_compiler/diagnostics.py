@@ -23,6 +23,9 @@ class RegionRecord:
 class Report:
     records: list[RegionRecord] = dataclasses.field(default_factory=list)
     graphs: int = 0
+    # `explain`: Dynamo's graph breaks while tracing, one line each (what broke, and where when Dynamo
+    # says): a layer split across graphs, or a frame left to eager, is never seen whole by a finder
+    graph_breaks: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def rewritten(self) -> list[RegionRecord]:
@@ -34,8 +37,12 @@ class Report:
 
     def __str__(self) -> str:
         head = f"moe_compiler: {len(self.rewritten)} MoE region(s) rewritten, {len(self.rejected)} left untouched, {self.graphs} graph(s)"
+        breaks = ""
+        if self.graph_breaks:
+            breaks = ("\n  Dynamo graph breaks (a layer split across graphs, or a frame left to eager, is not seen whole):"
+                      + "".join(f"\n  - {b}" for b in self.graph_breaks))
         if not self.records:
-            return head + "\n  (no MoE candidate found)"
+            return head + "\n  (no MoE candidate found)" + breaks
         cols = ("graph", "module", "idiom", "status", "activation", "layout", "router", "shared", "dtype", "shape / reason")
         rows = []
         for r in self.records:
@@ -51,7 +58,7 @@ class Report:
         widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
         line = lambda vals: "  " + " | ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
         sep = "  " + "-+-".join("-" * w for w in widths)
-        return "\n".join([head, line(cols), sep, *map(line, rows)])
+        return "\n".join([head, line(cols), sep, *map(line, rows)]) + breaks
 
     __repr__ = __str__
 

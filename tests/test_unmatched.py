@@ -99,3 +99,38 @@ def test_transformers_switch_router_is_named_capacity_limited():
     assert not report.rewritten
     capacity = [r for r in report.records if r.idiom == "unmatched"]
     assert len(capacity) == 1 and "capacity-limited" in capacity[0].reason, str(report)
+
+
+class SkipsIdleExperts(nn.Module):
+    """A per-expert loop that skips an expert without tokens (`if rows.numel() == 0: continue`): a
+    branch on a data-dependent size, so Dynamo cannot keep the loop in one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, n), nn.SiLU(), nn.Linear(n, d)) for _ in range(E))
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(K, -1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            rows, slot = torch.where(ids == e)
+            if rows.numel() == 0:
+                continue
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        return out
+
+
+def test_explain_names_the_graph_break_that_hides_a_layer():
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        report = moe_compiler.explain(SkipsIdleExperts(), torch.randn(T, d))
+    assert not report.rewritten
+    text = str(report)
+    assert "Data-dependent branching" in text and "frame skipped: forward" in text, text
+
+
+def test_explain_lists_no_graph_break_where_there_is_none():
+    torch._dynamo.reset()
+    report = moe_compiler.explain(ConcatenatedLinearExperts(), torch.randn(T, d))
+    assert report.graphs == 1 and report.graph_breaks == [] and "graph breaks" not in str(report), str(report)
