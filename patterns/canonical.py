@@ -329,7 +329,7 @@ def _read_only_where_nonzero(mask: fx.Node) -> bool:
             if is_call(user, "nonzero", "argwhere"):
                 continue
             layout = is_call(user, *_MASK_PATHS) or (
-                user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)
+                is_getitem(user) and isinstance(user.args[1], int)
                 and isinstance(example_value(user), (torch.Tensor, tuple)))
             if not layout or user.args[0] is not node:
                 return False
@@ -432,10 +432,10 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
 
 def column_then_none_to_one_index(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`g[:, e][:, None]` -> `g[:, e, None]` on a 2D g: one index, as finders read a gate column."""
-    inner = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
+    inner = node.args[0] if is_getitem(node) else None
     if not isinstance(inner, fx.Node) or node.args[1] != (slice(None), None):
         return None
-    if not (inner.op == "call_function" and inner.target is operator.getitem and len(shape_of(inner.args[0])) == 2):
+    if not (is_getitem(inner) and len(shape_of(inner.args[0])) == 2):
         return None
     index = inner.args[1]
     if not (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and isinstance(index[1], int)):
@@ -741,7 +741,7 @@ def merge_duplicate_reads(gm: fx.GraphModule, node: fx.Node, order: dict) -> str
     """A cast, view or `x[index]` identical to an earlier one, when nothing in the graph writes into
     either result, nor into what they read between the two."""
     pure = (node.op == "call_method" and node.target in _PURE_METHODS) or (
-        node.op == "call_function" and node.target is operator.getitem
+        is_getitem(node)
         and isinstance(example_value(node.args[0]), torch.Tensor))
     if not pure or not isinstance(node.args[0], fx.Node):
         return None

@@ -43,7 +43,8 @@ import torch
 import torch.fx as fx
 
 from .canonical_views import chain_top, mark, view_root
-from .common import Rejection, arg, dtype_of, getitem_of, insert_call, is_call, is_int, op_name, same_size, shape_of, table_index
+from .common import (Rejection, arg, dtype_of, getitem_of, insert_call, is_call, is_getitem, is_int, op_name, same_size,
+                     shape_of, table_index)
 
 
 # --- einsum as batched products --------------------------------------------------------------
@@ -391,7 +392,7 @@ def _sizes_tensor(sizes) -> fx.Node | None:
 
 def _whole_rows(rows: fx.Node, sizes) -> fx.Node:
     """`x` for `x[:s]` where s is the sum of `sizes` and the graph asserts s == N or s >= N for x's N rows."""
-    if not (rows.op == "call_function" and rows.target is operator.getitem and isinstance(rows.args[1], slice)):
+    if not (is_getitem(rows) and isinstance(rows.args[1], slice)):
         return rows
     src, cut = rows.args
     total = cut.stop

@@ -37,7 +37,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from .common import arg, example_value, insert_call, is_call, is_getitem, is_int, same_shape, same_size, shape_of, storage_of, writes_in_place
+from .common import (arg, example_value, insert_call, is_call, is_getitem, is_int, same_shape, same_size, shape_of, storage_of,
+                     writes_in_place)
 
 _RESHAPES = ("view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten")
 # ops that compute each output element from the elements at its position alone (scalars and
@@ -251,7 +252,7 @@ class _Push:
 def reshape_through_elementwise(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """A reshape of elementwise code moved onto the code's inputs (module docstring): `node` is the
     last of a chain of reshapes over elementwise code read by that chain alone."""
-    if reshaped(node) is None or is_getitem(node) or is_call(node, "contiguous"):
+    if reshaped(node) is None or is_getitem(node):
         return None
     target, top = shape_of(node), chain_top(node)
     if view_root(reshaped(node), target) is not None or not is_call(top, *_ELEMENTWISE) or writes_in_place(top):

@@ -421,7 +421,7 @@ def is_int(value: Any) -> bool:
 
 def getitem_of(node: Any, index: Any) -> fx.Node | None:
     """If `node` is `src[index]` (operator.getitem), return src."""
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:
+    if is_getitem(node):
         if node.args[1] == index:
             return node.args[0]
     return None
@@ -429,7 +429,7 @@ def getitem_of(node: Any, index: Any) -> fx.Node | None:
 
 def users_getitem(node: fx.Node, index: int) -> fx.Node | None:
     for user in node.users:
-        if user.op == "call_function" and user.target is operator.getitem and user.args[1] == index:
+        if is_getitem(user) and user.args[1] == index:
             return user
     return None
 

@@ -85,6 +85,7 @@ from .common import (
     expect,
     getitem_of,
     is_call,
+    is_getitem,
     is_int,
     module_path,
     same_size,
@@ -424,7 +425,7 @@ def _rows_read(rows: fx.Node, where: fx.Node, tok_pos: int, walk: RegionWalk) ->
 
 def _is_index(node, of=None, pos=None) -> bool:
     """`src[...]` (operator.getitem), optionally `of[pos]`."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+    if not is_getitem(node):
         return False
     return of is None or (node.args[0] is of and node.args[1] == pos)
 
@@ -530,7 +531,7 @@ def _size_asserts(where: fx.Node, walk: RegionWalk) -> list[fx.Node]:
         node = todo.pop()
         if node in found:
             continue
-        is_index = node.op == "call_function" and node.target is operator.getitem and node.args[0] is where
+        is_index = is_getitem(node) and node.args[0] is where
         if not is_index and isinstance(example_value(node), torch.Tensor):
             continue  # a tensor computed from the rows: the region's own walk decides on it
         found.append(node)

@@ -28,7 +28,6 @@ that reason.
 """
 from __future__ import annotations
 
-import operator
 import re
 from typing import NamedTuple
 
@@ -46,6 +45,7 @@ from .common import (
     finish_match,
     getitem_of,
     is_call,
+    is_getitem,
     module_path,
     same_size,
     shape_of,
@@ -130,7 +130,7 @@ def _halves(gather: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
         ok = not odd and (size == half or (isinstance(size, (list, tuple)) and list(size) == [half, half]))
     else:
         return None
-    parts = {u.args[1]: u for u in cut.users if u.op == "call_function" and u.target is operator.getitem}
+    parts = {u.args[1]: u for u in cut.users if is_getitem(u)}
     if not (ok and isinstance(dim, int) and len(cut.users) == 2 and set(parts) == {0, 1}):
         return None
     return cut, dim % 4, [parts[0], parts[1]]
@@ -143,7 +143,7 @@ def _weight_operand(op, ids: fx.Node) -> tuple[fx.Node, int | None] | None:
         return None
     if _gather_ids(op) is ids:
         return op, None
-    cut = op.args[0] if op.op == "call_function" and op.target is operator.getitem else None
+    cut = op.args[0] if is_getitem(op) else None
     gather = cut.args[0] if isinstance(cut, fx.Node) and cut.args else None
     if isinstance(gather, fx.Node) and _gather_ids(gather) is ids and (halves := _halves(gather)) and op in halves[2]:
         return gather, halves[2].index(op)

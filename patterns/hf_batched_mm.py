@@ -25,7 +25,6 @@ transformers' router has zeroed those weights beforehand).
 """
 from __future__ import annotations
 
-import operator
 
 import torch.fx as fx
 
@@ -41,6 +40,7 @@ from .common import (
     expert_bias,
     finish_match,
     is_call,
+    is_getitem,
     module_path,
     same_size,
     scaled_by_routing_weights,
@@ -80,7 +80,7 @@ def _bmm_operands(bmm: fx.Node):
     """(gathered expert weight W[ids], the row operand, transposed?) or None."""
     lhs, rhs = bmm.args[0], bmm.args[1]
     for weights, other, transposed in ((lhs, rhs, False), (rhs, lhs, True)):
-        if isinstance(weights, fx.Node) and weights.op == "call_function" and weights.target is operator.getitem:
+        if is_getitem(weights):
             table, index = weights.args
             if isinstance(table, fx.Node) and isinstance(index, fx.Node) and len(shape_of(table)) == 3:
                 return weights, other, transposed

@@ -58,6 +58,7 @@ from .common import (
     finish_match,
     getitem_of,
     is_call,
+    is_getitem,
     module_path,
     same_size,
     scaled_by_routing_weights,
@@ -177,7 +178,7 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
 
     # x_g = x[perm // K]
     gathered = walk.through(up.args[0])
-    expect(gathered.op == "call_function" and gathered.target is operator.getitem, "up-projection input is not a row gather")
+    expect(is_getitem(gathered), "up-projection input is not a row gather")
     x, index = gathered.args
     expect(
         is_call(index, "floordiv") and index.args[0] is perm and index.args[1] == K,
@@ -211,7 +212,7 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
         # unsorted = weighted[inv_perm];  inv_perm[perm] = arange(TK)
         weighted = walk.forward(mul)
         unsort = walk.only_reader(weighted)
-        expect(unsort is not None and unsort.op == "call_function" and unsort.target is operator.getitem, "weighted rows are not un-permuted")
+        expect(unsort is not None and is_getitem(unsort), "weighted rows are not un-permuted")
         check_inverse_permutation(unsort, perm, walk)
 
         # out = unsorted.view(T, K, d).sum(1)

@@ -56,6 +56,7 @@ from .common import (
     expect,
     fake_mode_of,
     is_call,
+    is_getitem,
     is_inplace,
     shape_of,
 )
@@ -203,7 +204,7 @@ def rewrite_router(gm: fx.GraphModule, match: RouterMatch) -> fx.Node:
 
 
 def _src(node):
-    return node.args[0] if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem else None
+    return node.args[0] if is_getitem(node) else None
 
 
 def _cast_dtype(node) -> torch.dtype | None:
@@ -522,7 +523,7 @@ def _row_of(node) -> fx.Node | None:
         return None
     if is_call(node, "unsqueeze") and len(node.args) == 2 and node.args[1] == 0 and not node.kwargs:
         return v
-    if node.op == "call_function" and node.target is operator.getitem and node.args[1] in ((None,), None, (None, slice(None))):
+    if is_getitem(node) and node.args[1] in ((None,), None, (None, slice(None))):
         return v
     if is_call(node, "view", "reshape") and node.args[1:] in ((1, -1), ((1, -1),), (1, shape_of(v)[0]), ((1, shape_of(v)[0]),)):
         return v

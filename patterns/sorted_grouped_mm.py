@@ -32,7 +32,6 @@ view(T, K, d).sum(1)) is `hf_grouped_mm`; `looks_scattered` tells the two apart.
 """
 from __future__ import annotations
 
-import operator
 
 import torch.fx as fx
 
@@ -52,6 +51,7 @@ from .common import (
     finish_match,
     getitem_of,
     is_call,
+    is_getitem,
     is_noop_cast,
     module_path,
     same_size,
@@ -149,7 +149,7 @@ def _expanded(index) -> tuple[fx.Node, list[fx.Node]] | None:
 def _row_gather(node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """(x, tok, the index glue) of `x[tok]`, `index_select(x, 0, tok)` or `gather(x, 0,
     tok.reshape(-1, 1).expand(-1, d))` over all of x's d columns; None for anything else."""
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \
+    if is_getitem(node) \
             and isinstance(node.args[1], fx.Node):
         return node.args[0], node.args[1], []
     if is_call(node, "index_select") and arg(node, 1, "dim") in (0, -2):
@@ -286,7 +286,7 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
             src = mul
         src = _forward_float_casts(src, walk)
         reader = walk.only_reader(src)
-        if reader is not None and reader.op == "call_function" and reader.target is operator.getitem:
+        if reader is not None and is_getitem(reader):
             anchor, added_to, acc = _unsorted_back(src, perm, T, K, walk), None, None
         else:
             anchor, added_to, acc = _scatter_back(src, tok, T, d, walk)
