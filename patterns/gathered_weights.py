@@ -23,8 +23,9 @@ It becomes `sonic::moe_experts` for gate and up in one parameter (or a non-gated
 indices over the E experts the weights hold; every projection gathers with those ids; the up
 projections read one [T, d] x; the activation is probed (`activation_probe`); the down projection
 reads the activation and nothing else; the combine sums each token's K rows scaled by [T, K]
-weights. Other spellings on gathered weights (matmul, bmm of 4-D gathers) are left alone with
-that reason.
+weights. Matmul and bmm spellings of these products (`x[:, None, None, :] @ W[ids]`, bmm over
+`W[ids.reshape(-1)]`) reach this finder as einsums (`canonical_products.gathered_product_to_einsum`);
+other readers of a gathered weight are left alone with that reason.
 """
 from __future__ import annotations
 
