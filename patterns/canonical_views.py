@@ -58,12 +58,17 @@ def mark(node: fx.Node) -> fx.Node:
     return node
 
 
+def _up(node: fx.Node) -> fx.Node | None:
+    """The tensor `node` reshapes or is a chunk of, else None."""
+    return reshaped(node) or (node.args[0].args[0] if is_getitem(node) and is_call(node.args[0], "chunk") else None)
+
+
 def _near_product(node) -> bool:
-    """`node` or a tensor up its chain of reshapes and last-dim chunks is `mark`ed."""
+    """`node` or a tensor up its chain of reshapes and chunks is `mark`ed."""
     while isinstance(node, fx.Node):
         if node.meta.get(_MARK):
             return True
-        node = reshaped(node) or (node.args[0].args[0] if is_getitem(node) and is_call(node.args[0], "chunk") else None)
+        node = _up(node)
     return False
 
 
@@ -103,7 +108,7 @@ def _between(node: fx.Node, root: fx.Node) -> list[fx.Node]:
     out = []
     while node is not None and node is not root:
         out.append(node)
-        node = reshaped(node) or (node.args[0].args[0] if is_getitem(node) and is_call(node.args[0], "chunk") else None)
+        node = _up(node)
     return out + [root]
 
 
@@ -191,9 +196,9 @@ class _Push:
         if node in self.built:
             return self.built[node]
         shape = shape_of(node)
-        if not same_shape(shape, self.full):
-            moved = self._broadcast_shape(shape)
-            new = node if len(shape) <= self.kept else self._insert(torch.reshape, (chain_top(node), moved))
+        if not same_shape(shape, self.full):  # broadcast: only an input of more dims than are kept moves
+            moves = len(shape) > self.kept
+            new = self._insert(torch.reshape, (chain_top(node), self._broadcast_shape(shape))) if moves else node
         elif (root := view_root(node, self.target)) is not None:
             new = root
         elif (source := self._chunk_source(node)) is not None:

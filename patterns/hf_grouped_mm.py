@@ -38,7 +38,6 @@ The router glue that produced top_k_index/top_k_weights stays in the graph for I
 """
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 
 import torch.fx as fx
@@ -123,8 +122,7 @@ def _weight_of(node, walk: RegionWalk) -> tuple[fx.Node, bool]:
 def unsorted_first(y: fx.Node) -> bool:
     """The expert rows' one reader un-sorts them (`y[inv]`, inv an `empty_like` filled by a scatter)."""
     readers = list(y.users)
-    return (len(readers) == 1 and readers[0].op == "call_function" and readers[0].target is operator.getitem
-            and readers[0].args[0] is y and is_call(readers[0].args[1], "empty_like"))
+    return len(readers) == 1 and is_getitem(readers[0]) and readers[0].args[0] is y and is_call(readers[0].args[1], "empty_like")
 
 
 def weighted_after_unsort(y: fx.Node, perm: fx.Node, T, K: int, d, walk: RegionWalk) -> tuple[fx.Node, fx.Node]:
@@ -138,7 +136,9 @@ def weighted_after_unsort(y: fx.Node, perm: fx.Node, T, K: int, d, walk: RegionW
     expect(is_call(view, "view", "reshape") and len(shape) == 3 and same_size(shape[0], T) and shape[1] == K,
            "un-sorted rows are not viewed as [T, K, d]")
     walk.mark(view)
-    return weighted_sum_over_slots(view, T, K, d, walk)
+    anchor, weights = weighted_sum_over_slots(view, T, K, d, walk)
+    expect(shape_of(weights) == (T, K), "top-k weights are not [T, K]")
+    return anchor, weights
 
 
 def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
@@ -217,7 +217,6 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
 
         # out = unsorted.view(T, K, d).sum(1)
         anchor = summed_per_token(unsort, walk, T, K)
-    expect(shape_of(topk_weights) == shape_of(topk_ids), "top-k weights and ids differ in shape")
     match = finish_match(
         IDIOM, up, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, E=E, K=K, T=T, d=d
     )

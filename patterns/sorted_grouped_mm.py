@@ -32,7 +32,6 @@ view(T, K, d).sum(1)) is `hf_grouped_mm`; `looks_scattered` tells the two apart.
 """
 from __future__ import annotations
 
-
 import torch.fx as fx
 
 from .activation_probe import identify_activation, identify_pair_activation
