@@ -58,6 +58,7 @@ _MAX_PLANS = 1024
 _UNPLANNED = "unplanned"
 _PLANS: dict[tuple, object] = {}  # signature -> call count (int), _Plan, or _UNPLANNED
 _GENERATION = 0
+_WHY: dict[str, str] = {}  # implementation name -> why its last signature left unplanned was
 _RECORDING: list = [None]  # the active _Recorder (one at a time, in one thread)
 _REFUSED_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.nondeterministic_seeded)
 
@@ -68,6 +69,7 @@ def forget() -> None:
     global _GENERATION
     _GENERATION += 1
     _PLANS.clear()
+    _WHY.clear()
 
 
 def stats() -> dict[str, int]:
@@ -75,6 +77,11 @@ def stats() -> dict[str, int]:
     values = list(_PLANS.values())
     return dict(planned=sum(isinstance(v, _Plan) for v in values), counting=sum(isinstance(v, int) for v in values),
                 unplanned=sum(v is _UNPLANNED for v in values))
+
+
+def unplanned_reasons() -> dict[str, str]:
+    """Implementation name -> why the last of its signatures left unplanned could not be recorded."""
+    return dict(_WHY)
 
 
 _SWITCH_MODULES: list = []
@@ -151,6 +158,7 @@ def planned(impl: Callable | None = None, *, cuda_only: bool = True):
             _PLANS[key] = plan
         elif state - RECORD_AT + 1 >= _TRIES:
             _PLANS[key] = _UNPLANNED
+            _WHY[impl.__name__] = str(recorder.why)
             log.info("%s: no launch plan (%s); its calls run unplanned", impl.__name__, recorder.why)
         else:
             _PLANS[key] = state

@@ -46,6 +46,7 @@ import statistics
 import torch
 import torch.distributed as dist
 from hf_train import (  # the same model, data and step measurements
+    STEP_COLUMNS,
     _train_steps,
     add_training_args,
     build_model,
@@ -126,6 +127,7 @@ def run_steps(model, run, batches, args, label: str, progress, *, tokens: float,
     the tokens a step counts for this rank (tokens/s per GPU); `foreach`: SGD's. Drops the model
     afterwards."""
     import moe_compiler
+    from moe_compiler.codegen import plans
 
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=foreach)
     if args.device == "cuda":
@@ -145,6 +147,7 @@ def run_steps(model, run, batches, args, label: str, progress, *, tokens: float,
         "graph_breaks": sum(counters["graph_break"].values()),
         "moe_regions_rewritten": len(report.rewritten),
         "sonic_op_calls": calls,
+        "launch_plans": {**plans.stats(), **plans.unplanned_reasons()},
     }
     if args.step_times:  # every rank takes these steps: the collectives need them all
         result.update(fwd_bwd_step_times(run, opt, batches[-1], args.device))
@@ -173,9 +176,10 @@ def summarize(provider: str, ranks: list[dict], reference: dict | None) -> dict:
         "step_ms": steady * 1e3,
         "tokens_per_s_per_gpu": ranks[0]["tokens"] / steady,
         "peak_gib": [r["peak_gib"] for r in ranks],
-        **{key: [r[key] for r in ranks] for key in ("graphs", "graph_breaks", "moe_regions_rewritten", "sonic_op_calls")},
+        **{key: [r[key] for r in ranks] for key in ("graphs", "graph_breaks", "moe_regions_rewritten", "sonic_op_calls",
+                                                    "launch_plans")},
     }
-    for key in ("step_host_ms", "step_busy_ms", "step_wall_ms"):  # --step-times: the slowest rank's
+    for key in STEP_COLUMNS:  # --step-times: the slowest rank's (the most syncs)
         if key in ranks[0]:  # None on the CPU
             out[key] = max((r[key] for r in ranks if r[key] is not None), default=None)
     if reference is not None:
@@ -190,7 +194,7 @@ def report(results: list[dict], args, world: int, label: str | None = None) -> N
     label = label or f"FSDP x{world}"
     base = next((r for r in results if r["provider"] == "eager"), results[0])
     inductor = next((r for r in results if r["provider"] == "inductor"), None)
-    step_cols = [c for c in ("step_host_ms", "step_busy_ms", "step_wall_ms") if c in results[0]]
+    step_cols = [c for c in STEP_COLUMNS if c in results[0]]
     print_table(
         ["provider", "tokens/s per GPU", "step ms", f"x {base['provider']}", "x inductor", "peak GiB per GPU",
          "first step s", "graphs / breaks", "MoE regions rewritten per rank", "sonic::moe_experts calls per step",
@@ -203,12 +207,15 @@ def report(results: list[dict], args, world: int, label: str | None = None) -> N
           *(r.get(c) for c in step_cols)] for r in results],
         {"tokens/s per GPU": ".0f", "step ms": ".1f", f"x {base['provider']}": ".2f", "x inductor": ".2f",
          "peak GiB per GPU": ".2f", "first step s": ".1f", "max rel loss diff vs 1 process": ".2e",
-         **{c.replace("_", " "): ".2f" for c in step_cols}})
+         **{c.replace("_", " "): ".2f" for c in step_cols if c != "step_syncs"}})
     names = [(r["provider"], label, r["losses"]) for r in results]
     names += [(r["provider"], "1 process", r["reference_losses"]) for r in results if "reference_losses" in r]
     print_table(["step", *(f"{p} {how}" for p, how, _ in names)],
                 [[step, *(losses[step] for _, _, losses in names)] for step in range(args.steps)],
                 {f"{p} {how}": ".6f" for p, how, _ in names})
+    for r in results:
+        if any(p.get("planned") or p.get("unplanned") for p in r["launch_plans"]):
+            print(f"{r['provider']} launch plans per rank: {r['launch_plans']}")
 
 
 def main(argv=None):

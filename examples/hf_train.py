@@ -30,6 +30,8 @@ from moe_compiler.benchmarking import (
     print_table,
     progress_printer,
     save_figure,
+    count_host_syncs,
+    enqueue_ms,
     step_times,
     sync,
     write_json,
@@ -128,11 +130,25 @@ def train(provider: str, args, batches, progress) -> dict:
     return result
 
 
+STEP_COLUMNS = ("step_host_ms", "step_enqueue_ms", "step_busy_ms", "step_wall_ms", "step_syncs")
+
+
 def fwd_bwd_step_times(run, opt, ids, device) -> dict:
-    """Host, GPU-busy and wall ms of one more fwd+bwd step (no optimizer step), launched normally."""
-    host, busy, wall = step_times(lambda: run(ids, labels=ids).loss.backward(),
-                                  lambda: opt.zero_grad(set_to_none=True), iters=5, warmup=1, device=device)
-    return dict(step_host_ms=host, step_busy_ms=busy, step_wall_ms=wall)
+    """Host, GPU-busy and wall ms of one more fwd+bwd step (no optimizer step), launched normally;
+    its enqueue ms (started on an idle GPU, until the host returns: host ms plus any wait inside,
+    the figure a distributed step has where a GPU sleep cannot run ahead of its collectives) and its
+    synchronizing CUDA calls."""
+    def step():
+        run(ids, labels=ids).loss.backward()
+
+    def zero():
+        opt.zero_grad(set_to_none=True)
+
+    host, busy, wall = step_times(step, zero, iters=5, warmup=1, device=device)
+    enqueue = enqueue_ms(step, iters=5, warmup=1, zero=zero, device=device)
+    syncs = count_host_syncs(step, device)
+    zero()
+    return dict(step_host_ms=host, step_enqueue_ms=enqueue, step_busy_ms=busy, step_wall_ms=wall, step_syncs=syncs)
 
 
 def profile_step(run, opt, ids, provider: str, rows: int = 15, show: bool = True) -> None:
@@ -221,7 +237,7 @@ def main(argv=None):
     inductor = next((r for r in results if r["provider"] == "inductor"), None)
     for r in results:
         r["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], base["losses"]))
-    step_cols = ["step_host_ms", "step_busy_ms", "step_wall_ms"] if args.step_times else []
+    step_cols = list(STEP_COLUMNS) if args.step_times else []
     print_table(
         ["provider", "tokens/s", "step ms", "x eager", "x inductor", "peak GiB", "first step s",
          "MoE regions rewritten", *(c.replace("_", " ") for c in step_cols), f"max loss diff vs {base['provider']}"],
@@ -229,7 +245,7 @@ def main(argv=None):
           r["tokens_per_s"] / inductor["tokens_per_s"] if inductor else None, r["peak_gib"], r["first_step_s"],
           r["moe_regions_rewritten"], *(r.get(c) for c in step_cols), r["max_rel_loss_diff"]] for r in results],
         {"tokens/s": ".0f", "step ms": ".1f", "x eager": ".2f", "x inductor": ".2f", "peak GiB": ".2f",
-         "first step s": ".1f", **{c.replace("_", " "): ".2f" for c in step_cols},
+         "first step s": ".1f", **{c.replace("_", " "): ".2f" for c in step_cols if c != "step_syncs"},
          f"max loss diff vs {base['provider']}": ".2e"})
 
     stem = os.path.join(args.out, f"{args.model}_{args.scale}")

@@ -8,6 +8,9 @@ without synchronizing; `zero`, where taken, runs before every step outside the t
                 what a caller waits for, gaps where the GPU waits for the host included
     host_ms     perf_counter around the host's enqueueing of a step while the GPU is kept busy ahead
                 by `torch.cuda._sleep`, median: the launches' and Python's cost alone
+    enqueue_ms  perf_counter around a step started on an idle GPU, until the host returns, median:
+                host_ms plus any wait on the GPU inside (syncs, or a collective's host side), for steps
+                a GPU sleep cannot run ahead of (ranks of a distributed step)
     busy_ms     the union of the GPU's kernel, copy and fill intervals (torch.profiler), per step
     graph_ms    the step replayed from a CUDA graph: GPU time without the host's launch cost
     median_ms   `triton.testing.do_bench`'s median over about `iters` calls (L2 cleared before each)
@@ -151,6 +154,28 @@ def host_times_ms(step: Callable, iters: int = 10, warmup: int = 3, zero: Callab
 
 def host_ms(step: Callable, iters: int = 10, warmup: int = 3, zero: Callable | None = None, device=None) -> float:
     return statistics.median(host_times_ms(step, iters, warmup, zero, device))
+
+
+def enqueue_ms(step: Callable, iters: int = 10, warmup: int = 3, zero: Callable | None = None,
+               device=None) -> float:
+    """Median ms from starting a step on an idle GPU until the host returns from it. Without a sync
+    inside the step this is its host time (the GPU runs behind the launches); with one, the host's
+    waits as well. Unlike `host_ms` it needs no GPU sleep ahead, so every rank of a distributed step
+    can take it. On the CPU, the wall times."""
+    dev = _device(device)
+    zero = zero or _nothing
+    for _ in range(max(1, warmup)):
+        zero()
+        step()
+    times = []
+    for _ in range(iters):
+        sync(dev)
+        zero()
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    sync(dev)
+    return statistics.median(times)
 
 
 def interval_union_us(spans: Iterable[tuple[float, float]]) -> float:
