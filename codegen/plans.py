@@ -79,9 +79,17 @@ def stats() -> dict[str, int]:
                 unplanned=sum(v is _UNPLANNED for v in values))
 
 
-def unplanned_reasons() -> dict[str, str]:
-    """Implementation name -> why the last of its signatures left unplanned could not be recorded."""
-    return dict(_WHY)
+def describe() -> dict[str, str]:
+    """Each implementation's signatures by state: "2 planned, 1 at call 2, 1 unplanned (why)"."""
+    states: dict[str, list[str]] = {}
+    for (impl, _), value in _PLANS.items():
+        state = "planned" if isinstance(value, _Plan) else "unplanned" if value is _UNPLANNED else f"at call {value}"
+        states.setdefault(impl.__name__, []).append(state)
+    out = {}
+    for name, seen in states.items():
+        parts = [f"{seen.count(s)} {s}" for s in dict.fromkeys(seen)]
+        out[name] = ", ".join(parts) + (f" ({_WHY[name]})" if name in _WHY and "unplanned" in seen else "")
+    return out
 
 
 _SWITCH_MODULES: list = []

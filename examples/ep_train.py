@@ -16,7 +16,9 @@ all-reduce sums the ranks' outputs). Either way, under backend="sonic" every ran
 
 The model, its real sizes and the data are examples/hf_train.py's; rank 0 builds it with the run's
 seed and saves it once into a temporary folder every rank loads the plan from. Each decoder layer
-is compiled on its own (`layer.compile(...)`, as examples/fsdp_train.py does); `--experts` sets the
+is compiled on its own (`layer.compile(...)`, as examples/fsdp_train.py does), or with
+`--compile-scope model` the whole model: then transformers' mask code is traced too, and its
+packed-sequence check no longer syncs the host once a step (docs/MULTI_GPU.md); `--experts` sets the
 expert count (weak scaling: experts per GPU held constant from 2 to 4 GPUs). Unless
 `--no-reference`, rank 0 then replays each provider in one process (the same weights and data, no
 plan) while the other ranks wait.
@@ -26,8 +28,9 @@ step and its largest relative difference from the one-process run, tokens/s per 
 tokens / step time / GPUs; median step after the first, slowest rank), peak memory per GPU,
 first-step (compile) time, graphs and graph breaks, MoE regions rewritten and sonic:: op calls
 per step on every rank. Rank 0 prints the tables and writes a JSON file and a PNG into --out.
-`--step-times` adds the host, GPU-busy and wall ms of one more fwd+bwd step (the slowest rank's),
-`--profile` rank 0's top kernels of one more step (every rank takes both extra steps).
+`--step-times` adds the host, enqueue, GPU-busy and wall ms and the syncs of one more fwd+bwd step
+(the slowest rank's), `--profile` rank 0's top kernels of one more step, `--host-profile` rank 0's
+cProfile of three more (and each rank's raw stats in --out); every rank takes the extra steps.
 """
 from __future__ import annotations
 
@@ -84,21 +87,20 @@ def prepare(provider: str, args, folder: str, world: int):
     model.config.use_cache = False
     model.train()
     kwargs = compile_kwargs(provider, args)
+    if kwargs is not None and args.compile_scope == "model":
+        return model, torch.compile(model, **kwargs)
     if kwargs is not None:
         for layer in model.model.layers:
             layer.compile(**kwargs)
-    return model
+    return model, model
 
 
 def train(provider: str, args, batches, folder: str, rank: int, world: int, progress) -> dict:
     """This rank's run of one provider: every rank trains on the whole batch (the plan's ranks share
     it), so a step counts the batch's tokens / GPUs for each."""
-    model = prepare(provider, args, folder, world)
+    model, run = prepare(provider, args, folder, world)
     label = f"{provider} EP x{world}" if world > 1 else f"{provider} 1-proc"
-    # foreach=False: under transformers 5.17's plan on CUDA the multi-tensor SGD step gets DTensor and
-    # plain tensors in one list and raises ("got mixed torch.Tensor and DTensor"); one add per parameter does not
-    return run_steps(model, model, batches, args, label, progress, tokens=batches[0].numel() / world,
-                     foreach=False)
+    return run_steps(model, run, batches, args, label, progress, tokens=batches[0].numel() / world)
 
 
 def draw_results(results: list[dict], path: str, title: str) -> bool:
@@ -125,11 +127,12 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=None,
                         help="expert count, for families whose config calls it num_experts (default: the model's)")
     parser.add_argument("--no-reference", action="store_true", help="skip the one-process replay on rank 0")
+    parser.add_argument("--compile-scope", choices=("layers", "model"), default="layers",
+                        help="compile each decoder layer, or the whole model (its mask code traced: transformers' "
+                             "packed-sequence check then does not sync the host once a step)")
     args = parser.parse_args(argv)
     rank, world = init_distributed(args.device)  # first: on CUDA it picks this rank's GPU, where the batches go
     providers, batches = resolve_training_args(parser, args, tiny_batch=4)
-    # `compile_kwargs` and `summarize` are examples/fsdp_train.py's; the plan needs no per-layer scope choice
-    args.compile_scope = "layers"
     if rank == 0:
         print(f"{args.model} ({args.scale}, {args.layers} layers{f', {args.experts} experts' if args.experts else ''}), "
               f"{args.dtype}, {args.device} x{world} ({dist.get_backend()}), expert parallel x{world}, "

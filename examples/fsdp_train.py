@@ -51,6 +51,7 @@ from hf_train import (  # the same model, data and step measurements
     add_training_args,
     build_model,
     fwd_bwd_step_times,
+    host_profile_step,
     profile_step,
     resolve_training_args,
 )
@@ -121,6 +122,19 @@ def train(provider: str, args, batches, rank: int, world: int, progress, shard: 
     return run_steps(model, run, rows, args, label, progress, tokens=rows[0].numel())
 
 
+def param_groups(model) -> list[dict]:
+    """The model's parameters in groups of one kind each: plain tensors, and DTensors by mesh and
+    placements. The multi-tensor (foreach) optimizer step refuses a list that mixes DTensors with
+    plain tensors, which transformers' expert-parallel plan leaves side by side."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in model.parameters():
+        key = (id(p.device_mesh), p.placements) if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return [{"params": params} for params in groups.values()]
+
+
 def run_steps(model, run, batches, args, label: str, progress, *, tokens: float, foreach: bool | None = None) -> dict:
     """Train `model` (called through `run`) one step per batch; this rank's losses, step times,
     peak memory, graphs and breaks, MoE regions rewritten and sonic:: op calls per step. `tokens`:
@@ -129,7 +143,7 @@ def run_steps(model, run, batches, args, label: str, progress, *, tokens: float,
     import moe_compiler
     from moe_compiler.codegen import plans
 
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=foreach)
+    opt = torch.optim.SGD(param_groups(model), lr=args.lr, foreach=foreach)
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -147,12 +161,16 @@ def run_steps(model, run, batches, args, label: str, progress, *, tokens: float,
         "graph_breaks": sum(counters["graph_break"].values()),
         "moe_regions_rewritten": len(report.rewritten),
         "sonic_op_calls": calls,
-        "launch_plans": {**plans.stats(), **plans.unplanned_reasons()},
+        "launch_plans": plans.describe(),
     }
     if args.step_times:  # every rank takes these steps: the collectives need them all
         result.update(fwd_bwd_step_times(run, opt, batches[-1], args.device))
     if args.profile:
         profile_step(run, opt, batches[-1], label, show=dist.get_rank() == 0)
+    if args.host_profile:
+        os.makedirs(args.out, exist_ok=True)
+        host_profile_step(run, opt, batches[-1], label, args.device, show=dist.get_rank() == 0,
+                          dump=os.path.join(args.out, f"{label.replace(' ', '_')}_rank{dist.get_rank()}_host.prof"))
     del run, model, opt
     torch._dynamo.reset()  # drop the compiled layers before the next model is built
     gc.collect()
@@ -214,7 +232,7 @@ def report(results: list[dict], args, world: int, label: str | None = None) -> N
                 [[step, *(losses[step] for _, _, losses in names)] for step in range(args.steps)],
                 {f"{p} {how}": ".6f" for p, how, _ in names})
     for r in results:
-        if any(p.get("planned") or p.get("unplanned") for p in r["launch_plans"]):
+        if any(r["launch_plans"]):
             print(f"{r['provider']} launch plans per rank: {r['launch_plans']}")
 
 

@@ -10,8 +10,9 @@ Every provider trains a fresh copy with the same seed, data and optimizer, one a
 (only one model is in memory at a time). Reported per provider: loss per step (and agreement with
 eager), tokens/s (median step after the first), peak memory, first-step (compile) time, and with
 --step-times the host ms, GPU-busy ms and wall ms of one more fwd+bwd step, launched normally
-(`moe_compiler.benchmarking.step_times`). Writes a table, a JSON file and, when matplotlib is
-importable, a PNG chart into --out.
+(`moe_compiler.benchmarking.step_times`), its enqueue ms (`enqueue_ms`) and its synchronizing CUDA
+calls; with --host-profile a cProfile of three more (the raw stats into --out). Writes a table,
+a JSON file and, when matplotlib is importable, a PNG chart into --out.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from moe_compiler.benchmarking import (
     save_figure,
     count_host_syncs,
     enqueue_ms,
+    host_profile,
     step_times,
     sync,
     write_json,
@@ -112,6 +114,10 @@ def train(provider: str, args, batches, progress) -> dict:
         _train_steps(run, opt, batches, args, provider, progress, losses, times)
     if args.profile:
         profile_step(run, opt, batches[-1], provider)
+    if getattr(args, "host_profile", False):
+        os.makedirs(args.out, exist_ok=True)
+        host_profile_step(run, opt, batches[-1], provider, args.device,
+                          dump=os.path.join(args.out, f"{provider}_host.prof"))
     tokens = batches[0].numel()
     steady = times[1:] or times
     result = {
@@ -149,6 +155,18 @@ def fwd_bwd_step_times(run, opt, ids, device) -> dict:
     syncs = count_host_syncs(step, device)
     zero()
     return dict(step_host_ms=host, step_enqueue_ms=enqueue, step_busy_ms=busy, step_wall_ms=wall, step_syncs=syncs)
+
+
+def host_profile_step(run, opt, ids, provider: str, device, show: bool = True, dump: str | None = None) -> None:
+    """Three more fwd+bwd steps under cProfile, behind a GPU sleep: where the host's time goes, by
+    own time and by cumulative time, printed where `show` (every rank of a distributed run takes
+    the steps; one prints them) and its raw stats written to `dump`. A sync inside a step shows as
+    time in the call that waits."""
+    text = host_profile(lambda: run(ids, labels=ids).loss.backward(), lambda: opt.zero_grad(set_to_none=True),
+                        iters=3, rows=30, sort=("tottime", "cumulative"), device=device, dump=dump)
+    opt.zero_grad(set_to_none=True)
+    if show:
+        print(f"\n{provider}: three fwd+bwd steps under cProfile\n{text}")
 
 
 def profile_step(run, opt, ids, provider: str, rows: int = 15, show: bool = True) -> None:
@@ -199,6 +217,8 @@ def add_training_args(parser, *, out: str, batch_help: str) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--sonic-compiler", default="inductor", help="sonic.compiler (aot_eager for quick CPU runs)")
     parser.add_argument("--profile", action="store_true", help="print each provider's top kernels for one more step (rank 0's)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="print where the host's time goes in three more fwd+bwd steps, under cProfile (rank 0's)")
     parser.add_argument("--step-times", action="store_true",
                         help="also report host ms, GPU-busy ms and wall ms of one more fwd+bwd step, launched normally")
 

@@ -300,9 +300,10 @@ def count_host_syncs(step: Callable, device=None) -> int | None:
 
 
 def host_profile(step: Callable, zero: Callable | None = None, iters: int = 10, rows: int = 25,
-                 sort: Sequence[str] = ("tottime",), device=None) -> str:
+                 sort: Sequence[str] = ("tottime",), device=None, dump: str | None = None) -> str:
     """pstats text of `iters` steps under cProfile (which slows them), one table per key of `sort`;
-    on the GPU they run behind a one-second GPU sleep, so that the host does not wait inside them."""
+    on the GPU they run behind a one-second GPU sleep, so that the host does not wait inside them.
+    `dump`: also write the raw stats there (`python -m pstats`, snakeviz)."""
     import cProfile
     import io
     import pstats
@@ -321,6 +322,8 @@ def host_profile(step: Callable, zero: Callable | None = None, iters: int = 10, 
         step()
     prof.disable()
     sync(dev)
+    if dump:
+        prof.dump_stats(dump)
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     for key in sort:

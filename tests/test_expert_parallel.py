@@ -324,10 +324,12 @@ def test_all_to_all_expert_parallel_runs_the_op_over_the_received_rows(tmp_path)
         assert len(got["close"]) == STEPS * 5 and all(ok for _, _, ok, _ in got["close"]), got["close"]
 
 
-def test_ep_train_example_matches_one_process(tmp_path):
-    """examples/ep_train.py under torchrun (2 gloo processes, tiny Qwen3-MoE, fp32): every rank
-    rewrites its experts, runs the op and its backward once per layer per step, and the losses equal
-    one process's on the same batches while training moves them; --profile and --step-times take
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_ep_train_example_matches_one_process(tmp_path, scope):
+    """examples/ep_train.py under torchrun (2 gloo processes, tiny Qwen3-MoE, fp32), its decoder
+    layers compiled apart or the whole model at once: every rank rewrites its experts, runs the op
+    and its backward once per layer per step, and the losses equal one process's on the same batches
+    while training moves them; --profile and --step-times (layers), --host-profile (model) take
     their extra steps on every rank (a rank that skipped one would hang the other's collectives)."""
     import json
     import pathlib
@@ -338,15 +340,21 @@ def test_ep_train_example_matches_one_process(tmp_path):
 
     root = pathlib.Path(__file__).resolve().parent.parent
     layers, steps = 2, 3
+    flags = ["--profile", "--step-times"] if scope == "layers" else ["--host-profile", "--compile-scope", "model"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(root / "examples" / "ep_train.py"), "--device", "cpu", "--model", "qwen3_moe", "--scale", "tiny",
            "--layers", str(layers), "--steps", str(steps), "--batch", "4", "--lr", "5", "--providers", "sonic",
-           "--sonic-compiler", "aot_eager", "--profile", "--step-times", "--out", str(tmp_path)]
+           "--sonic-compiler", "aot_eager", *flags, "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert proc.stdout.count("sonic EP x2: one step by cpu_time_total") == 1, proc.stdout[-4000:]
     (sonic,) = json.loads((tmp_path / "qwen3_moe_tiny_ep2.json").read_text())["results"]
-    assert sonic["step_wall_ms"] > 0, sonic
+    if scope == "layers":
+        assert proc.stdout.count("sonic EP x2: one step by cpu_time_total") == 1, proc.stdout[-4000:]
+        assert sonic["step_wall_ms"] > 0 and sonic["step_enqueue_ms"] > 0, sonic
+        assert sonic["step_syncs"] is None, sonic  # counted on CUDA only
+    else:
+        assert proc.stdout.count("sonic EP x2: three fwd+bwd steps under cProfile") == 1, proc.stdout[-4000:]
+        assert (tmp_path / "sonic_EP_x2_rank1_host.prof").stat().st_size > 0
     assert all(n >= 1 for n in sonic["moe_regions_rewritten"]), sonic["moe_regions_rewritten"]
     for calls in sonic["sonic_op_calls"]:
         assert calls == {"sonic::moe_experts": layers, "sonic::moe_experts_backward": layers}, calls
