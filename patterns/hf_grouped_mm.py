@@ -104,8 +104,21 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
         try:
             results.append(_check(offs, calls))
         except NoMatch as exc:
-            results.append(Rejection(IDIOM, module, str(exc)))
+            results.append(_as_sorted_grouped_mm(offs, calls, module, exc))
     return results
+
+
+def _as_sorted_grouped_mm(offs: fx.Node, calls: list[fx.Node], module: str, why: NoMatch) -> MoEMatch | Rejection:
+    """transformers' layout (one fused gate_up, rows un-sorted back) in another spelling of the
+    routing, which this finder's checks refuse: the counts of the unsorted ids (`histc(max=E)`,
+    `bincount`, a mask's column sums), rows by `gather` or `index_select` (torchtitan's). Those are
+    `sorted_grouped_mm`'s checks, which take it; where they refuse it too, both reasons are given."""
+    from . import sorted_grouped_mm
+
+    try:
+        return sorted_grouped_mm.check(offs, calls)
+    except NoMatch as other:
+        return Rejection(IDIOM, module, f"{why} (as {sorted_grouped_mm.IDIOM}: {other})")
 
 
 def _weight_of(node, walk: RegionWalk) -> tuple[fx.Node, bool]:

@@ -27,8 +27,9 @@ permutation that sorts the ids ascending gives the same sum, so a stable sort is
 
 It becomes `sonic::moe_experts` (one W13), or `sonic::moe_experts_list` on the per-expert views of
 W1 and W3; a shared expert's output that the scatter-add starts from stays in the graph and is
-added to the op's output. transformers' own grouped_mm path (an inverse permutation and a
-view(T, K, d).sum(1)) is `hf_grouped_mm`; `looks_scattered` tells the two apart.
+added to the op's output. transformers' own grouped_mm path (one W13, an inverse permutation and a
+view(T, K, d).sum(1)) is `hf_grouped_mm`; `looks_scattered` tells the two apart. That layout in
+this idiom's spelling of the routing, which `hf_grouped_mm` refuses, comes here through `check`.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
         if not looks_scattered(calls) and len(calls) != 3:
             continue  # hf_grouped_mm's (an up and a down projection un-sorted by the inverse permutation)
         try:
-            results.append(_check(offs, calls))
+            results.append(check(offs, calls))
         except NoMatch as exc:
             results.append(Rejection(IDIOM, module_path(calls[0]), str(exc)))
     return results
@@ -233,7 +234,7 @@ def grouped_experts(calls: list[fx.Node], walk: RegionWalk) -> tuple[fx.Node, fx
     return w1, w_up, w2, transposed, act
 
 
-def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
+def check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
     walk = RegionWalk()
     expect(len(calls) in (2, 3), f"expected two or three grouped_mm calls sharing offsets, found {len(calls)}")
     *ups, down = calls

@@ -33,6 +33,12 @@ VARIANTS = {
     # weighted after the unsort, per [T, K] slot
     "unsort-then-einsum": dict(combine="unsort_einsum"),
     "unsort-then-mul_sum-index": dict(combine="unsort_mul_sum", rows="index"),
+    # transformers' layout (one fused gate_up, rows un-sorted back) with torchtitan's routing: counts
+    # of the unsorted ids, rows by gather; hf_grouped_mm refuses those and hands the region over
+    "unsort-fused": dict(combine="unsort", gate_up="fused"),
+    "unsort-fused-then-einsum": dict(combine="unsort_einsum", gate_up="fused"),
+    "unsort-fused-then-mul_sum-mask_counts-index": dict(combine="unsort_mul_sum", gate_up="fused", counts="mask_sum",
+                                                        rows="index"),
     # torchtune's GroupedExperts: gate and up [E, d, n], down [E, n, d], handed to grouped_mm untransposed
     "in_out-separate": dict(orient="in_out", score_before=True),
     "in_out-fused": dict(orient="in_out", gate_up="fused"),
@@ -127,6 +133,13 @@ NEGATIVE = {
     "library-op-without-src-grad": (dict(combine="rows_scatter_add_no_src_grad"),
                                     "not scatter_add: its gradient of src differs on a probe"),
     "library-op-max": (dict(combine="rows_scatter_max"), "not scatter_add: its value differs on a probe"),
+    # transformers' layout refused by both finders: the report gives both reasons
+    "unsort-fused-histc-range": (dict(histc_max=5, gate_up="fused", combine="unsort"),
+                                 "as sorted_grouped_mm: histc range (0, 5) does not give one bin per expert"),
+    "unsort-fused-tokens-of-other-K": (dict(tok_k=4, gate_up="fused", combine="unsort_einsum"),
+                                       "as sorted_grouped_mm: rows are gathered by perm // 4 for K=2"),
+    "unsort-fused-descending": (dict(descending=True, gate_up="fused", combine="unsort"),
+                                "as sorted_grouped_mm: expert ids are not sorted ascending"),
 }
 
 
