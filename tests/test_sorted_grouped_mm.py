@@ -150,6 +150,7 @@ def test_sorted_grouped_mm_negative_untouched(case, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["torchtitan", "scores-after-scatter_add", "fused-index-sort", "in_out-separate"])
+@pytest.mark.parametrize("variant", ["torchtitan", "scores-after-scatter_add", "fused-index-sort", "in_out-separate",
+                                     "unsort-fused-then-einsum"])
 def test_sorted_grouped_mm_gpu_bf16(variant):
     _check_gpu_bf16(lambda: SortedGroupedMoE(**VARIANTS[variant]), IDIOM)
