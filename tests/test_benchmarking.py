@@ -66,12 +66,26 @@ def test_cpu_medians_and_step_times():
     assert bm.count_host_syncs(s.step, device="cpu") is None
 
 
-def test_host_profile_names_the_functions_the_host_spends_time_in():
+def test_cpu_enqueue_is_the_step_alone():
+    """On the CPU the enqueue time is perf_counter around each step: the 20 ms sleep, not zero()'s."""
+    s = Sleeper()
+    ms = bm.enqueue_ms(s.step, iters=3, warmup=1, zero=s.zero, device="cpu")
+    assert s.steps == 4 and s.zeros == 4
+    assert STEP_S * 1e3 <= ms < (STEP_S + ZERO_S) * 1e3, ms
+
+
+def test_host_profile_names_the_functions_the_host_spends_time_in(tmp_path):
+    import pstats
+
     def busy_python_function():
         return sum(i * i for i in range(20_000))
 
-    text = bm.host_profile(busy_python_function, iters=3, rows=5, sort=("tottime", "cumulative"), device="cpu")
+    dump = tmp_path / "host.prof"
+    text = bm.host_profile(busy_python_function, iters=3, rows=5, sort=("tottime", "cumulative"), device="cpu",
+                           dump=str(dump))
     assert "busy_python_function" in text and text.count("Ordered by") == 2
+    stats = pstats.Stats(str(dump)).stats  # the raw stats: the same calls, three timed after three warm-up
+    assert sum(n for (_, _, name), (_, n, *_) in stats.items() if name == "busy_python_function") == 3
 
 
 # ---------------------------------------------------------------------------------------- reporting

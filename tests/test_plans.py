@@ -154,6 +154,20 @@ def test_a_call_a_plan_cannot_repeat_stays_unplanned(impl):
     assert plans.stats() == dict(planned=0, counting=0, unplanned=1)
 
 
+def test_describe_names_each_implementation_its_states_and_why_it_stayed_unplanned():
+    """What the distributed examples print per rank: planned signatures, ones still counting calls,
+    and the reason a signature stayed unplanned."""
+    toy, nonzero = plans.planned(_toy, cuda_only=False), plans.planned(_nonzero, cuda_only=False)
+    for _ in range(plans.RECORD_AT + 1):
+        toy(*_inputs(0))
+    toy(*_inputs(0, T=5))  # another signature, called once
+    for i in range(plans.RECORD_AT + plans._TRIES + 2):
+        nonzero(torch.full((3,), 0.1 * i))
+    got = plans.describe()
+    assert got["_toy"] == "1 planned, 1 at call 1", got
+    assert got["_nonzero"].startswith("1 unplanned (") and "nonzero" in got["_nonzero"], got
+
+
 def test_aborted_recordings_are_retried_then_given_up():
     state = {"abort": True}
 
