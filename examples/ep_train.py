@@ -3,6 +3,7 @@ backend="sonic" vs Inductor vs eager under the same plan, losses checked against
 
     torchrun --nproc-per-node 2 examples/ep_train.py --model qwen3_moe --scale real --layers 4   # 2 GPUs, NCCL
     torchrun --nproc-per-node 2 examples/ep_train.py --device cpu --sonic-compiler aot_eager      # CPU, gloo
+    torchrun --nproc-per-node 2 examples/ep_train.py --plan data ...     # each rank its own rows (>= 5.20)
 
 The plan is transformers' own: `from_pretrained(..., distributed_config=...)` with the expert
 parallel degree equal to the world (`DistributedConfig(tp_size=N, ep_size=N)`; transformers 5.17:
@@ -13,6 +14,10 @@ runs inference with the all-reduce one; 5.17 uses the all-reduce one for both (e
 experts on the whole batch, the ids of other ranks' experts marked as a sentinel, and an
 all-reduce sums the ranks' outputs). Either way, under backend="sonic" every rank's experts run as
 `sonic::moe_experts`, sentinel slots dropped on the device (docs/PATTERNS.md, expert parallelism).
+`--plan data` (transformers >= 5.20) gives each rank its own rows instead: the dense parameters
+FSDP-sharded over the ranks, every expert on one rank, the routed tokens exchanged all-to-all;
+tokens/s per GPU then counts each rank's rows, and weak scaling (experts and rows per GPU held
+constant) is a fair figure.
 
 The model, its real sizes and the data are examples/hf_train.py's; rank 0 builds it with the run's
 seed and saves it once into a temporary folder every rank loads the plan from. Each decoder layer
@@ -49,11 +54,19 @@ from hf_train import add_training_args, build_model, resolve_training_args
 from moe_compiler.benchmarking import command_line, progress_printer, save_figure, write_json
 
 
-def expert_parallel_config(world: int):
-    """transformers' expert-parallel plan over `world` ranks sharing one batch."""
+def expert_parallel_config(world: int, plan: str = "shared"):
+    """transformers' expert-parallel plan over `world` ranks. "shared": the ranks share one batch
+    (the attention tensor-parallel over them). "data": each rank brings its own rows (the dense
+    parameters FSDP-sharded, every expert on one rank, routed tokens exchanged all-to-all;
+    transformers >= 5.20)."""
     from transformers.distributed import DistributedConfig
 
-    if "ep_size" in {f.name for f in dataclasses.fields(DistributedConfig)}:
+    fields = {f.name for f in dataclasses.fields(DistributedConfig)}
+    if plan == "data":
+        if "ep_size" not in fields or "fsdp_size" not in fields:
+            raise SystemExit("--plan data needs transformers >= 5.20 (DistributedConfig(fsdp_size=N, ep_size=N))")
+        return DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
+    if "ep_size" in fields:
         return DistributedConfig(tp_size=world, ep_size=world)
     return DistributedConfig(tp_size=world, enable_expert_parallel=True)  # transformers 5.17
 
@@ -80,7 +93,7 @@ def prepare(provider: str, args, folder: str, world: int):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     if world > 1:
-        model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=expert_parallel_config(world),
+        model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=expert_parallel_config(world, args.plan),
                                                      dtype=args.dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=args.dtype).to(args.device)
@@ -96,10 +109,14 @@ def prepare(provider: str, args, folder: str, world: int):
 
 
 def train(provider: str, args, batches, folder: str, rank: int, world: int, progress) -> dict:
-    """This rank's run of one provider: every rank trains on the whole batch (the plan's ranks share
-    it), so a step counts the batch's tokens / GPUs for each."""
+    """This rank's run of one provider. Under the "shared" plan every rank trains on the whole batch,
+    so a step counts the batch's tokens / GPUs for each; under "data" rank r trains on slice r of
+    `world` of each batch's rows and counts those (the one-process run takes whole batches)."""
     model, run = prepare(provider, args, folder, world)
     label = f"{provider} EP x{world}" if world > 1 else f"{provider} 1-proc"
+    if world > 1 and args.plan == "data":
+        rows = [ids.tensor_split(world)[rank] for ids in batches]
+        return run_steps(model, run, rows, args, label, progress, tokens=rows[0].numel())
     return run_steps(model, run, batches, args, label, progress, tokens=batches[0].numel() / world)
 
 
@@ -127,6 +144,9 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=None,
                         help="expert count, for families whose config calls it num_experts (default: the model's)")
     parser.add_argument("--no-reference", action="store_true", help="skip the one-process replay on rank 0")
+    parser.add_argument("--plan", choices=("shared", "data"), default="shared",
+                        help="the ranks share one batch (attention tensor-parallel), or each brings its own rows "
+                             "(data parallel with all-to-all token dispatch; transformers >= 5.20)")
     parser.add_argument("--compile-scope", choices=("layers", "model"), default="layers",
                         help="compile each decoder layer, or the whole model (its mask code traced: transformers' "
                              "packed-sequence check then does not sync the host once a step)")
@@ -135,7 +155,8 @@ def main(argv=None):
     providers, batches = resolve_training_args(parser, args, tiny_batch=4)
     if rank == 0:
         print(f"{args.model} ({args.scale}, {args.layers} layers{f', {args.experts} experts' if args.experts else ''}), "
-              f"{args.dtype}, {args.device} x{world} ({dist.get_backend()}), expert parallel x{world}, "
+              f"{args.dtype}, {args.device} x{world} ({dist.get_backend()}), expert parallel x{world} "
+              f"({'each rank its own rows' if args.plan == 'data' else 'the ranks share each batch'}), "
               f"batch {args.batch} x seq {args.seq}, {args.steps} steps")
     folder = save_model(args, rank)
     progress = progress_printer(args.steps) if rank == 0 else lambda *_, **__: None
@@ -157,7 +178,7 @@ def main(argv=None):
         report(results, args, world, label=f"EP x{world}")
         config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()}
         config.update(world_size=world, backend=dist.get_backend(), nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
-                      plan=repr(expert_parallel_config(world)))
+                      plan=repr(expert_parallel_config(world, args.plan)))
         command = command_line(argv, __file__, launcher=["torchrun", "--nproc-per-node", str(world)])
         stem = os.path.join(args.out, f"{args.model}_{args.scale}_ep{world}")
         write_json(stem + ".json", {"config": config, "results": results}, command=command, device=args.device)

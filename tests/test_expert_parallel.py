@@ -324,13 +324,15 @@ def test_all_to_all_expert_parallel_runs_the_op_over_the_received_rows(tmp_path)
         assert len(got["close"]) == STEPS * 5 and all(ok for _, _, ok, _ in got["close"]), got["close"]
 
 
-@pytest.mark.parametrize("scope", ["layers", "model"])
+@pytest.mark.parametrize("scope", ["layers", "model", "data"])
 def test_ep_train_example_matches_one_process(tmp_path, scope):
-    """examples/ep_train.py under torchrun (2 gloo processes, tiny Qwen3-MoE, fp32), its decoder
-    layers compiled apart or the whole model at once: every rank rewrites its experts, runs the op
-    and its backward once per layer per step, and the losses equal one process's on the same batches
-    while training moves them; --profile and --step-times (layers), --host-profile (model) take
-    their extra steps on every rank (a rank that skipped one would hang the other's collectives)."""
+    """examples/ep_train.py under torchrun (2 gloo processes, tiny Qwen3-MoE, fp32): its decoder
+    layers compiled apart or the whole model at once, the ranks sharing each batch; or ("data") each
+    rank training on its own rows, tokens dispatched all-to-all (transformers >= 5.20). Every rank
+    rewrites its experts, runs the op and its backward once per layer per step, and the losses equal
+    one process's on the same batches while training moves them; --profile and --step-times
+    (layers), --host-profile (model) take their extra steps on every rank (a rank that skipped one
+    would hang the other's collectives)."""
     import json
     import pathlib
     import subprocess
@@ -340,7 +342,13 @@ def test_ep_train_example_matches_one_process(tmp_path, scope):
 
     root = pathlib.Path(__file__).resolve().parent.parent
     layers, steps = 2, 3
-    flags = ["--profile", "--step-times"] if scope == "layers" else ["--host-profile", "--compile-scope", "model"]
+    if scope == "data":
+        from transformers.distributed import DistributedConfig
+
+        if not hasattr(DistributedConfig(), "fsdp_size") or not hasattr(DistributedConfig(), "ep_size"):
+            pytest.skip("data-parallel expert parallelism needs transformers >= 5.20")
+    flags = {"layers": ["--profile", "--step-times"], "model": ["--host-profile", "--compile-scope", "model"],
+             "data": ["--plan", "data"]}[scope]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(root / "examples" / "ep_train.py"), "--device", "cpu", "--model", "qwen3_moe", "--scale", "tiny",
            "--layers", str(layers), "--steps", str(steps), "--batch", "4", "--lr", "5", "--providers", "sonic",
@@ -352,9 +360,12 @@ def test_ep_train_example_matches_one_process(tmp_path, scope):
         assert proc.stdout.count("sonic EP x2: one step by cpu_time_total") == 1, proc.stdout[-4000:]
         assert sonic["step_wall_ms"] > 0 and sonic["step_enqueue_ms"] > 0, sonic
         assert sonic["step_syncs"] is None, sonic  # counted on CUDA only
-    else:
+    elif scope == "model":
         assert proc.stdout.count("sonic EP x2: three fwd+bwd steps under cProfile") == 1, proc.stdout[-4000:]
         assert (tmp_path / "sonic_EP_x2_rank1_host.prof").stat().st_size > 0
+    else:  # each rank its own rows: the ranks' losses differ, their mean is the whole batch's
+        first, second = sonic["rank_losses"]
+        assert all(abs(a - b) > 10 * FP32_RTOL * abs(a) for a, b in zip(first, second)), sonic["rank_losses"]
     assert all(n >= 1 for n in sonic["moe_regions_rewritten"]), sonic["moe_regions_rewritten"]
     for calls in sonic["sonic_op_calls"]:
         assert calls == {"sonic::moe_experts": layers, "sonic::moe_experts_backward": layers}, calls
