@@ -112,13 +112,15 @@ def _as_sorted_grouped_mm(offs: fx.Node, calls: list[fx.Node], module: str, why:
     """transformers' layout (one fused gate_up, rows un-sorted back) in another spelling of the
     routing, which this finder's checks refuse: the counts of the unsorted ids (`histc(max=E)`,
     `bincount`, a mask's column sums), rows by `gather` or `index_select` (torchtitan's). Those are
-    `sorted_grouped_mm`'s checks, which take it; where they refuse it too, both reasons are given."""
+    `sorted_grouped_mm`'s checks, which take it; where they refuse it too, both reasons are given
+(one, where they are the same)."""
     from . import sorted_grouped_mm
 
     try:
         return sorted_grouped_mm.check(offs, calls)
     except NoMatch as other:
-        return Rejection(IDIOM, module, f"{why} (as {sorted_grouped_mm.IDIOM}: {other})")
+        same = str(other) == str(why)
+        return Rejection(IDIOM, module, str(why) if same else f"{why} (as {sorted_grouped_mm.IDIOM}: {other})")
 
 
 def _weight_of(node, walk: RegionWalk) -> tuple[fx.Node, bool]:
