@@ -58,7 +58,7 @@ _MAX_PLANS = 1024
 _UNPLANNED = "unplanned"
 _PLANS: dict[tuple, object] = {}  # signature -> call count (int), _Plan, or _UNPLANNED
 _GENERATION = 0
-_WHY: dict[str, str] = {}  # implementation name -> why its last signature left unplanned was
+_WHY: dict[str, str] = {}  # implementation name -> why the last of its signatures left unplanned was not recorded
 _RECORDING: list = [None]  # the active _Recorder (one at a time, in one thread)
 _REFUSED_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.nondeterministic_seeded)
 

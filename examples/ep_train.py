@@ -93,8 +93,8 @@ def prepare(provider: str, args, folder: str, world: int):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     if world > 1:
-        model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=expert_parallel_config(world, args.plan),
-                                                     dtype=args.dtype)
+        plan = expert_parallel_config(world, args.plan)
+        model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=plan, dtype=args.dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=args.dtype).to(args.device)
     model.config.use_cache = False

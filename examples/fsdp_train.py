@@ -144,6 +144,7 @@ def run_steps(model, run, batches, args, label: str, progress, *, tokens: float,
     from moe_compiler.codegen import plans
 
     opt = torch.optim.SGD(param_groups(model), lr=args.lr, foreach=foreach)
+    plans.forget()  # the launch plans reported below are this run's own
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
