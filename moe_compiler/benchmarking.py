@@ -159,8 +159,8 @@ def host_ms(step: Callable, iters: int = 10, warmup: int = 3, zero: Callable | N
 def enqueue_ms(step: Callable, iters: int = 10, warmup: int = 3, zero: Callable | None = None,
                device=None) -> float:
     """Median ms from starting a step on an idle GPU until the host returns from it. Without a sync
-    inside the step this is its host time (the GPU runs behind the launches); with one, the host's
-    waits as well. Unlike `host_ms` it needs no GPU sleep ahead, so every rank of a distributed step
+    inside the step this is its host time (the GPU runs behind the launches, unless the step
+    launches more than the driver's queue holds); with one, the host's waits as well. Unlike `host_ms` it needs no GPU sleep ahead, so every rank of a distributed step
     can take it. On the CPU, the wall times."""
     dev = _device(device)
     zero = zero or _nothing
