@@ -113,7 +113,8 @@ def _as_sorted_grouped_mm(offs: fx.Node, calls: list[fx.Node], module: str, why:
     routing, which this finder's checks refuse: the counts of the unsorted ids (`histc(max=E)`,
     `bincount`, a mask's column sums), rows by `gather` or `index_select` (torchtitan's). Those are
     `sorted_grouped_mm`'s checks, which take it; where they refuse it too, both reasons are given
-(one, where they are the same)."""
+    (one, where they are the same). Ids not from a top-k over the experts in the graph (an
+    expert-parallel plan's remapped ids, whose sentinels only these checks read) are refused there."""
     from . import sorted_grouped_mm
 
     try:
