@@ -20,10 +20,10 @@ tokens/s per GPU then counts each rank's rows, and weak scaling (experts and row
 constant) is a fair figure.
 
 The model, its real sizes and the data are examples/hf_train.py's; rank 0 builds it with the run's
-seed and saves it once into a temporary folder every rank loads the plan from. Each decoder layer
-is compiled on its own (`layer.compile(...)`, as examples/fsdp_train.py does), or with
-`--compile-scope model` the whole model: then transformers' mask code is traced too, and its
-packed-sequence check no longer syncs the host once a step (docs/MULTI_GPU.md); `--experts` sets the
+seed and saves it once into a temporary folder every rank loads the plan from. The whole model is
+compiled, so transformers' mask code is traced too; with `--compile-scope layers` each decoder
+layer is compiled on its own (`layer.compile(...)`, as examples/fsdp_train.py does), and the mask
+code's packed-sequence check then syncs the host once a step (docs/MULTI_GPU.md); `--experts` sets the
 expert count (weak scaling: experts per GPU held constant from 2 to 4 GPUs). Unless
 `--no-reference`, rank 0 then replays each provider in one process (the same weights and data, no
 plan) while the other ranks wait.
@@ -147,9 +147,9 @@ def main(argv=None):
     parser.add_argument("--plan", choices=("shared", "data"), default="shared",
                         help="the ranks share one batch (attention tensor-parallel), or each brings its own rows "
                              "(data parallel with all-to-all token dispatch; transformers >= 5.20)")
-    parser.add_argument("--compile-scope", choices=("layers", "model"), default="layers",
-                        help="compile each decoder layer, or the whole model (its mask code traced: transformers' "
-                             "packed-sequence check then does not sync the host once a step)")
+    parser.add_argument("--compile-scope", choices=("layers", "model"), default="model",
+                        help="compile the whole model (its mask code traced), or each decoder layer (transformers' "
+                             "packed-sequence check then syncs the host once a step)")
     args = parser.parse_args(argv)
     rank, world = init_distributed(args.device)  # first: on CUDA it picks this rank's GPU, where the batches go
     providers, batches = resolve_training_args(parser, args, tiny_batch=4)

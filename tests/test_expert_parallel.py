@@ -347,8 +347,8 @@ def test_ep_train_example_matches_one_process(tmp_path, scope):
 
         if not hasattr(DistributedConfig(), "fsdp_size") or not hasattr(DistributedConfig(), "ep_size"):
             pytest.skip("data-parallel expert parallelism needs transformers >= 5.20")
-    flags = {"layers": ["--profile", "--step-times"], "model": ["--host-profile", "--compile-scope", "model"],
-             "data": ["--plan", "data"]}[scope]
+    flags = {"layers": ["--profile", "--step-times", "--compile-scope", "layers"],
+             "model": ["--host-profile", "--compile-scope", "model"], "data": ["--plan", "data"]}[scope]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(root / "examples" / "ep_train.py"), "--device", "cpu", "--model", "qwen3_moe", "--scale", "tiny",
            "--layers", str(layers), "--steps", str(steps), "--batch", "4", "--lr", "5", "--providers", "sonic",
