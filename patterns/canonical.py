@@ -741,8 +741,7 @@ def merge_duplicate_reads(gm: fx.GraphModule, node: fx.Node, order: dict) -> str
     """A cast, view or `x[index]` identical to an earlier one, when nothing in the graph writes into
     either result, nor into what they read between the two."""
     pure = (node.op == "call_method" and node.target in _PURE_METHODS) or (
-        is_getitem(node)
-        and isinstance(example_value(node.args[0]), torch.Tensor))
+        is_getitem(node) and isinstance(example_value(node.args[0]), torch.Tensor))
     if not pure or not isinstance(node.args[0], fx.Node):
         return None
     if any(isinstance(a, (torch.device, str)) for a in (*node.args, *node.kwargs.values())):

@@ -228,7 +228,7 @@ def _check(offs: fx.Node, calls: list[fx.Node]) -> MoEMatch:
         # unsorted = weighted[inv_perm];  inv_perm[perm] = arange(TK)
         weighted = walk.forward(mul)
         unsort = walk.only_reader(weighted)
-        expect(unsort is not None and is_getitem(unsort), "weighted rows are not un-permuted")
+        expect(is_getitem(unsort), "weighted rows are not un-permuted")
         check_inverse_permutation(unsort, perm, walk)
 
         # out = unsorted.view(T, K, d).sum(1)

@@ -149,8 +149,7 @@ def _expanded(index) -> tuple[fx.Node, list[fx.Node]] | None:
 def _row_gather(node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """(x, tok, the index glue) of `x[tok]`, `index_select(x, 0, tok)` or `gather(x, 0,
     tok.reshape(-1, 1).expand(-1, d))` over all of x's d columns; None for anything else."""
-    if is_getitem(node) \
-            and isinstance(node.args[1], fx.Node):
+    if is_getitem(node) and isinstance(node.args[1], fx.Node):
         return node.args[0], node.args[1], []
     if is_call(node, "index_select") and arg(node, 1, "dim") in (0, -2):
         return node.args[0], arg(node, 2, "index"), []
