@@ -1726,22 +1726,37 @@ def test_gpu_rounding_kernels_match_reference(mode):
 
 
 @pytest.mark.gpu
-def test_gpu_new_t_does_not_recompile_or_retune():
+@pytest.mark.parametrize("d,n,E,K", [(256, 128, 8, 2), (2048, 768, 64, 1)])
+@pytest.mark.parametrize("scatter", ["auto", "gluon"])
+def test_gpu_new_t_does_not_recompile_or_retune(d, n, E, K, scatter, monkeypatch):
+    """After the first call, a new token count compiles no kernel and retunes nothing: every int
+    argument that follows T (row and slot counts, the routing's piece count) is unspecialized, in the
+    GEMMs, the routing kernels and the Gluon ones alike. Under expert parallelism the rows a rank
+    receives change every step; a count that turns divisible by 16 must not compile a variant. The
+    first T of each regime (the routing's one-program form below a few hundred slots, its pieces
+    above) is not a multiple of 16; the next ones are, are odd, or are another even count."""
+    import triton
+
     from moe_compiler import codegen
 
-    inputs, go = _gpu_case(1000, 256, 128, 8, 2, seed=5)
-    _ops_fwd_bwd(inputs, go, _FLAGS)
+    monkeypatch.setattr(codegen.wgrad_choice, "SCATTER_PINNED", scatter)
+    for T in (1000, 17):
+        _ops_fwd_bwd(*_gpu_case(T, d, n, E, K, seed=T), _FLAGS)
     kernels = (codegen.launch._up, codegen.launch._scatter, codegen.launch._dact, codegen.launch._wgrad)
-
-    def compiled():
-        return [sum(len(c[0]) for c in k.fn.device_caches.values()) for k in kernels]
-
     tuned = [len(k.cache) for k in kernels]
-    before = compiled()
-    for T in (1001, 17, 4096):
-        _ops_fwd_bwd(*_gpu_case(T, 256, 128, 8, 2, seed=T), _FLAGS)
-    assert compiled() == before
+    chosen = codegen.wgrad_choice.chosen()
+    compiled = []
+
+    def hook(**kw):  # Triton calls it before compiling a kernel it has not compiled for this key
+        compiled.append(kw["fn"].name)
+        return False
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", hook)
+    for T in (1024, 1001, 4096, 2002, 32, 19):
+        _ops_fwd_bwd(*_gpu_case(T, d, n, E, K, seed=T), _FLAGS)
+    assert compiled == []
     assert [len(k.cache) for k in kernels] == tuned
+    assert codegen.wgrad_choice.chosen() == chosen
 
 
 @pytest.mark.gpu

@@ -53,7 +53,7 @@ def _clamped_expert(ids_ptr, slot, E):
     return tl.minimum(tl.maximum(expert, 0), E - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TK"])
 def _decode_up_kernel(
     x_ptr,  # [T, d], strides (stride_x_t, stride_x_d)
     ids_ptr,  # [TK] int, contiguous: expert of each slot

@@ -359,7 +359,7 @@ if HAS_GLUON:
         ptrs = out_ptr + slots.to(gl.int64)[:, None] * n_dim + cols[None, :]
         gl.store(ptrs, out, mask=row_ok[:, None] & (cols < n_dim)[None, :])
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["TK"])
     def _gluon_scatter_kernel(
         in_desc,  # TMA descriptor over In [TK, k_dim] bf16 (contiguous, expert order), block [BLOCK_M, BLOCK_K]
         w_desc,  # TMA descriptor over w: [E, n_dim, k_dim] (W_LAYOUT 1) or [E, k_dim, n_dim] (2) bf16, block `weight_block`

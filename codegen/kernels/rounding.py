@@ -31,7 +31,7 @@ SWAP = tl.constexpr(3)
 MODES = {"down": 0, "up": 1, "nearest": 2, "swap": 3}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _transpose_kernel(probs_ptr, ids_ptr, probs_t_ptr, assign_ptr, T, E, stride_pt, stride_pe,
                       stride_it, stride_ik, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -99,7 +99,7 @@ def _pick(ptrs, new, cand, key, prefix, rank, taken):
     return taken + tl.sum(tie.to(tl.int32), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, scratch_ptr, T, tile, cap,
                    MODE: tl.constexpr, BLOCK_T: tl.constexpr):
     """One program per expert. DOWN/UP/NEAREST: the expert moves from its plain top-k count to its
@@ -205,7 +205,7 @@ def _select_kernel(probs_t_ptr, assign_ptr, n_ptr, token_count_ptr, scratch_ptr,
                 taken = _pick(assign_ptr + row + t, new, cand, key, prefix, rank, taken)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _token_pass_kernel(assign_ptr, ids_ptr, weights_ptr, per_token_ptr, n_swap_ptr, T, E, stride_it, stride_ik,
                        stride_wt, stride_wk, K, KEEP: tl.constexpr, FIRST: tl.constexpr, K_POW2: tl.constexpr,
                        BLOCK_T: tl.constexpr, E_POW2: tl.constexpr):
@@ -236,7 +236,7 @@ def _token_pass_kernel(assign_ptr, ids_ptr, weights_ptr, per_token_ptr, n_swap_p
     tl.store(per_token_ptr + t, count, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S"])
 def _emit_slots_kernel(assign_ptr, probs_ptr, ids_ptr, weights_ptr, slot_end_ptr, per_token_ptr, slot_ids_ptr,
                        slot_w_ptr, slot_token_ptr, T, E, S, K, stride_pt, stride_pe, stride_it, stride_ik, stride_wt,
                        stride_wk, BLOCK_T: tl.constexpr, E_POW2: tl.constexpr, BLOCK_PAD: tl.constexpr):

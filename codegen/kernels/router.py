@@ -154,7 +154,7 @@ def _group_keep(choice, cols, cmask, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexp
     return keep != 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_fwd_kernel(
     logits_ptr,  # [T, E] fp32/fp16/bf16, rows contiguous
     bias_ptr,  # [E] selection bias (read only with HAS_BIAS)
@@ -225,7 +225,7 @@ def _route_fwd_kernel(
     tl.store(ids_ptr + rows64[:, None] * stride_i_t + kcols[None, :], top_i, mask=out)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_bwd_kernel(
     grad_w_ptr,  # [T, K] any float: d loss / d topk_weights
     logits_ptr,  # [T, E] fp32/fp16/bf16, rows contiguous (the forward's input)

@@ -116,7 +116,7 @@ def _route_small_kernel(ids_ptr, sorted_rows_ptr, offsets_ptr, TK, E,
         placed = _place_chunk(slot, live, ids, bucket, placed, sorted_rows_ptr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "T"])
 def _slot_check_kernel(ids_ptr, token_ptr, ok_ptr, S, T, PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Grid: (cdiv(S, BLOCK),); ok_ptr[0] holds 1 before the launch. It stays 1 when the slot
     form's tokens (flat [S], contiguous) are nondecreasing and every real slot's token lies in
@@ -152,7 +152,7 @@ def _piece_ids(ids_ptr, piece, TK, E, PADDED: tl.constexpr, CHUNK: tl.constexpr)
     return _chunk_ids(ids_ptr, start, tl.minimum(start + CHUNK, TK), E, PADDED, CHUNK)
 
 
-@triton.jit(do_not_specialize=["TK"], debug=True)
+@triton.jit(do_not_specialize=["TK", "n_pieces"], debug=True)
 def _route_count_kernel(ids_ptr, counts_ptr, start_ptr, TK, E, n_pieces, PADDED: tl.constexpr,
                         B_POW2: tl.constexpr, CHUNK: tl.constexpr):
     """Program b, over slots [b CHUNK, (b + 1) CHUNK): counts[e, b] = its bucket-e slots, start[e, b]
@@ -168,7 +168,7 @@ def _route_count_kernel(ids_ptr, counts_ptr, start_ptr, TK, E, n_pieces, PADDED:
     tl.store(start_ptr + at, tl.cumsum(counts, 0) - counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pieces"])
 def _route_prefix_kernel(counts_ptr, start_ptr, offsets_ptr, n_pieces, E, BLOCK_P: tl.constexpr):
     """Program e, bucket e (B_POW2 programs): start[e, b] becomes (the bucket-e slots in the pieces
     before b) - start[e, b], so that a slot's row is offsets[e] + start[e, b] + its sorted position in
@@ -194,7 +194,7 @@ def _route_prefix_kernel(counts_ptr, start_ptr, offsets_ptr, n_pieces, E, BLOCK_
         tl.store(offsets_ptr + E, before + carry)
 
 
-@triton.jit(do_not_specialize=["TK"])
+@triton.jit(do_not_specialize=["TK", "n_pieces"])
 def _route_place_kernel(ids_ptr, start_ptr, offsets_ptr, sorted_rows_ptr, TK, E, n_pieces,
                         PADDED: tl.constexpr, B_POW2: tl.constexpr, CHUNK: tl.constexpr, SORT: tl.constexpr,
                         BLOCK: tl.constexpr):
