@@ -193,6 +193,7 @@ def summarize(provider: str, ranks: list[dict], reference: dict | None) -> dict:
         "rank_losses": [r["losses"] for r in ranks],
         "first_step_s": step_s[0],
         "step_ms": steady * 1e3,
+        "step_ms_each": [t * 1e3 for t in step_s],
         "tokens_per_s_per_gpu": ranks[0]["tokens"] / steady,
         "peak_gib": [r["peak_gib"] for r in ranks],
         **{key: [r[key] for r in ranks] for key in ("graphs", "graph_breaks", "moe_regions_rewritten", "sonic_op_calls",
@@ -209,7 +210,8 @@ def summarize(provider: str, ranks: list[dict], reference: dict | None) -> dict:
 
 
 def report(results: list[dict], args, world: int, label: str | None = None) -> None:
-    """The provider table and the loss-per-step table; `label` names the sharded runs (FSDP xN)."""
+    """The provider table and the per-step table (losses, and each step's ms on the slowest rank);
+    `label` names the sharded runs (FSDP xN)."""
     label = label or f"FSDP x{world}"
     base = next((r for r in results if r["provider"] == "eager"), results[0])
     inductor = next((r for r in results if r["provider"] == "inductor"), None)
@@ -229,9 +231,11 @@ def report(results: list[dict], args, world: int, label: str | None = None) -> N
          **{c.replace("_", " "): ".2f" for c in step_cols if c != "step_syncs"}})
     names = [(r["provider"], label, r["losses"]) for r in results]
     names += [(r["provider"], "1 process", r["reference_losses"]) for r in results if "reference_losses" in r]
-    print_table(["step", *(f"{p} {how}" for p, how, _ in names)],
-                [[step, *(losses[step] for _, _, losses in names)] for step in range(args.steps)],
-                {f"{p} {how}": ".6f" for p, how, _ in names})
+    times = [(f"{r['provider']} ms", r["step_ms_each"]) for r in results]  # the slowest rank's
+    print_table(["step", *(f"{p} {how}" for p, how, _ in names), *(name for name, _ in times)],
+                [[step, *(losses[step] for _, _, losses in names), *(ms[step] for _, ms in times)]
+                 for step in range(args.steps)],
+                {**{f"{p} {how}": ".6f" for p, how, _ in names}, **{name: ".1f" for name, _ in times}})
     for r in results:
         if any(r["launch_plans"]):
             print(f"{r['provider']} launch plans per rank: {r['launch_plans']}")
