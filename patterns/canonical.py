@@ -34,6 +34,11 @@ Rules (eager spelling -> canonical form):
     wt = (w * (ids == e)).sum(-1)                 ->  G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1); wt = G[:, e]
         # a token's weight of expert e by a mask multiplied in, as a column of the [T, E] gate
         # matrix (one per ids and w); the same terms, at most one nonzero: equal values
+    v, i = x.max(-1, keepdim=True)                ->  v, i = x.max(-1)
+    i.squeeze(-1), i[:, 0], v[tok]                    i, i, v[tok, None]
+        # max/min kept as a [T, 1] column (a top-1 written with keepdim) when every use of the
+        # values and indices drops that dim again, or reads rows of a 2-D result: the same values,
+        # indices and ties, one shape
     g[:, e][:, None]                              ->  g[:, e, None]
     out = torch.zeros_like(x); out = out + v      ->  out = v
         # a sum started from a fresh zero tensor nothing else reads (values equal: 0 + v == v)
@@ -430,6 +435,52 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
     return f"{node.name} -> {w.name}[{index.name}, {k.name}]"
 
 
+def keepdim_reduction_to_plain(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`v, i = x.max(d, keepdim=True)` (or min) -> `v, i = x.max(d)` when every use of v and i drops
+    dim d again (`squeeze(d)`, `[:, 0]` at d = 1 of a 2-D result) or, for a 2-D x and d = 1, reads
+    rows (`v[tok]` -> `v[tok, None]`). The reduction and its ties are the same; only the kept
+    size-1 dim goes, as a top-1 written without keepdim has it."""
+    if not is_call(node, "max", "min") or arg(node, 2, "keepdim", False) is not True:
+        return None
+    source, dim = node.args[0] if node.args else None, arg(node, 1, "dim")
+    rank = len(shape_of(source))
+    if not isinstance(source, fx.Node) or not is_int(dim) or not -rank <= dim < rank:
+        return None
+    dim %= rank
+    dropped = tuple([slice(None)] * dim) + (0,)
+    plans = []  # (use, replacement): None (the plain result) or ("rows", tok)
+    outputs = list(node.users)
+    for out in outputs:
+        if not (is_getitem(out) and out.args[1] in (0, 1)):
+            return None
+        for use in out.users:
+            if is_call(use, "squeeze") and use.args[0] is out and len(use.args) + len(use.kwargs) == 2 \
+                    and arg(use, 1, "dim") in (dim, dim - rank, (dim,), (dim - rank,)):
+                plans.append((out, use, None))
+            elif is_getitem(use) and use.args[0] is out and use.args[1] in (dropped, (Ellipsis, 0) if dim == rank - 1 else dropped):
+                plans.append((out, use, None))
+            elif is_getitem(use) and use.args[0] is out and rank == 2 and dim == 1 and _row_indices(use.args[1]):
+                plans.append((out, use, use.args[1]))
+            else:
+                return None
+    if not plans:
+        return None
+    target = getattr(torch, node.target) if node.op == "call_method" else node.target
+    plain = insert_call(gm, node, target, (source, dim))
+    parts = {i: insert_call(gm, node, operator.getitem, (plain, i)) for i in (0, 1)}
+    for out, use, tok in plans:
+        part = parts[out.args[1]]
+        if tok is not None:
+            part = insert_call(gm, use, operator.getitem, (part, (tok, None)))
+        use.replace_all_uses_with(part)
+        gm.graph.erase_node(use)
+        order.pop(use, None)
+    for out in outputs:
+        gm.graph.erase_node(out)
+        order.pop(out, None)
+    return f"{node.name}: {node.target}(keepdim=True) -> {plain.name}, its {len(plans)} uses without the kept dim"
+
+
 def column_then_none_to_one_index(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`g[:, e][:, None]` -> `g[:, e, None]` on a 2D g: one index, as finders read a gate column."""
     inner = node.args[0] if is_getitem(node) else None
@@ -777,7 +828,7 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 RULES = [opaque_op_to_torch, merge_duplicate_reads, nonzero_columns_to_where, boolean_index_to_where,
          any_hit_where_to_hit_where, arange_mask_to_one_hot, masked_weight_to_gate_column,
-         gate_column_rows_to_weights, column_then_none_to_one_index, zeros_plus_value_to_value,
+         gate_column_rows_to_weights, keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,
          scatter_reduce_sum_to_scatter_add, index_put_accumulate_to_index_add, row_scatter_add_to_index_add,
          mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, gathered_product_to_einsum, reshape_through_elementwise, reshape_chain_to_base,

@@ -235,6 +235,83 @@ def test_a_weight_by_mask_layer_is_rewritten_and_equal_to_eager():
         assert "sonic::moe_experts_list" in profiled_op_names(lambda: compiled(x))
 
 
+class TopOne(torch.nn.Module):
+    """A top-1 layer over its experts' rows; `spelling` says how the router's max is read: without
+    keepdim ("plain"), or kept as a [T, 1] column then squeezed, selected (`[:, 0]`) or read by rows."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+        self.router = torch.nn.Linear(d, E, bias=False)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(d, 2 * d, bias=False) for _ in range(E))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False) for _ in range(E))
+
+    def forward(self, x):
+        probs = self.router(x).softmax(dim=1)
+        if self.spelling == "plain":
+            top, expert = torch.max(probs, dim=1)
+        else:
+            top, expert = torch.max(probs, dim=1, keepdim=True)
+            if self.spelling == "squeeze":
+                top, expert = top.squeeze(1), expert.squeeze(-1)
+            elif self.spelling == "select":
+                top, expert = top[:, 0], expert[:, 0]
+        if self.spelling == "rows":
+            expert = expert.squeeze(1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            rows = torch.where(expert == e)[0]
+            g, u = self.up[e](x[rows]).chunk(2, dim=-1)
+            scale = top[rows] if self.spelling == "rows" else top[rows, None]
+            out[rows] = self.down[e](F.silu(g) * u) * scale
+        return out
+
+
+@pytest.mark.parametrize("spelling", ["squeeze", "select", "rows"])
+def test_a_top_one_kept_as_a_column_becomes_the_plain_top_one(spelling):
+    torch.manual_seed(0)
+    kept, plain = TopOne(spelling), TopOne("plain")
+    plain.load_state_dict(kept.state_dict())
+    x = torch.randn(T, d)
+    kept_graph, plain_graph = traced(kept, x), traced(plain, x)
+    applied = [line.split(":")[0] for line in canonicalize(kept_graph)]
+    assert applied.count("keepdim_reduction_to_plain") == 1, applied
+    canonicalize(plain_graph)
+    assert sorted(ops(kept_graph)) == sorted(ops(plain_graph))
+    kept_graph.recompile()
+    torch.testing.assert_close(kept_graph(*kept_graph.example_inputs)[0], kept(x), rtol=0, atol=0)
+
+
+def test_a_kept_column_read_otherwise_stays():
+    def scaled(probs, x):
+        top, expert = probs.max(-1, keepdim=True)
+        return x * top, expert.squeeze(-1)  # the column broadcast over x's rows keeps its dim
+
+    gm = traced(scaled, torch.rand(T, E), torch.randn(T, d))
+    assert not any(line.startswith("keepdim_reduction_to_plain") for line in canonicalize(gm))
+
+
+@pytest.mark.parametrize("spelling", ["squeeze", "rows"])
+def test_a_top_one_kept_as_a_column_is_rewritten_and_equal_to_eager(spelling):
+    import moe_compiler
+
+    torch.manual_seed(0)
+    model, x, cotangent = TopOne(spelling), torch.randn(T, d), torch.randn(T, d)
+    params = dict(model.named_parameters())
+
+    def out_and_grads(fn):
+        xg = x.clone().requires_grad_()
+        out = fn(xg)
+        return [out, *torch.autograd.grad((out * cotangent).sum(), [xg, *params.values()])]
+
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.fallback": False})
+    with torch._dynamo.config.patch(**{FLAG: True}), moe_compiler.capture() as report:
+        got = out_and_grads(compiled)
+    assert len(report.rewritten) == 1 and not report.rejected, str(report)
+    for g, want in zip(got, out_and_grads(model)):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_sum_started_from_zeros_starts_from_its_first_term():
     def from_zeros(x, y):
         out = torch.zeros_like(x)
