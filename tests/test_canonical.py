@@ -164,8 +164,8 @@ def test_the_driver_leaves_a_graph_without_moe_as_traced():
     assert operator.eq in [node.target for node in gm.graph.nodes]
 
 
-class MaskWeighted(torch.nn.Module):
-    """Every expert on every token, a token's weight of expert e as `(w * (ids == e)).sum(-1)`."""
+class _SwiGLUExperts(torch.nn.Module):
+    """A router over E SwiGLU experts (`up` holds gate and up), written out by each subclass as `spelling` says."""
 
     def __init__(self, spelling):
         super().__init__()
@@ -173,6 +173,32 @@ class MaskWeighted(torch.nn.Module):
         self.gate = torch.nn.Linear(d, E, bias=False)
         self.up = torch.nn.ModuleList(torch.nn.Linear(d, 2 * d, bias=False) for _ in range(E))
         self.down = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False) for _ in range(E))
+
+
+def _rewritten_and_equal(model, x, *, flags=None) -> list:
+    """`model` compiled with backend="sonic" (aot_eager): its rewritten regions, after checking its
+    output and gradients (x's, every parameter's) against eager."""
+    import moe_compiler
+
+    cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+
+    def out_and_grads(fn):
+        xg = x.clone().requires_grad_()
+        out = fn(xg)
+        return [out, *torch.autograd.grad((out * cotangent).sum(), [xg, *params.values()])]
+
+    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.fallback": False})
+    with torch._dynamo.config.patch(**(flags or {})), moe_compiler.capture() as report:
+        got = out_and_grads(compiled)
+    assert not report.rejected, str(report)
+    for g, want in zip(got, out_and_grads(model)):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    return report.rewritten
+
+
+class MaskWeighted(_SwiGLUExperts):
+    """Every expert on every token, a token's weight of expert e as `(w * (ids == e)).sum(-1)`."""
 
     def forward(self, x):
         w, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
@@ -211,43 +237,22 @@ def test_a_mask_weight_of_ids_outside_a_top_k_stays():
 
 
 def test_a_weight_by_mask_layer_is_rewritten_and_equal_to_eager():
-    import moe_compiler
-
     torch.manual_seed(0)
     model, x = MaskWeighted("mask"), torch.randn(T, d)
-    cotangent = torch.randn(T, d)
-    params = dict(model.named_parameters())
-
-    def out_and_grads(fn):
-        xg = x.clone().requires_grad_()
-        out = fn(xg)
-        return [out, *torch.autograd.grad((out * cotangent).sum(), [xg, *params.values()])]
-
+    assert [r.idiom for r in _rewritten_and_equal(model, x)] == ["dense_experts"]
     compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.fallback": False})
-    with moe_compiler.capture() as report:
-        got = out_and_grads(compiled)
-    assert [r.idiom for r in report.rewritten] == ["dense_experts"] and not report.rejected, str(report)
-    for g, want in zip(got, out_and_grads(model)):
-        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         from .helpers import profiled_op_names
 
         assert "sonic::moe_experts_list" in profiled_op_names(lambda: compiled(x))
 
 
-class TopOne(torch.nn.Module):
+class TopOne(_SwiGLUExperts):
     """A top-1 layer over its experts' rows; `spelling` says how the router's max is read: without
     keepdim ("plain"), or kept as a [T, 1] column then squeezed, selected (`[:, 0]`) or read by rows."""
 
-    def __init__(self, spelling):
-        super().__init__()
-        self.spelling = spelling
-        self.router = torch.nn.Linear(d, E, bias=False)
-        self.up = torch.nn.ModuleList(torch.nn.Linear(d, 2 * d, bias=False) for _ in range(E))
-        self.down = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False) for _ in range(E))
-
     def forward(self, x):
-        probs = self.router(x).softmax(dim=1)
+        probs = self.gate(x).softmax(dim=1)
         if self.spelling == "plain":
             top, expert = torch.max(probs, dim=1)
         else:
@@ -293,23 +298,8 @@ def test_a_kept_column_read_otherwise_stays():
 
 @pytest.mark.parametrize("spelling", ["squeeze", "rows"])
 def test_a_top_one_kept_as_a_column_is_rewritten_and_equal_to_eager(spelling):
-    import moe_compiler
-
     torch.manual_seed(0)
-    model, x, cotangent = TopOne(spelling), torch.randn(T, d), torch.randn(T, d)
-    params = dict(model.named_parameters())
-
-    def out_and_grads(fn):
-        xg = x.clone().requires_grad_()
-        out = fn(xg)
-        return [out, *torch.autograd.grad((out * cotangent).sum(), [xg, *params.values()])]
-
-    compiled = torch.compile(model, backend="sonic", options={"sonic.compiler": "aot_eager", "sonic.fallback": False})
-    with torch._dynamo.config.patch(**{FLAG: True}), moe_compiler.capture() as report:
-        got = out_and_grads(compiled)
-    assert len(report.rewritten) == 1 and not report.rejected, str(report)
-    for g, want in zip(got, out_and_grads(model)):
-        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    assert len(_rewritten_and_equal(TopOne(spelling), torch.randn(T, d), flags={FLAG: True})) == 1
 
 
 def test_a_sum_started_from_zeros_starts_from_its_first_term():
