@@ -43,6 +43,7 @@ reading each expert's weights where they are. Experts stored as stacked [E, ., .
 sliced per expert work too (see `module_list`):
 
     h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)      # or F.linear(xe, self.w1[e]); or xe @ self.w13[e]
+                                                             # (+ self.b1[e]: a stacked bias, added or in F.linear)
     out.index_add_(0, tok, (h @ self.w2[e].T) * w[tok, k, None])
 
 become `moe_experts(x, ids, w, w13 or w1, w2, transposed=<[E, in, out]>)` on the parameters
@@ -93,6 +94,7 @@ from .common import (
 )
 from .module_list import (
     ExpertMLP,
+    biased_matmul,
     expert_mlp,
     finish_expert_match,
     through_float_casts,
@@ -385,7 +387,7 @@ def _check_expert_add(add: fx.Node, walk: RegionWalk):
     for y, scale in (mul.args, mul.args[::-1]):
         weights = _routing_weight(scale, where, tok_pos, walk, k)
         y = through_float_casts(y, walk) if weights is not None else None
-        if is_call(y, "linear", "matmul", "mm", "__matmul__"):
+        if is_call(y, "linear", "matmul", "mm", "__matmul__") or biased_matmul(y):
             scaled = y, weights
             break
     expect(scaled is not None, f"expert {e}'s output is not scaled by its top-k weights w[tok, k]"
@@ -399,8 +401,9 @@ def _check_expert_add(add: fx.Node, walk: RegionWalk):
 
 
 def _rows_read(rows: fx.Node, where: fx.Node, tok_pos: int, walk: RegionWalk) -> fx.Node | None:
-    """x when `rows` is x[tok] or x[tok, :] of a 2-D x, or `x[None, tok].reshape(-1, d)` (transformers
-    4.x's Mixtral block, copied into many code bases), with tok this expert's torch.where output."""
+    """x when `rows` is x[tok], x[tok, :] or x.index_select(0, tok) of a 2-D x, or
+    `x[None, tok].reshape(-1, d)` (transformers 4.x's Mixtral block, copied into many code bases),
+    with tok this expert's torch.where output."""
     if is_call(rows, "reshape", "view") and len(rows.args) >= 2 and not rows.kwargs:
         size = rows.args[1:] if len(rows.args) > 2 else rows.args[1]
         inner = rows.args[0]
@@ -411,6 +414,8 @@ def _rows_read(rows: fx.Node, where: fx.Node, tok_pos: int, walk: RegionWalk) ->
             return None
         nodes, tok = [rows, inner], inner.args[1][1]  # x[None, tok] is [1, rows, d]
         rows = inner
+    elif is_call(rows, "index_select") and len(rows.args) + len(rows.kwargs) == 3 and arg(rows, 1, "dim") == 0:
+        tok, nodes = arg(rows, 2, "index"), [rows]
     else:
         tok = _row_index(rows.args[1]) if _is_index(rows) else None
         nodes = [rows]

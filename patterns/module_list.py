@@ -120,6 +120,18 @@ def is_weight(node) -> bool:
     return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
 
 
+def biased_matmul(node) -> tuple[fx.Node, fx.Node] | None:
+    """(product, bias) when `node` is `rows @ W[e] + B[e]` (either order of the add): a matmul's
+    result plus a slice B[e] of a stacked [E, out] parameter, the bias added as its own op."""
+    if not (is_call(node, "add", "__add__") and len(node.args) == 2 and not node.kwargs):
+        return None
+    for product, bias in (node.args, node.args[::-1]):
+        if is_call(product, *_MATMUL) and _slice_of(bias, dims=2) is not None \
+                and shape_of(node) == shape_of(product):
+            return product, bias
+    return None
+
+
 def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, fx.Node, Slice | None, fx.Node | None]:
     """(input, weight, slice, bias) of `F.linear(input, weight, bias?)`, rejecting computed weights
     and biases.
@@ -128,8 +140,13 @@ def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, f
     `input @ W[e]`: then the weight is the slice node `W[e]` and `slice` says which of W and e (the
     bias B[e] must slice the same e)."""
     projection = _LINEAR + (_MATMUL if walk is not None else ())
+    added = biased_matmul(node) if walk is not None else None
+    if added is not None:  # rows @ W[e] + B[e]: the product, its bias checked below as F.linear's is
+        walk.mark(node, added[0])
+        node, bias = added
     expect(is_call(node, *projection), f"{what} is not an nn.Linear/F.linear call" + (" or a matmul" if walk else ""))
-    bias = None
+    if added is None:
+        bias = None
     if is_call(node, *_LINEAR):
         inp, weight, bias, transposed = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias"), False
     else:
@@ -210,8 +227,10 @@ def expert_mlp(y: fx.Node, walk: RegionWalk, e: int, stacked: bool = False) -> E
     a = through_float_casts(a, walk)
     walk.mark(y)
     ups = projections_before(a, _LINEAR + (_MATMUL if stacked else ()))
+    if stacked:  # a product whose one use adds its bias B[e]: the projection ends at that add
+        ups = [next(iter(n.users)) if len(n.users) == 1 and biased_matmul(next(iter(n.users))) else n for n in ups]
     expect(ups, f"{what} has no projection before its down projection")
-    rows = {arg(n, 0, "input") for n in ups}
+    rows = {arg(biased_matmul(n)[0] if biased_matmul(n) else n, 0, "input") for n in ups}
     expect(len(rows) == 1, f"{what}'s projections read different inputs")
     expect(len(ups) in (1, 2), f"{what} has {len(ups)} projections of its input; 1 (fused or non-gated) or 2 (gate, up) are matched")
     found_ups = [_linear(n, f"{what}'s up projection", slicing) for n in ups]

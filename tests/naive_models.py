@@ -464,11 +464,13 @@ class StackedLoopMoE(Router):
     down_orient: the down projection's orientation when it differs (a layout mismatch)
     index:   "own" (W[e]), "next" (W[(e + 1) % E]), "shuffled" (W[perm[e]], one fixed permutation)
     experts_used: the experts the loop visits (default all); mutate: clamp_ the down slice in place
-    bias:    stacked [E, out] biases read as F.linear(h, W[e], B[e]) (orient "linear"); "next": B[(e + 1) % E]
+    bias:    stacked [E, out] biases: F.linear(h, W[e], B[e]) (orient "linear"), else added, h @ W[e] + B[e];
+             "next": B[(e + 1) % E]
+    rows:    "getitem" (xe = x[tok]) or "index_select" (xe = x.index_select(0, tok))
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, orient="T", gate_up="separate", down_orient=None, index="own",
-                 experts_used=None, mutate=False, bias=False):
+                 experts_used=None, mutate=False, bias=False, rows="getitem"):
         super().__init__(d, E, K)
         self.orient, self.down_orient, self.gate_up, self.index = orient, down_orient or orient, gate_up, index
         self.experts_used = list(range(E)) if experts_used is None else experts_used
@@ -480,11 +482,13 @@ class StackedLoopMoE(Router):
         if gate_up == "separate":
             self.w3 = stacked_param(E, n, d, orient)
         self.w2 = stacked_param(E, d, n, self.down_orient)
-        self.bias = bias
+        self.bias, self.rows = bias, rows
         if bias:
             for name in ("w1", "w3", "w2"):
                 if hasattr(self, name):
-                    setattr(self, "b" + name[1], nn.Parameter(torch.randn(E, getattr(self, name).shape[1]) * 0.1))
+                    in_out = (self.down_orient if name == "w2" else orient) == "in_out"
+                    out = getattr(self, name).shape[2 if in_out else 1]
+                    setattr(self, "b" + name[1], nn.Parameter(torch.randn(E, out) * 0.1))
 
     def _slice(self, W, e):
         if self.index == "next":
@@ -505,6 +509,9 @@ class StackedLoopMoE(Router):
 
     def _project(self, h, W, e, orient, B=None, half=None):
         W_e = self._half(W, e, half) if half else self._slice(W, e)
+        if B is not None and orient != "linear" and not half:
+            B_e = B[(e + 1) % self.E] if self.bias == "next" else B[e]
+            return (h @ W_e.T if orient == "T" else h @ W_e) + B_e
         if orient == "T":
             return h @ W_e.T
         if orient == "linear":
@@ -520,7 +527,7 @@ class StackedLoopMoE(Router):
         out = torch.zeros_like(x)
         for e in self.experts_used:
             tok, k = torch.where(ids == e)
-            xe = x[tok]
+            xe = x.index_select(0, tok) if self.rows == "index_select" else x[tok]
             b1, b3, b2 = (getattr(self, name, None) for name in ("b1", "b3", "b2"))
             if self.gate_up == "separate":
                 h = F.silu(self._project(xe, self.w1, e, self.orient, b1)) * self._project(xe, self.w3, e, self.orient, b3)

@@ -460,6 +460,12 @@ STACKED_VARIANTS = {
     "linear-plain-bias": (dict(orient="linear", gate_up="plain", bias=True), "sonic::moe_experts", "concatenated, bias"),
     "linear-fused-bias": (dict(orient="linear", gate_up="fused", bias=True), "sonic::moe_experts", "concatenated, bias"),
     "linear-separate-bias": (dict(orient="linear", bias=True), OP, "per-expert list, separate gate/up, bias"),
+    # biases added after the product, h @ W[e] + B[e], and rows read by index_select
+    "in_out-plain-bias-added": (dict(orient="in_out", gate_up="plain", bias=True), "sonic::moe_experts",
+                                "concatenated, transposed, bias"),
+    "T-fused-bias-added": (dict(gate_up="fused", bias=True), "sonic::moe_experts", "concatenated, bias"),
+    "in_out-fused-index_select": (dict(orient="in_out", gate_up="fused", rows="index_select"), "sonic::moe_experts",
+                                  "concatenated, transposed"),
     # a fused [E, 2n, d] read in halves W[e, :n], W[e][n:]: the list op on those views (either half the gate)
     "linear-halves": (dict(orient="linear", gate_up="halves"), OP, "per-expert list, separate gate/up"),
     "T-halves_swapped": (dict(gate_up="halves_swapped"), OP, "per-expert list, separate gate/up"),
@@ -551,6 +557,7 @@ NEGATIVE = {
     "bias-on-some-experts": (lambda: LoopMoE(bias=[True, True, False, True]), "expert 2 has biases on (up, down) = (False, False)"),
     "dense-bias-on-some-experts": (lambda: DenseMoE(bias=[False, True, True, True]), "expert 1 has biases on"),
     "stacked-next-bias-slice": (lambda: StackedLoopMoE(orient="linear", gate_up="plain", bias="next"), "is not the slice B[0]"),
+    "stacked-next-bias-added": (lambda: StackedLoopMoE(orient="in_out", gate_up="plain", bias="next"), "is not the slice B[0]"),
     "unscaled": (lambda: LoopMoE(scale="none"), "not scaled by the routing weights"),
     "setitem-rows-read-elsewhere": (lambda: LoopMoE(combine="setitem_iadd_read"), "that are read elsewhere too"),
     "assign-with-top2": (lambda: LoopMoE(where="eq", combine="assign"), "while each token has K=2 experts"),
