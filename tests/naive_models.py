@@ -298,7 +298,8 @@ class PerKLoopMoE(Router):
              "mask" (the boolean mask itself: x[m], w[m, k, None]; with combine="setitem_iadd"),
              "nonzero_squeeze" (m.nonzero().squeeze(-1)), "nonzero_flatten" (m.nonzero().flatten())
     scale:   "index_none" (w[tok, k, None]), "slice" (w[tok, k:k+1]), "unsqueeze" (w[tok, k].unsqueeze(-1))
-    combine: "inplace" (out.index_add_) or "setitem_iadd" (out[tok] += y)
+    combine: "inplace" (out.index_add_), "setitem_iadd" (out[tok] += y) or "setitem_iadd_inline"
+             (out[tok] += expert(x[tok]) * w[...], one statement: the rows of out are read first)
     columns: the columns k visited (default all K); weight_shift: scale by column (k + shift) % K;
     twin_for: the column k whose experts are another ModuleList (other weights, same shapes);
     whole_too: an expert also added once over all its slots (`torch.where(ids == e)`), before the loops
@@ -326,18 +327,23 @@ class PerKLoopMoE(Router):
         else:
             tok = torch.where(m)[0]
         experts = self.twins if k == self.twin_for else self.experts
-        y = experts[e](x[tok])
         c = (k + self.weight_shift) % self.K
-        if self.scale == "slice":
-            y = y * w[tok, c:c + 1]
-        elif self.scale == "unsqueeze":
-            y = y * w[tok, c].unsqueeze(-1)
-        else:
-            y = y * w[tok, c, None]
-        if self.combine == "setitem_iadd":
+
+        def scaled():
+            y = experts[e](x[tok])
+            if self.scale == "slice":
+                return y * w[tok, c:c + 1]
+            if self.scale == "unsqueeze":
+                return y * w[tok, c].unsqueeze(-1)
+            return y * w[tok, c, None]
+
+        if self.combine == "setitem_iadd_inline":  # out[tok] read before the expert runs
+            out[tok] += scaled()
+        elif self.combine == "setitem_iadd":
+            y = scaled()
             out[tok] += y
         else:
-            out.index_add_(0, tok, y)
+            out.index_add_(0, tok, scaled())
 
     def forward(self, x):
         _, w, ids = self.route(x)
