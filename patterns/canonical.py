@@ -32,6 +32,7 @@ Rules (eager spelling -> canonical form):
         # [0, E), where one_hot is defined) and every use of m reads only where it is nonzero:
         # permute/transpose/select/unbind down to a one-argument torch.where or nonzero.
     wt = (w * (ids == e)).sum(-1)                 ->  G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1); wt = G[:, e]
+    (w[tok] * (ids[tok] == e)).sum(-1)            ->  G[:, e][tok]      (keepdim: G[:, e][tok, None])
         # a token's weight of expert e by a mask multiplied in, as a column of the [T, E] gate
         # matrix (one per ids and w); the same terms, at most one nonzero: equal values
     v, i = x.max(-1, keepdim=True)                ->  v, i = x.max(-1)
@@ -367,6 +368,9 @@ def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict)
         ids, e = mask.args
         if not isinstance(ids, fx.Node) or not isinstance(e, int) or isinstance(e, bool):
             continue
+        rows = None  # (w[tok] * (ids[tok] == e)).sum(-1): the rows of the same column, G[:, e][tok]
+        if is_getitem(ids) and is_getitem(w) and ids.args[1] is w.args[1] and _row_indices(ids.args[1]):
+            ids, w, rows = ids.args[0], w.args[0], ids.args[1]
         shape = shape_of(ids)
         E = _range_of(ids)
         if E is None or len(shape) != 2 or shape_of(w) != shape or not 0 <= e < E:
@@ -375,6 +379,11 @@ def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict)
         if dtype is None or not dtype.is_floating_point or dtype_of(mul) != dtype:
             continue
         gates = _gate_matrix(gm, ids, w, E, order)
+        if rows is not None:
+            picked = insert_call(gm, node, operator.getitem, (gates, (slice(None), e)))
+            picked = insert_call(gm, node, operator.getitem, (picked, (rows, None) if keepdim else rows))
+            node.replace_all_uses_with(picked)
+            return f"{node.name} -> {gates.name}[:, {e}][{rows.name}{', None' if keepdim else ''}]"
         column = (slice(None), slice(e, e + 1)) if keepdim else (slice(None), e)
         picked = insert_call(gm, node, operator.getitem, (gates, column))
         node.replace_all_uses_with(picked)
@@ -826,10 +835,12 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
     return True
 
 
+# the scatter rules before any_hit_where_to_hit_where: row_scatter_add_to_index_add compares the
+# sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
 RULES = [opaque_op_to_torch, merge_duplicate_reads, nonzero_columns_to_where, boolean_index_to_where,
-         any_hit_where_to_hit_where, arange_mask_to_one_hot, masked_weight_to_gate_column,
+         scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add, any_hit_where_to_hit_where, arange_mask_to_one_hot, masked_weight_to_gate_column,
          gate_column_rows_to_weights, keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,
-         scatter_reduce_sum_to_scatter_add, index_put_accumulate_to_index_add, row_scatter_add_to_index_add,
+         index_put_accumulate_to_index_add,
          mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, gathered_product_to_einsum, reshape_through_elementwise, reshape_chain_to_base,
          einsum_to_bmm, einsum_weighted_sum_to_product, broadcast_matmul_to_bmm,

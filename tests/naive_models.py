@@ -365,13 +365,16 @@ class AnyHitLoopMoE(Router):
     `(w * hit).sum(-1)`: the same tokens and weights as `torch.where(ids == e)` and `w[tok, k]`.
 
     rows:    "mask" (x[sel], out[sel] += ...), "where" (tok = torch.where(sel)[0]; index_add_),
-             "nonzero" (tok = sel.nonzero().squeeze(-1); out[tok] += ...)
+             "nonzero" (tok = sel.nonzero().squeeze(-1); out[tok] += ...), "where-scatter_add"
+             (out.scatter_add_(0, tok[:, None].expand(-1, d), y))
+    coef:    "whole" ((w * hit).sum(-1), read at the rows) or "rows" ((w[tok] * hit[tok]).sum(-1, keepdim=True):
+             the rows first; with rows "where" and "where-scatter_add")
     """
 
-    def __init__(self, d=16, n=8, E=4, K=2, rows="mask", experts="gated", bias=False):
+    def __init__(self, d=16, n=8, E=4, K=2, rows="mask", experts="gated", bias=False, coef="whole"):
         super().__init__(d, E, K)
         self.experts = make_experts(experts, d, n, E, bias=bias)
-        self.rows = rows
+        self.rows, self.coef = rows, coef
 
     def forward(self, x):
         _, w, ids = self.route(x)
@@ -383,10 +386,15 @@ class AnyHitLoopMoE(Router):
             if self.rows == "mask":
                 out[sel] += coef[sel, None] * self.experts[e](x[sel])
                 continue
-            tok = torch.where(sel)[0] if self.rows == "where" else sel.nonzero().squeeze(-1)
-            y = self.experts[e](x[tok]) * coef[tok].unsqueeze(-1)
+            tok = sel.nonzero().squeeze(-1) if self.rows == "nonzero" else torch.where(sel)[0]
+            if self.coef == "rows":
+                y = self.experts[e](x[tok]) * (w[tok] * (ids[tok] == e)).sum(-1, keepdim=True)
+            else:
+                y = self.experts[e](x[tok]) * coef[tok].unsqueeze(-1)
             if self.rows == "where":
                 out.index_add_(0, tok, y)
+            elif self.rows == "where-scatter_add":
+                out.scatter_add_(0, tok.unsqueeze(1).expand(-1, x.shape[1]), y)
             else:
                 out[tok] += y
         return out

@@ -229,6 +229,22 @@ def test_a_weight_by_mask_becomes_a_gate_column():
     torch.testing.assert_close(masked(*masked.example_inputs)[0], mask_form(x), rtol=0, atol=0)
 
 
+def test_a_weight_by_mask_over_selected_rows_becomes_the_rows_of_a_gate_column():
+    def weights(scores, spelling):
+        w, ids = torch.topk(scores, K)
+        tok = torch.where((ids == 1).any(-1))[0]
+        if spelling == "rows-first":
+            return (w[tok] * (ids[tok] == 1)).sum(-1, keepdim=True)
+        return (w * (ids == 1)).sum(-1)[tok, None]
+
+    scores = torch.rand(T, E)
+    rows_first = traced(lambda s: weights(s, "rows-first"), scores)
+    whole = traced(lambda s: weights(s, "whole"), scores)
+    canonicalize(rows_first), canonicalize(whole)
+    assert sorted(ops(rows_first)) == sorted(ops(whole))
+    same_value(rows_first, lambda s: weights(s, "rows-first"), scores)
+
+
 def test_a_mask_weight_of_ids_outside_a_top_k_stays():
     def weights(w, ids):
         return (w * (ids == 1)).sum(-1)

@@ -171,6 +171,9 @@ ANY_HIT_VARIANTS = {
     "where-index_add-bias": dict(rows="where", bias=True),
     "nonzero-iadd-fused": dict(rows="nonzero", experts="fused"),
     "mask-top3": dict(K=3),
+    "where-scatter_add": dict(rows="where-scatter_add"),
+    "where-scatter_add-rows_coef": dict(rows="where-scatter_add", coef="rows"),
+    "where-rows_coef": dict(rows="where", coef="rows", experts="plain"),
 }
 
 
