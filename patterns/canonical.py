@@ -37,6 +37,7 @@ Rules (eager spelling -> canonical form):
         # matrix (one per ids and w); the same terms, at most one nonzero: equal values
     v, i = x.max(-1, keepdim=True)                ->  v, i = x.max(-1)
     i.squeeze(-1), i[:, 0], v[tok]                    i, i, v[tok, None]
+    torch.where(i == e)[0]                            torch.where(i' == e)[0]
         # max/min kept as a [T, 1] column (a top-1 written with keepdim) when every use of the
         # values and indices drops that dim again, or reads rows of a 2-D result: the same values,
         # indices and ties, one shape
@@ -447,8 +448,9 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
 def keepdim_reduction_to_plain(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`v, i = x.max(d, keepdim=True)` (or min) -> `v, i = x.max(d)` when every use of v and i drops
     dim d again (`squeeze(d)`, `[:, 0]` at d = 1 of a 2-D result) or, for a 2-D x and d = 1, reads
-    rows (`v[tok]` -> `v[tok, None]`). The reduction and its ties are the same; only the kept
-    size-1 dim goes, as a top-1 written without keepdim has it."""
+    rows (`v[tok]` -> `v[tok, None]`) or finds rows (`torch.where(i == e)[0]`, its [1] unread). The
+    reduction and its ties are the same; only the kept size-1 dim goes, as a top-1 written without
+    keepdim has it."""
     if not is_call(node, "max", "min") or arg(node, 2, "keepdim", False) is not True:
         return None
     source, dim = node.args[0] if node.args else None, arg(node, 1, "dim")
@@ -470,6 +472,8 @@ def keepdim_reduction_to_plain(gm: fx.GraphModule, node: fx.Node, order: dict) -
                 plans.append((out, use, None))
             elif is_getitem(use) and use.args[0] is out and rank == 2 and dim == 1 and _row_indices(use.args[1]):
                 plans.append((out, use, use.args[1]))
+            elif rank == 2 and dim == 1 and _rows_where_equal(use, out):
+                plans.append((out, use, "where"))
             else:
                 return None
     if not plans:
@@ -479,15 +483,38 @@ def keepdim_reduction_to_plain(gm: fx.GraphModule, node: fx.Node, order: dict) -
     parts = {i: insert_call(gm, node, operator.getitem, (plain, i)) for i in (0, 1)}
     for out, use, tok in plans:
         part = parts[out.args[1]]
+        if tok == "where":  # torch.where(i == c)[0] over the [T, 1] column: the rows of torch.where(i' == c)
+            equal = insert_call(gm, use, operator.eq, (part, use.args[1]))
+            for where in list(use.users):
+                rows = insert_call(gm, where, torch.where, (equal,))
+                for index in list(where.users):
+                    index.replace_all_uses_with(insert_call(gm, index, operator.getitem, (rows, 0)))
+                    _erase(gm, index, order)
+                _erase(gm, where, order)
+            _erase(gm, use, order)
+            continue
         if tok is not None:
             part = insert_call(gm, use, operator.getitem, (part, (tok, None)))
         use.replace_all_uses_with(part)
-        gm.graph.erase_node(use)
-        order.pop(use, None)
+        _erase(gm, use, order)
     for out in outputs:
-        gm.graph.erase_node(out)
-        order.pop(out, None)
+        _erase(gm, out, order)
     return f"{node.name}: {node.target}(keepdim=True) -> {plain.name}, its {len(plans)} uses without the kept dim"
+
+
+def _erase(gm: fx.GraphModule, node: fx.Node, order: dict) -> None:
+    gm.graph.erase_node(node)
+    order.pop(node, None)
+
+
+def _rows_where_equal(compare, column: fx.Node) -> bool:
+    """`column == c` (an int c) read only by one-argument torch.where calls, each read only at [0]:
+    the rows where the [T, 1] column equals c (its [1], all zeros, unread)."""
+    if not (is_call(compare, "eq", "__eq__") and len(compare.args) == 2 and compare.args[0] is column
+            and is_int(compare.args[1]) and not compare.kwargs and compare.users):
+        return False
+    return all(is_call(w, "where") and len(w.args) == 1 and not w.kwargs and w.users
+               and all(getitem_of(g, 0) is w for g in w.users) for w in compare.users)
 
 
 def column_then_none_to_one_index(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:

@@ -265,7 +265,8 @@ def test_a_weight_by_mask_layer_is_rewritten_and_equal_to_eager():
 
 class TopOne(_SwiGLUExperts):
     """A top-1 layer over its experts' rows; `spelling` says how the router's max is read: without
-    keepdim ("plain"), or kept as a [T, 1] column then squeezed, selected (`[:, 0]`) or read by rows."""
+    keepdim ("plain"), or kept as a [T, 1] column then squeezed, selected (`[:, 0]`), read by rows, or
+    read by rows and compared as a column ("column": `torch.where(expert == e)[0]` on [T, 1] ids)."""
 
     def forward(self, x):
         probs = self.gate(x).softmax(dim=1)
@@ -279,16 +280,17 @@ class TopOne(_SwiGLUExperts):
                 top, expert = top[:, 0], expert[:, 0]
         if self.spelling == "rows":
             expert = expert.squeeze(1)
+        by_rows = self.spelling in ("rows", "column")
         out = torch.zeros_like(x)
         for e in range(E):
             rows = torch.where(expert == e)[0]
             g, u = self.up[e](x[rows]).chunk(2, dim=-1)
-            scale = top[rows] if self.spelling == "rows" else top[rows, None]
+            scale = top[rows] if by_rows else top[rows, None]
             out[rows] = self.down[e](F.silu(g) * u) * scale
         return out
 
 
-@pytest.mark.parametrize("spelling", ["squeeze", "select", "rows"])
+@pytest.mark.parametrize("spelling", ["squeeze", "select", "rows", "column"])
 def test_a_top_one_kept_as_a_column_becomes_the_plain_top_one(spelling):
     torch.manual_seed(0)
     kept, plain = TopOne(spelling), TopOne("plain")
@@ -311,8 +313,16 @@ def test_a_kept_column_read_otherwise_stays():
     gm = traced(scaled, torch.rand(T, E), torch.randn(T, d))
     assert not any(line.startswith("keepdim_reduction_to_plain") for line in canonicalize(gm))
 
+    def both_columns(probs):  # torch.where over the [T, 1] column, its column index read too
+        _, expert = probs.max(-1, keepdim=True)
+        rows, cols = torch.where(expert == 1)
+        return rows + cols
 
-@pytest.mark.parametrize("spelling", ["squeeze", "rows"])
+    gm = traced(both_columns, torch.rand(T, E))
+    assert not any(line.startswith("keepdim_reduction_to_plain") for line in canonicalize(gm))
+
+
+@pytest.mark.parametrize("spelling", ["squeeze", "rows", "column"])
 def test_a_top_one_kept_as_a_column_is_rewritten_and_equal_to_eager(spelling):
     torch.manual_seed(0)
     assert len(_rewritten_and_equal(TopOne(spelling), torch.randn(T, d), flags={FLAG: True})) == 1
