@@ -342,8 +342,8 @@ def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> 
         reads = step.reads
         if reads:
             rows, value = reads
-            # Dynamo's checks of a boolean selection's size (sym_size, asserts) read no value
-            readers = [u for u in rows.users if isinstance(example_value(u), torch.Tensor)]
+            # Dynamo's checks of a boolean selection's size (sym_size, then asserts) read no value
+            readers = [u for u in rows.users if u.target is not torch.ops.aten.sym_size.int]
             expect(readers == [value] and list(value.users) == [add],
                    f"{add.name} adds into rows {rows.name} that are read elsewhere too")
         elif step.kind == "index_add":
