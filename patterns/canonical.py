@@ -459,7 +459,8 @@ def keepdim_reduction_to_plain(gm: fx.GraphModule, node: fx.Node, order: dict) -
         return None
     dim %= rank
     dropped = tuple([slice(None)] * dim) + (0,)
-    plans = []  # (use, replacement): None (the plain result) or ("rows", tok)
+    plans = []  # (out, use, how): None (the plain result), a row index tok (-> [tok, None]) or "where"
+    selects = (dropped, (Ellipsis, 0)) if dim == rank - 1 else (dropped,)
     outputs = list(node.users)
     for out in outputs:
         if not (is_getitem(out) and out.args[1] in (0, 1)):
@@ -468,7 +469,7 @@ def keepdim_reduction_to_plain(gm: fx.GraphModule, node: fx.Node, order: dict) -
             if is_call(use, "squeeze") and use.args[0] is out and len(use.args) + len(use.kwargs) == 2 \
                     and arg(use, 1, "dim") in (dim, dim - rank, (dim,), (dim - rank,)):
                 plans.append((out, use, None))
-            elif is_getitem(use) and use.args[0] is out and use.args[1] in (dropped, (Ellipsis, 0) if dim == rank - 1 else dropped):
+            elif is_getitem(use) and use.args[0] is out and use.args[1] in selects:
                 plans.append((out, use, None))
             elif is_getitem(use) and use.args[0] is out and rank == 2 and dim == 1 and _row_indices(use.args[1]):
                 plans.append((out, use, use.args[1]))
@@ -865,10 +866,10 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 # the scatter rules before any_hit_where_to_hit_where: row_scatter_add_to_index_add compares the
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
 RULES = [opaque_op_to_torch, merge_duplicate_reads, nonzero_columns_to_where, boolean_index_to_where,
-         scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add, any_hit_where_to_hit_where, arange_mask_to_one_hot, masked_weight_to_gate_column,
-         gate_column_rows_to_weights, keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,
-         index_put_accumulate_to_index_add,
-         mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
+         scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add, any_hit_where_to_hit_where,
+         arange_mask_to_one_hot, masked_weight_to_gate_column, gate_column_rows_to_weights,
+         keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,
+         index_put_accumulate_to_index_add, mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, gathered_product_to_einsum, reshape_through_elementwise, reshape_chain_to_base,
          einsum_to_bmm, einsum_weighted_sum_to_product, broadcast_matmul_to_bmm,
          split_loop_to_grouped_mm]

@@ -230,7 +230,7 @@ def expert_mlp(y: fx.Node, walk: RegionWalk, e: int, stacked: bool = False) -> E
     if stacked:  # a product whose one use adds its bias B[e]: the projection ends at that add
         ups = [next(iter(n.users)) if len(n.users) == 1 and biased_matmul(next(iter(n.users))) else n for n in ups]
     expect(ups, f"{what} has no projection before its down projection")
-    rows = {arg(biased_matmul(n)[0] if biased_matmul(n) else n, 0, "input") for n in ups}
+    rows = {arg((biased_matmul(n) or (n,))[0], 0, "input") for n in ups}  # the product's rows
     expect(len(rows) == 1, f"{what}'s projections read different inputs")
     expect(len(ups) in (1, 2), f"{what} has {len(ups)} projections of its input; 1 (fused or non-gated) or 2 (gate, up) are matched")
     found_ups = [_linear(n, f"{what}'s up projection", slicing) for n in ups]
