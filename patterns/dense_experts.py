@@ -145,8 +145,12 @@ def sums_dim(node: fx.Node, dims) -> bool:
     return dim in dims and not arg(node, 2, "keepdim", False) and arg(node, 3, "dtype") is None
 
 
+_ALL_ROWS = (slice(None), Ellipsis)  # gates[:, ...] and gates[..., ...] of a 2-D gate matrix
+
+
 def _column(node, walk: RegionWalk | None = None):
-    """(gates, e) for gates[:, e:e+1], gates[:, e, None] or gates[:, e].unsqueeze(-1)."""
+    """(gates, e) for gates[:, e:e+1], gates[:, e, None] or gates[:, e].unsqueeze(-1) of a 2-D gates
+    (`...` for `:` too)."""
     walk = walk or RegionWalk()
     node = through_float_casts(node, walk)
     picked = [node]
@@ -155,19 +159,21 @@ def _column(node, walk: RegionWalk | None = None):
         picked.append(node)
         if is_getitem(node) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2:
             full, e = node.args[1]
-            if full == slice(None) and isinstance(e, int):
+            if full in _ALL_ROWS and isinstance(e, int) and len(shape_of(node.args[0])) == 2:
                 walk.mark(*picked)
                 return node.args[0], e
         return None
     if not is_getitem(node) or not isinstance(node.args[1], tuple):
         return None
     index = node.args[1]
-    if len(index) == 2 and index[0] == slice(None) and isinstance(index[1], slice):
+    if len(shape_of(node.args[0])) != 2:
+        return None
+    if len(index) == 2 and index[0] in _ALL_ROWS and isinstance(index[1], slice):
         s = index[1]
         if isinstance(s.start, int) and s.stop == s.start + 1 and s.step in (None, 1):
             walk.mark(node)
             return node.args[0], s.start
-    if len(index) == 3 and index[0] == slice(None) and isinstance(index[1], int) and index[2] is None:
+    if len(index) == 3 and index[0] in _ALL_ROWS and isinstance(index[1], int) and index[2] is None:
         walk.mark(node)
         return node.args[0], index[1]
     return None
@@ -215,10 +221,12 @@ def _check_columns(anchor: fx.Node) -> MoEMatch:
             terms.append(node)
 
     flatten(anchor)
-    by_expert, gates_nodes = {}, set()
+    by_expert, gates_nodes, others = {}, set(), []
     for term in terms:
         found = _column_product(term, walk)
-        expect(found is not None, f"{getattr(term, 'name', term)} is not a gate column times an expert output")
+        if found is None:
+            others.append(term)
+            continue
         gates, e, y = found
         expect(e not in by_expert, f"expert {e} is added twice")
         by_expert[e] = y
@@ -226,7 +234,14 @@ def _check_columns(anchor: fx.Node) -> MoEMatch:
         walk.mark(term)
     expect(len(gates_nodes) == 1, "experts are weighted by columns of different gate matrices")
     expect(sorted(by_expert) == list(range(len(by_expert))), f"the sum covers experts {sorted(by_expert)}: not 0..E-1")
-    return _finish(anchor, gates_nodes.pop(), [by_expert[e] for e in range(len(by_expert))], walk)
+    # one other term (a shared expert's output the sum starts from, a residual) is added to the op's output
+    expect(len(others) <= 1, f"{', '.join(getattr(t, 'name', str(t)) for t in others)} are not gate columns times "
+           "expert outputs: at most one other term is added to the experts' sum")
+    added_to = others[0] if others else None
+    expect(added_to is None or (isinstance(added_to, fx.Node) and shape_of(added_to) == shape_of(anchor)
+                                and dtype_of(added_to) == dtype_of(anchor)),
+           f"{getattr(added_to, 'name', added_to)} added to the experts' sum is not shaped as it")
+    return _finish(anchor, gates_nodes.pop(), [by_expert[e] for e in range(len(by_expert))], walk, added_to)
 
 
 # -- the gate matrix and the experts ------------------------------------------------------------
@@ -311,7 +326,9 @@ def _fill_value(node) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWalk) -> MoEMatch:
+def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWalk, added_to: fx.Node | None = None) -> MoEMatch:
+    """The match of a combine `anchor` of expert outputs `outs` by `gates` (plus `added_to`, a term of
+    the sum that is no expert's: added to the op's output)."""
     ids, topk_weights, zeros, inplace_scatter = sparse_gates(gates, walk)
     gathered = topk_weights is None  # a squashed gate matrix: the op's weights are gathered from it
     if gathered:
@@ -333,5 +350,5 @@ def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWa
     return finish_list_match(
         IDIOM, anchor, walk, anchor, [anchor], x, ids, topk_weights, experts, E=E, K=K, T=T, d=d,
         extra_region=[inplace_scatter] if inplace_scatter is not None else [],
-        shape_only=[zeros] if zeros is not None else [], gates=gathered,
+        shape_only=[zeros] if zeros is not None else [], gates=gathered, added_to=added_to,
     )

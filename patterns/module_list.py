@@ -303,14 +303,15 @@ def ranked_over(topk_ids: fx.Node, E: int) -> bool:
 
 
 def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts: list[ExpertMLP], *,
-                      E, K, T, d, accumulator=None, extra_region=(), shape_only=(), gates=False) -> MoEMatch:
+                      E, K, T, d, accumulator=None, extra_region=(), shape_only=(), gates=False, added_to=None) -> MoEMatch:
     """Legality shared by the list idioms (dtypes, shapes, a closed region), then the typed match.
 
     `anchors` are the nodes whose backward slice is the region (every in-place add of a combine);
     `extra_region` are nodes nothing in that slice reads but that go with it (the runtime asserts
     Dynamo adds on `torch.where`'s sizes); `shape_only` are nodes that read their input only for
     its shape (`zeros_like`), so the region does not extend past them. `gates`: topk_weights is a
-    [T, E] gate matrix to gather the weights from (`MoEMatch.gates`).
+    [T, E] gate matrix to gather the weights from (`MoEMatch.gates`). `added_to`: a tensor outside
+    the region that the combine adds the experts' sum to (`MoEMatch.added_to`).
     """
     from moe_compiler.codegen.activations import GATED
 
@@ -340,10 +341,11 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     bias_lists = tuple([ex.biases[role] for ex in experts] if experts[0].biases[role] is not None else []
                        for role in range(3))
     inputs = {x, topk_ids, topk_weights, *w_gate, *w_up, *w_down, *(b for group in bias_lists for b in group)}
+    inputs |= {added_to} if added_to is not None else set()
     region = _closed_region(walk, anchors, inputs, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
                          shape={"T": T, "d": d, "n": n, "E": E, "K": K}, expert_lists=(w_gate, w_up, w_down),
-                         expert_bias_lists=bias_lists if any(bias_lists) else None, gates=gates)
+                         expert_bias_lists=bias_lists if any(bias_lists) else None, gates=gates, added_to=added_to)
 
 
 def _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator, *, shape,

@@ -232,7 +232,10 @@ class DenseMoE(Router):
              "one_hot" ((one_hot(ids, E) * w.unsqueeze(-1)).sum(1)), "probs" (softmax probs: not sparse),
              "softmax_neg_inf" (softmax of log w scattered into -inf: gathered from the gate matrix)
     combine: "stack_sum" ((gates.unsqueeze(-1) * stack(outs, 1)).sum(1)), "einsum", "slices"
-             (out = out + gates[:, e:e+1] * experts[e](x)), "builtin_sum" (sum(gates[:, e, None] * ...))
+             (out = out + gates[:, e:e+1] * experts[e](x)), "builtin_sum" (sum(gates[:, e, None] * ...)),
+             "shared_slices" (out = shared(x), then out = out + gates[..., e:e+1] * experts[e](x)),
+             "zeros_slices" (the same from torch.zeros_like(x)), "two_extra_slices" (from shared(x) + x:
+             two terms that are no expert's, never rewritten)
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", gates="scatter", combine="stack_sum", acts=None,
@@ -240,6 +243,7 @@ class DenseMoE(Router):
         super().__init__(d, E, K)
         self.experts = make_experts(experts, d, n, E, acts, bias)
         self.gates, self.combine = gates, combine
+        self.shared = GatedExpert(d, n) if combine in ("shared_slices", "two_extra_slices") else None
 
     def _gates(self, probs, w, ids):
         if self.gates == "scatter":
@@ -261,6 +265,12 @@ class DenseMoE(Router):
         gates = self._gates(probs, w, ids).to(x.dtype)
         if self.combine == "builtin_sum":  # starts from the literal 0
             return sum(gates[:, e, None] * self.experts[e](x) for e in range(self.E))
+        if self.combine in ("shared_slices", "zeros_slices", "two_extra_slices"):
+            out = torch.zeros_like(x) if self.shared is None else self.shared(x)
+            out = out + x if self.combine == "two_extra_slices" else out
+            for e in range(self.E):
+                out = out + gates[..., e:e + 1] * self.experts[e](x)
+            return out
         if self.combine == "slices":
             out = self.experts[0](x) * gates[:, 0:1]
             for e in range(1, self.E):
@@ -672,6 +682,56 @@ class BmmMoE(Router):
             y = y * col3
         return y.sum(dim=0)
 
+
+
+class TiledBmmMoE(BmmMoE):
+    """transformers 4.5x's Llama 4 spelling of `BmmMoE`'s default: router scores kept transposed [E, T]
+    (the logits transposed, then transposed back for the top-k and the -inf fill), each expert's copy
+    of the tokens read through arange(T) tiled E times, and the expert rows added back by that index.
+
+    rows:    "gather" (`torch.gather(x, 0, idx.reshape(-1, 1).expand(-1, d))`), "index_select"
+             (`x.index_select(0, idx.reshape(-1))`), "getitem" (`x[idx.reshape(-1)]`)
+    combine: "scatter_add_" (in place, by the same [E*T, d] index), "index_add_" (by the flat index),
+             "scatter_add" (functional)
+    shared:  the combine adds into a shared expert's output (else into zeros)
+    tile:    "expand" (`arange(T).view(1, -1).expand(E, -1)`), "repeat" (`.repeat(E, 1)`), or
+             "shifted" (arange(T) rolled by one: rows of other tokens, never rewritten)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=1, rows="gather", combine="scatter_add_", shared=True, tile="expand"):
+        super().__init__(d, n, E, K)
+        self.rows_by, self.combine, self.tile = rows, combine, tile
+        self.shared = GatedExpert(d, n) if shared else None
+
+    def forward(self, x):
+        T, d = x.shape
+        logits = self.gate(x).transpose(0, 1)  # [E, T]
+        vals, ids = torch.topk(logits.transpose(0, 1), self.K, dim=1)
+        scores = torch.full_like(logits.transpose(0, 1), float("-inf")).scatter_(1, ids, vals).transpose(0, 1)
+        index = torch.arange(T, device=x.device)
+        if self.tile == "shifted":
+            index = torch.roll(index, 1)
+        index = index.view(1, -1)
+        index = index.expand(scores.size(0), -1) if self.tile != "repeat" else index.repeat(scores.size(0), 1)
+        scores = torch.sigmoid(scores.float()).to(x.dtype)
+        wide = index.reshape(-1, 1).expand(-1, d)
+        if self.rows_by == "gather":
+            rows = torch.gather(input=x, dim=0, index=wide).to(x.device)
+        elif self.rows_by == "index_select":
+            rows = x.index_select(0, index.reshape(-1))
+        else:
+            rows = x[index.reshape(-1)]
+        rows = rows * scores.reshape(-1, 1)
+        gate, up = torch.bmm(rows.view(self.E, -1, d), self.w1).chunk(2, dim=-1)
+        y = torch.bmm(up * F.silu(gate), self.w2).view(-1, d)
+        out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+        if self.combine == "scatter_add_":
+            out.scatter_add_(dim=0, index=wide, src=y)
+        elif self.combine == "index_add_":
+            out.index_add_(0, index.reshape(-1), y)
+        else:
+            out = out.scatter_add(0, wide, y)
+        return out
 
 class RepeatLoopMoE(Router):
     """DeepSeek-MoE's (and DeepSeek-V2's) training-path loop over the token rows repeated K times:

@@ -22,7 +22,7 @@ from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
 from .naive_models import (AnyHitLoopMoE, BmmMoE, DeepSeekRefMoE, DenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE,
-                           SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE)
+                           SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -122,6 +122,8 @@ DENSE_VARIANTS = {
     "softmax_neg_inf-stack_sum": dict(gates="softmax_neg_inf"),
     "bias-scatter-stack_sum": dict(bias=True),
     "bias-fused-one_hot-slices": dict(experts="fused", gates="one_hot", combine="slices", bias=True),
+    "shared-slices": dict(combine="shared_slices"),
+    "zeros-slices": dict(combine="zeros_slices", gates="one_hot"),
 }
 
 BMM_VARIANTS = {
@@ -284,6 +286,27 @@ def test_dense_bmm_matches_eager(variant):
     layout = report.rewritten[0].details["layout"]
     assert ("router-scaled inputs" in layout) == (BMM_VARIANTS[variant].get("gate_on", "input") == "input"), layout
 
+
+
+# transformers 4.5x's Llama 4 (`TiledBmmMoE`): rows by a tiled arange, added back by it, transposed scores
+TILED_VARIANTS = {
+    "llama4-4.5x": dict(),
+    "top2-index_select-index_add_": dict(K=2, rows="index_select", combine="index_add_"),
+    "getitem-scatter_add-zeros": dict(rows="getitem", combine="scatter_add", shared=False, K=2),
+    "repeat-tile": dict(tile="repeat", K=2),
+}
+
+
+@pytest.mark.parametrize("variant", TILED_VARIANTS)
+def test_dense_bmm_tiled_rows_match_eager(variant):
+    report = _check_rewrite(TiledBmmMoE(**TILED_VARIANTS[variant]), "dense_bmm", op="sonic::moe_experts")
+    assert "router-scaled inputs" in report.rewritten[0].details["layout"], str(report)
+
+
+def test_dense_bmm_rows_of_other_tokens_stay(caplog):
+    """arange(T) rolled by one reads every token's neighbour: no rule makes it x.repeat(E, 1)."""
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(TiledBmmMoE(tile="shifted"), _inputs()[0], "none found its first projection", caplog)
 
 def test_dense_bmm_is_sparse():
     """The rewrite runs each expert on its top-k rows only: the op sees T*K rows, not E*T."""
@@ -556,6 +579,7 @@ class _RepeatWritesX(RepeatLoopMoE):
 
 NEGATIVE = {
     "subset-of-experts": (lambda: LoopMoE(experts_used=[0, 1, 3]), "not every expert"),
+    "dense-sum-with-two-other-terms": (lambda: DenseMoE(combine="two_extra_slices"), "at most one other term"),
     "expert-visited-twice": (lambda: LoopMoE(experts_used=[0, 1, 2, 3, 1]), "added twice"),
     "spare-expert": (lambda: LoopMoE(spare_experts=1), "num_classes=5 but the router ranks E=4"),
     "one-expert-other-activation": (lambda: LoopMoE(acts=[F.silu, F.silu, F.gelu, F.silu]), "expert 2's activation (geglu) differs"),
@@ -862,7 +886,7 @@ def test_expert_loop_top1_keepdim_column_gpu_bf16(variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices", "softmax_neg_inf-stack_sum",
-                                     "bias-scatter-stack_sum"])
+                                     "bias-scatter-stack_sum", "shared-slices"])
 def test_dense_experts_gpu_bf16(variant):
     _check_gpu_bf16(lambda: DenseMoE(**DENSE_VARIANTS[variant]), "dense_experts")
 
@@ -872,6 +896,12 @@ def test_dense_experts_gpu_bf16(variant):
 def test_dense_bmm_gpu_bf16(variant):
     _check_gpu_bf16(lambda: BmmMoE(**BMM_VARIANTS[variant]), "dense_bmm")
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["llama4-4.5x", "top2-index_select-index_add_"])
+def test_dense_bmm_tiled_rows_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: TiledBmmMoE(**TILED_VARIANTS[variant]), "dense_bmm")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["loop-list", "bmm-stacked"])
