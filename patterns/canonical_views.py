@@ -20,9 +20,9 @@ Rules (eager spelling -> canonical form):
     (y * w.reshape(-1, 1)).view(T, K, d)               ->  y' * w.reshape(-1, K, 1)
         # a reshape of elementwise code that regroups leading dims and keeps the trailing ones,
         # moved onto the code's inputs, when each input of the code's full shape is itself a
-        # reshape of a tensor of the target shape (or a chunk along the last dim of one): the
-        # elementwise ops run on the same elements; inputs broadcast over trailing dims are
-        # regrouped alike. Gathered-weight products respelled as einsums
+        # reshape of a tensor of the target shape (or a chunk along the last dim of one, or rows
+        # of a table picked by a flat index: `B[ids.reshape(-1)]` as `B[ids]`): the elementwise
+        # ops run on the same elements; inputs broadcast over trailing dims are regrouped alike. Gathered-weight products respelled as einsums
         # (`canonical_products.gathered_product_to_einsum`) leave their [T, K, n] results
         # reshaped around the expert's elementwise code; these rules bring the results back.
 
@@ -37,7 +37,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .common import (arg, example_value, insert_call, is_call, is_getitem, is_int, same_shape, same_size, shape_of, storage_of,
+from .common import (arg, dtype_of, example_value, insert_call, is_call, is_getitem, is_int, same_shape, same_size, shape_of, storage_of,
                      writes_in_place)
 
 _RESHAPES = ("view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten")
@@ -184,6 +184,10 @@ class _Push:
             self.resolved += 1
             self.near_product = self.near_product or _near_product(node)
             return True
+        if (gathered := self._gathered_rows(node)) is not None:
+            self.seen += [node, *_between(node.args[1], gathered[1])]
+            self.resolved += 1
+            return True
         callable_ = node.op == "call_function" or (node.op == "call_method" and hasattr(torch.Tensor, node.target))
         if node is top or (is_call(node, *_ELEMENTWISE) and len(node.users) == 1 and not writes_in_place(node)):
             return callable_ and all(self.plan(a, top) for a in (*node.args, *node.kwargs.values()))
@@ -203,6 +207,8 @@ class _Push:
             new = root
         elif (source := self._chunk_source(node)) is not None:
             new = self._chunk(*source)
+        elif (gathered := self._gathered_rows(node)) is not None:
+            new = self._insert(operator.getitem, gathered)
         else:
             args = tuple(self.build(a) for a in node.args)
             kwargs = {k: self.build(v) for k, v in node.kwargs.items()}
@@ -234,6 +240,23 @@ class _Push:
         if not all(is_int(s) for s in (*lead_target[1:], *shape[lead:])):
             return None
         return (-1, *lead_target[1:], *shape[lead:]) if lead_target else tuple(shape[lead:])
+
+    def _gathered_rows(self, node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+        """(table, index) when `node` is `table[j]`, rows of a table picked by a 1-D integer j that is
+        a reshape of `index`, an index of the target's leading dims: `B[ids.reshape(-1)]` viewed as
+        [T, K, d] is `B[ids]` (the same rows in the same row-major order)."""
+        if not (is_getitem(node) and isinstance(node.args[1], fx.Node) and len(shape_of(node.args[1])) == 1):
+            return None
+        table, flat = node.args
+        dtype = dtype_of(flat)
+        if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            return None
+        row = shape_of(table)[1:]
+        lead = len(self.target) - len(row)
+        if lead < 1 or not same_shape(self.target[lead:], row):
+            return None
+        index = view_root(flat, self.target[:lead])
+        return (table, index) if index is not None and index is not flat else None
 
     def _chunk_source(self, node: fx.Node) -> tuple[fx.Node, int, int] | None:
         """(the tensor of the target's leading dims, chunks, which) when `node` is a chunk along the

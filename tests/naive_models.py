@@ -801,6 +801,8 @@ class GatheredMoE(Router):
              weights' output dim first); "bmm_tiled" (as bmm_flat_t with the rows `x.repeat(K, 1)`: slot
              (t, k) reads row (t K + k) mod T, not x[t]: not an MoE, the negative)
     combine "flat": `(y.reshape(-1, d) * w.reshape(-1, 1)).view(T, K, d).sum(1)`
+    flat_down_bias: (products "bmm_flat") a down bias gathered by the flat ids and added to the flat
+             rows: `(torch.bmm(a, W2[flat]).squeeze(1) + B2[flat]).view(T, K, d)`
     Knobs that break it (the negative grid): down_ids ("flipped": the down projection gathers with
     ids.flip(-1)), up_rows ("scaled": the up projection reads 2 x), y_read (y's sum added to the
     output), sum_dim (the combine sums over d), down_orient (the down weights in the other
@@ -811,8 +813,9 @@ class GatheredMoE(Router):
 
     def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", orient="out_in", combine="einsum", letters=False,
                  down_ids=None, up_rows=None, y_read=False, sum_dim=None, down_orient=None, gather_read=False,
-                 gate_bias=False, cut_swapped=False, cut_read=False, products="einsum"):
+                 gate_bias=False, cut_swapped=False, cut_read=False, products="einsum", flat_down_bias=False):
         super().__init__(d, E, K)
+        self.down_bias = nn.Parameter(torch.randn(E, d) * 0.1) if flat_down_bias else None
         self.gate_up, self.orient, self.combine, self.letters = gate_up, orient, combine, letters
         self.down_ids, self.up_rows, self.y_read, self.sum_dim = down_ids, up_rows, y_read, sum_dim
         self.down_orient, self.gather_read, self.products = down_orient or orient, gather_read, products
@@ -875,7 +878,12 @@ class GatheredMoE(Router):
         else:
             a = F.gelu(self._up(x, self.w1, ids, w1))
         down_ids = ids.flip(-1) if self.down_ids == "flipped" else ids
-        if self.products != "einsum":
+        if self.down_bias is not None:
+            T, K = ids.shape
+            flat = down_ids.reshape(-1)
+            g = self.w2[flat].transpose(1, 2) if self.down_orient == "out_in" else self.w2[flat]
+            y = (torch.bmm(a.reshape(T * K, 1, -1), g).squeeze(1) + self.down_bias[flat]).view(T, K, -1)
+        elif self.products != "einsum":
             y = self._product(a, self.w2, down_ids, self.down_orient)
         else:
             eq = "tao,taio->tai" if self.down_orient == "out_in" else "tao,taoi->tai"

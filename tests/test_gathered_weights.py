@@ -45,6 +45,8 @@ VARIANTS = {  # kwargs, the op, the reported layout
     "bmm_flat_t-in_out-flat": (dict(products="bmm_flat_t", orient="in_out", combine="flat"), SPLIT_OP,
                                "separate gate/up (two stacked parameters, transposed)"),
     "bmm_flat_t-fused-flat": (dict(products="bmm_flat_t", gate_up="fused", combine="flat"), STACKED_OP, "concatenated"),
+    "bmm_flat-fused-flat_down_bias": (dict(products="bmm_flat", gate_up="fused", flat_down_bias=True, combine="mul_sum"),
+                                      STACKED_OP, "concatenated, bias"),
 }
 
 
@@ -113,7 +115,8 @@ def test_gathered_weights_negative_untouched(case, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gpt-fast", "fused-in_out-w_first", "plain-index_none_sum",
-                                     "cut-split-in_out-mul_sum", "matmul", "bmm_flat-fused", "bmm_flat_t-fused-flat"])
+                                     "cut-split-in_out-mul_sum", "matmul", "bmm_flat-fused", "bmm_flat_t-fused-flat",
+                                     "bmm_flat-fused-flat_down_bias"])
 def test_gathered_weights_gpu_bf16(variant):
     _check_gpu_bf16(lambda: GatheredMoE(**VARIANTS[variant][0]), IDIOM)
 
