@@ -77,8 +77,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .canonical_layout import (elementwise_of_transpose_to_transpose, same_device_move_to_self, tiled_rows_to_repeat,
-                               tiled_scatter_add_to_sum, transpose_pair_to_base)
+from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, elementwise_of_transpose_to_transpose,
+                               same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
 from .canonical_products import (broadcast_matmul_to_bmm, einsum_to_bmm, einsum_weighted_sum_to_product,
                                  gathered_product_to_einsum, split_loop_to_grouped_mm)
@@ -869,7 +869,7 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
 RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, nonzero_columns_to_where,
          boolean_index_to_where, scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add,
-         transpose_pair_to_base, elementwise_of_transpose_to_transpose, tiled_rows_to_repeat, tiled_scatter_add_to_sum,
+         transpose_pair_to_base, elementwise_of_transpose_to_transpose, copied_rows_to_repeat, copies_added_back_to_sum,
          any_hit_where_to_hit_where,
          arange_mask_to_one_hot, masked_weight_to_gate_column, gate_column_rows_to_weights,
          keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,

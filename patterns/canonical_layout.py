@@ -16,14 +16,18 @@ Rules (eager spelling -> canonical form):
     x[A.reshape(-1)], x.index_select(0, A.reshape(-1))  ->  x.repeat(E, 1)
         # A = arange(T) tiled E times (`torch.arange(T).view(1, -1).expand(E, -1)`, `.repeat(E, 1)`,
         # `arange(T).repeat(E)`), x [T, d]: row r of both is x[r mod T]
+    x[arange(T).repeat_interleave(K)] (gather, index_select too)  ->  x.repeat_interleave(K, 0)
+        # each value repeated K times (also `arange(T)[:, None].expand(-1, K).reshape(-1)`): row r is x[r // K]
     out.scatter_add_(0, A.reshape(-1, 1).expand(-1, d), v)  ->  out.add_(v.view(E, T, d).sum(0))
     out.index_add_(0, A.reshape(-1), v)                     ->  out.add_(v.view(E, T, d).sum(0))
-        # (functional forms: out + ...) each of out's T rows gets the E rows of v at r mod T: the
-        # same sums, added in another order (as CUDA's atomic index_add already may)
+    out.index_add_(0, arange(T).repeat_interleave(K), v)    ->  out.add_(v.view(T, K, d).sum(1))
+        # (functional forms: out + ...) each of out's T rows gets the rows of v the index maps to it:
+        # the same sums, added in another order (as CUDA's atomic index_add already may)
 """
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -130,7 +134,16 @@ def same_device_move_to_self(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
     return f"{node.name} -> {t.name}"
 
 
-# -- rows tiled by index: arange(T) repeated E times --------------------------------------------------
+# -- rows copied by index: arange(T) tiled E times, or each of its values repeated K times ----------
+
+class Copies(NamedTuple):
+    """An index holding arange(T) `copies` times: tiled (row r is r mod T, `arange(T).repeat(E)`) or
+    interleaved (row r is r // K, `arange(T).repeat_interleave(K)`)."""
+
+    interleaved: bool
+    copies: int
+    T: object
+
 
 def _arange_length(node) -> object | None:
     """T for `torch.arange(T)` / `torch.arange(0, T)` (step 1, integer), else None."""
@@ -147,128 +160,148 @@ def _arange_length(node) -> object | None:
     return args[0]
 
 
-def _row_of_arange(node) -> object | None:
-    """T when `node` is arange(T) made a [1, T] row (`.view(1, -1)`, `.view(1, T)`, `[None]`,
-    `.unsqueeze(0)`, `.reshape(1, -1)`)."""
+def _arange_as(node, dim: int) -> object | None:
+    """T when `node` is arange(T) made a [1, T] row (dim 0: `.view(1, -1)`, `[None]`, `.unsqueeze(0)`)
+    or a [T, 1] column (dim 1: `.view(-1, 1)`, `[:, None]`, `.unsqueeze(1)`)."""
     if not isinstance(node, fx.Node) or not node.args:
         return None
     T = _arange_length(node.args[0])
-    if T is None or len(shape_of(node)) != 2 or not same_size(shape_of(node)[0], 1):
-        return None
-    if is_call(node, "view", "reshape") or (is_call(node, "unsqueeze") and arg(node, 1, "dim") == 0):
-        return T
-    if is_getitem(node) and node.args[1] in (None, (None,), (None, slice(None))):
-        return T
-    return None
-
-
-def tiled_arange(node) -> tuple[int, object] | None:
-    """(E, T) when `node` holds arange(T) repeated E times in row-major order: a [E, T] matrix of
-    rows arange(T) (`row.expand(E, -1)`, `row.expand(E, T)`, `row.repeat(E, 1)`, or a flat one
-    viewed [E, T]), a flat view of one (`.reshape(-1)`, `.view(-1)`, `.flatten()`), or
-    `arange(T).repeat(E)`; else None."""
-    if not isinstance(node, fx.Node) or not node.args:
-        return None
     shape = shape_of(node)
+    if T is None or len(shape) != 2 or not same_size(shape[dim], 1):
+        return None
+    if is_call(node, "view", "reshape") or (is_call(node, "unsqueeze") and arg(node, 1, "dim") in (dim, dim - 2)):
+        return T
+    new_dim = (None, (None,), (None, slice(None))) if dim == 0 else ((slice(None), None),)
+    return T if is_getitem(node) and node.args[1] in new_dim else None
+
+
+def _sizes(node: fx.Node) -> tuple:
+    """The sizes of `t.expand(...)` / `t.repeat(...)`, given as one tuple or as arguments."""
+    return tuple(node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:])
+
+
+def arange_copies(node) -> Copies | None:
+    """The `Copies` `node` holds, flat [copies * T] or as a matrix ([E, T] tiled, [T, K] interleaved):
+    a [1, T] row of arange(T) widened to [E, T] (`expand(E, -1)`, `repeat(E, 1)`), a [T, 1] column
+    widened to [T, K] (`expand(-1, K)`, `repeat(1, K)`), a flat view of either (`.reshape(-1)`,
+    `.view(-1)`, `.flatten()`), `arange(T).repeat(E)`, `arange(T).repeat_interleave(K)`, or a flat
+    one viewed as its matrix; else None."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    shape, src = shape_of(node), node.args[0]
     if len(shape) == 1 and is_call(node, "reshape", "view", "flatten"):
         rest = node.args[1:]
         flat = rest in ((-1,), ((-1,),)) or (is_call(node, "flatten") and not rest and not node.kwargs)
-        inner = tiled_arange(node.args[0]) if flat and len(shape_of(node.args[0])) == 2 else None
-        return inner
+        return arange_copies(src) if flat and len(shape_of(src)) == 2 else None
     if len(shape) == 1 and is_call(node, "repeat") and len(node.args) == 2 and is_int(node.args[1]):
-        T = _arange_length(node.args[0])
-        return (node.args[1], T) if T is not None else None
-    if len(shape) == 2 and is_call(node, "view", "reshape") and len(shape_of(node.args[0])) == 1:
-        flat = tiled_arange(node.args[0])  # a flat tiled arange viewed as its [E, T] matrix
-        return flat if flat is not None and shape[0] == flat[0] and same_size(shape[1], flat[1]) else None
-    if len(shape) == 2 and is_call(node, "expand", "repeat"):
-        T = _row_of_arange(node.args[0])
-        if T is None or not is_int(shape[0]) or not same_size(shape[1], T):
+        T = _arange_length(src)
+        return Copies(False, node.args[1], T) if T is not None else None
+    if len(shape) == 1 and is_call(node, "repeat_interleave"):
+        repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+        T = _arange_length(src)
+        ok = is_int(repeats) and dim in (None, 0, -1) and set(node.kwargs) <= {"repeats", "dim", "output_size"}
+        return Copies(True, repeats, T) if ok and T is not None else None
+    if len(shape) != 2:
+        return None
+    if is_call(node, "view", "reshape") and len(shape_of(src)) == 1:
+        flat = arange_copies(src)  # a flat one viewed as its matrix
+        want = (flat.T, flat.copies) if flat is not None and flat.interleaved else (flat.copies, flat.T) if flat else None
+        return flat if want and same_size(shape[0], want[0]) and same_size(shape[1], want[1]) else None
+    if not is_call(node, "expand", "repeat"):
+        return None
+    reps = _sizes(node)
+    if (T := _arange_as(src, 0)) is not None:  # [1, T] -> [E, T]
+        if is_call(node, "repeat") and reps[1:] != (1,):
             return None
-        sizes = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
-        if is_call(node, "repeat") and tuple(sizes)[1:] != (1,):
+        return Copies(False, shape[0], T) if is_int(shape[0]) and same_size(shape[1], T) else None
+    if (T := _arange_as(src, 1)) is not None:  # [T, 1] -> [T, K]
+        if is_call(node, "repeat") and reps[:1] != (1,):
             return None
-        return shape[0], T
+        return Copies(True, shape[1], T) if is_int(shape[1]) and same_size(shape[0], T) else None
     return None
 
 
-def _tiled_column(idx) -> tuple[int, object] | None:
-    """(E, T) when idx [E*T, d] holds, in every column, arange(T) tiled E times: a [E*T, 1] column of
-    a tiled arange (`A.reshape(-1, 1)`, `flat.view(-1, 1)`, `flat[:, None]`, `flat.unsqueeze(-1)`),
-    widened (`expand(-1, d)`, `expand_as`, `repeat(1, d)`)."""
+def _copies_column(idx) -> Copies | None:
+    """The `Copies` of every column of idx [copies * T, d]: a [copies * T, 1] column of an
+    `arange_copies` index (`A.reshape(-1, 1)`, `flat.view(-1, 1)`, `flat[:, None]`,
+    `flat.unsqueeze(-1)`) widened (`expand(-1, d)`, `expand_as`, `repeat(1, d)`)."""
     if not is_call(idx, "expand", "expand_as", "repeat") or not isinstance(idx.args[0], fx.Node):
         return None
-    if is_call(idx, "repeat"):
-        reps = idx.args[1] if len(idx.args) == 2 and isinstance(idx.args[1], (tuple, list)) else idx.args[1:]
-        if len(reps) != 2 or reps[0] != 1:
-            return None
+    if is_call(idx, "repeat") and (len(_sizes(idx)) != 2 or _sizes(idx)[0] != 1):
+        return None
     column = idx.args[0]
     if len(shape_of(column)) != 2 or not same_size(shape_of(column)[1], 1) or len(shape_of(idx)) != 2:
         return None
     if is_call(column, "view", "reshape") and column.args[1:] in ((-1, 1), ((-1, 1),)):
-        src = column.args[0]
-        tiled = tiled_arange(src)
-    elif is_call(column, "unsqueeze") and arg(column, 1, "dim") in (-1, 1):
-        tiled = tiled_arange(column.args[0]) if len(shape_of(column.args[0])) == 1 else None
-    elif is_getitem(column) and column.args[1] == (slice(None), None):
-        tiled = tiled_arange(column.args[0]) if len(shape_of(column.args[0])) == 1 else None
-    else:
+        return arange_copies(column.args[0])
+    flat = column.args[0]
+    if len(shape_of(flat)) != 1:
         return None
-    return tiled
+    if (is_call(column, "unsqueeze") and arg(column, 1, "dim") in (-1, 1)) or (
+            is_getitem(column) and column.args[1] == (slice(None), None)):
+        return arange_copies(flat)
+    return None
 
 
-def _rows_of(x, E: int, T) -> bool:
-    """x a 2-D tensor of T rows read E times in all."""
-    return len(shape_of(x)) == 2 and same_size(shape_of(x)[0], T) and E >= 1
+def _copied(x, v, copies: Copies) -> bool:
+    """x a 2-D tensor of T rows; v (when given) its copies: [copies * T] rows as wide."""
+    sx = shape_of(x)
+    if len(sx) != 2 or not same_size(sx[0], copies.T):
+        return False
+    sv = shape_of(v) if v is not None else None
+    return sv is None or (len(sv) == 2 and same_size(sv[0], copies.copies * copies.T) and same_size(sv[1], sx[1]))
 
 
-def tiled_rows_to_repeat(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`torch.gather(x, 0, idx)` with idx every column a tiled arange (`_tiled_column`), `x[flat]`,
-    `x.index_select(0, flat)` with flat a flat tiled arange -> `x.repeat(E, 1)`: row r is x[r mod T]."""
-    tiled = x = None
+def copied_rows_to_repeat(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`torch.gather(x, 0, idx)` with every column of idx an `arange_copies` index (`_copies_column`),
+    `x[flat]` or `x.index_select(0, flat)` with flat one -> `x.repeat(E, 1)` (tiled: row r is
+    x[r mod T]) or `x.repeat_interleave(K, 0)` (interleaved: row r is x[r // K])."""
+    copies = x = None
     if is_call(node, "gather") and arg(node, 1, "dim") in (0, -2) and not arg(node, 3, "sparse_grad", False):
         x, idx = arg(node, 0, "input"), arg(node, 2, "index")
-        tiled = _tiled_column(idx) if isinstance(idx, fx.Node) else None
-        if tiled is not None and not same_size(shape_of(idx)[1], shape_of(x)[1] if len(shape_of(x)) == 2 else -1):
-            tiled = None
+        copies = _copies_column(idx) if isinstance(idx, fx.Node) else None
+        if copies is not None and not (isinstance(x, fx.Node) and _copied(x, idx, copies)):
+            copies = None
     elif is_getitem(node) and isinstance(node.args[1], fx.Node):
         x, flat = node.args
-        tiled = tiled_arange(flat) if len(shape_of(flat)) == 1 else None
+        copies = arange_copies(flat) if len(shape_of(flat)) == 1 else None
     elif is_call(node, "index_select") and len(node.args) == 3 and node.args[1] in (0, -2) and not node.kwargs:
         x, _, flat = node.args
-        tiled = tiled_arange(flat) if len(shape_of(flat)) == 1 else None
-    if tiled is None or not isinstance(x, fx.Node) or not _rows_of(x, *tiled):
+        copies = arange_copies(flat) if len(shape_of(flat)) == 1 else None
+    if copies is None or not isinstance(x, fx.Node) or not _copied(x, None, copies):
         return None
-    E, T = tiled
-    repeated = insert_call(gm, node, torch.Tensor.repeat, (x, E, 1))
-    order[repeated] = order[node]
-    node.replace_all_uses_with(repeated)
-    return f"{node.name} -> {x.name}.repeat({E}, 1)"
+    if copies.interleaved:
+        copied = insert_call(gm, node, torch.repeat_interleave, (x, copies.copies, 0))
+        spelled = f"{x.name}.repeat_interleave({copies.copies}, 0)"
+    else:
+        copied = insert_call(gm, node, torch.Tensor.repeat, (x, copies.copies, 1))
+        spelled = f"{x.name}.repeat({copies.copies}, 1)"
+    order[copied] = order[node]
+    node.replace_all_uses_with(copied)
+    return f"{node.name} -> {spelled}"
 
 
-def tiled_scatter_add_to_sum(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`out.scatter_add_(0, idx, v)` (idx `_tiled_column`) or `out.index_add_(0, flat, v)` (flat a
-    flat tiled arange), out [T, d] and v [E*T, d] -> `out.add_(v.view(E, T, d).sum(0))`; the
-    functional forms (`scatter_add`, `index_add`, `torch.scatter_add`) -> `out + v.view(E, T, d).sum(0)`.
-    Each row of out gets the E rows of v at r mod T."""
+def copies_added_back_to_sum(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`out.scatter_add_(0, idx, v)` (idx `_copies_column`) or `out.index_add_(0, flat, v)` (flat an
+    `arange_copies` index), out [T, d] and v [copies * T, d] -> `out.add_(v.view(E, T, d).sum(0))`
+    (tiled) or `out.add_(v.view(T, K, d).sum(1))` (interleaved); the functional forms
+    (`scatter_add`, `index_add`, `torch.scatter_add`) -> `out + ...`. Each row of out gets the rows
+    of v that the index maps to it."""
     if is_call(node, "scatter_add", "scatter_add_") and len(node.args) + len(node.kwargs) == 4:
         out, dim, idx, v = (arg(node, i, name) for i, name in enumerate(("input", "dim", "index", "src")))
-        tiled = _tiled_column(idx) if isinstance(idx, fx.Node) else None
+        copies = _copies_column(idx) if isinstance(idx, fx.Node) and shape_of(idx) == shape_of(v) else None
     elif is_call(node, "index_add", "index_add_") and len(node.args) + len(node.kwargs) == 4:
         out, dim, flat, v = (arg(node, i, name) for i, name in enumerate(("input", "dim", "index", "source")))
-        tiled = tiled_arange(flat) if isinstance(flat, fx.Node) and len(shape_of(flat)) == 1 else None
+        copies = arange_copies(flat) if isinstance(flat, fx.Node) and len(shape_of(flat)) == 1 else None
     else:
         return None
-    if tiled is None or dim not in (0, -2) or not all(isinstance(t, fx.Node) for t in (out, v)):
+    if copies is None or dim not in (0, -2) or not all(isinstance(t, fx.Node) for t in (out, v)):
         return None
-    E, T = tiled
-    (so, sv) = shape_of(out), shape_of(v)
-    if len(so) != 2 or len(sv) != 2 or not same_size(so[0], T) or not same_size(sv[0], E * T) or not same_size(so[1], sv[1]):
+    if not _copied(out, v, copies) or example_value(out).dtype != example_value(v).dtype:
         return None
-    if example_value(out).dtype != example_value(v).dtype:
-        return None
-    per_copy = insert_call(gm, node, torch.Tensor.view, (v, E, T, so[1]))
-    summed = insert_call(gm, node, torch.sum, (per_copy, 0))
+    E_or_T, T_or_K = (copies.T, copies.copies) if copies.interleaved else (copies.copies, copies.T)
+    per_copy = insert_call(gm, node, torch.Tensor.view, (v, E_or_T, T_or_K, shape_of(out)[1]))
+    summed = insert_call(gm, node, torch.sum, (per_copy, 1 if copies.interleaved else 0))
     if str(node.target).endswith("_"):
         with gm.graph.inserting_before(node):
             added = gm.graph.call_method("add_", (out, summed))
@@ -280,4 +313,5 @@ def tiled_scatter_add_to_sum(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
     node.replace_all_uses_with(added)
     order.pop(node)
     gm.graph.erase_node(node)
-    return f"{node.name} -> {out.name} + {v.name}.view({E}, T, d).sum(0)"
+    shape = "T, K, d).sum(1)" if copies.interleaved else "E, T, d).sum(0)"
+    return f"{node.name} -> {out.name} + {v.name}.view({shape}"

@@ -6,10 +6,13 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
     w, ids = torch.topk(scores, K, dim=-1)                    # [T, K] (any [T, K] weights)
     flat = ids.view(-1)                                       # [T*K] (or reshape(-1), flatten())
     xr = x.repeat_interleave(K, dim=0)                        # [T*K, d]: row t*K + k is token t
-    y = torch.empty_like(xr)                                  # (or zeros_like)
+    y = torch.empty_like(xr)                                  # (or zeros_like, torch.zeros(T * K, d))
     for e, expert in enumerate(self.experts):
         y[flat == e] = expert(xr[flat == e])
-    out = (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1)   # [T, d]
+    out = (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1)   # [T, d]; or (y * w.reshape(-1, 1)).view(T, K, d).sum(1)
+
+(a scatter-add of the scaled rows into zeros by each row's token, `arange(T).repeat_interleave(K)`,
+reaches this finder as that view and sum: `canonical_layout.copies_added_back_to_sum`)
 
 Row t*K + k of y is expert ids[t, k] on x[t], so `out[t] = sum_k w[t, k] * expert_{ids[t, k]}(x[t])`:
 the op's contract. It becomes `moe_experts_list(x, ids, w, ...)` (or `moe_experts` for slices of
@@ -37,6 +40,7 @@ from .module_list import expert_mlp, finish_expert_match, through_float_casts, t
 
 IDIOM = "repeat_loop"
 _FRESH = ("empty_like", "zeros_like")
+_FRESH_SIZED = ("empty", "zeros")
 _FLATTEN = ("view", "reshape", "flatten")
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -98,11 +102,26 @@ def _is_int_cast(node) -> bool:
     return src in _INT_DTYPES and out in _INT_DTYPES
 
 
+def _fresh_sized(y: fx.Node) -> bool:
+    """`torch.zeros(sizes)` / `torch.empty(sizes)`, sizes as arguments or one tuple, with at most a
+    dtype, a device and a layout."""
+    return (is_call(y, *_FRESH_SIZED) and y.op == "call_function" and bool(y.args)
+            and set(y.kwargs) <= {"dtype", "device", "layout", "requires_grad"} and not y.kwargs.get("requires_grad"))
+
+
 def _check(y: fx.Node, writes: list[fx.Node]) -> MoEMatch:
     walk = RegionWalk()
-    expect(is_call(y, *_FRESH) and len(y.args) == 1 and set(y.kwargs) <= {"memory_format"},
-           f"the loop writes into {y.name}, not a fresh empty_like/zeros_like of the repeated rows")
-    xr = y.args[0]
+    like = is_call(y, *_FRESH) and len(y.args) == 1 and set(y.kwargs) <= {"memory_format"}
+    expect(like or _fresh_sized(y),
+           f"the loop writes into {y.name}, not a fresh empty_like/zeros_like (or zeros/empty) of the repeated rows")
+    if like:
+        xr = y.args[0]
+    else:  # torch.zeros(T * K, d, ...): the rows the first expert reads, of y's shape and dtype
+        rows = through_float_casts(expert_mlp(through_float_casts(writes[0].args[2], walk), RegionWalk(), 0,
+                                              stacked=True).rows, walk)
+        xr = rows.args[0] if _is_index(rows) else None
+        expect(isinstance(xr, fx.Node) and shape_of(xr) == shape_of(y) and dtype_of(xr) == dtype_of(y),
+               f"the loop writes into {y.name}, not a tensor shaped as the rows its experts read")
     x, repeats = _repeated(xr)
     walk.mark(y, xr)
 
@@ -158,30 +177,51 @@ def _repeated(xr) -> tuple[fx.Node, int]:
 
 
 def _combine(y: fx.Node, writes: list[fx.Node], T, K: int, d, walk: RegionWalk) -> tuple[fx.Node, fx.Node]:
-    """(the [T, d] sum, the [T, K] weights) of `(y.view(T, K, d) * w.unsqueeze(-1)).sum(dim=1)`, the
-    only read of y, after its last write."""
+    """(the [T, d] sum, the [T, K] weights) of `(y.view(T, K, d) * w.unsqueeze(-1)).sum(dim=1)` or
+    `(y * w.reshape(-1, 1)).view(T, K, d).sum(dim=1)`, the only read of y, after its last write."""
     readers = [u for u in y.users if u not in writes]
     expect(len(readers) == 1, f"{y.name} is read {len(readers)} times besides the loop's writes, not once by the combine")
-    (view,) = readers
+    (first,) = readers
     order = {n: i for i, n in enumerate(y.graph.nodes)}
-    expect(order[view] > max(order[w] for w in writes), f"{y.name} is read inside the loop (by {view.name})")
-    expect(is_call(view, "view", "reshape", "unflatten"), f"{y.name} is read by {view.name}, not viewed as [T, K, d]")
+    expect(order[first] > max(order[w] for w in writes), f"{y.name} is read inside the loop (by {first.name})")
+    if is_call(first, "mul", "__mul__") and len(first.args) == 2 and not first.kwargs:  # rows scaled, then viewed
+        mul = first
+        weights = _weight_column(mul.args[1] if mul.args[0] is y else mul.args[0], T, K, walk)
+        view = walk.only_reader(mul)
+        expect(is_call(view, "view", "reshape", "unflatten"), f"the scaled rows {mul.name} are not viewed as [T, K, d]")
+    else:
+        view = first
+        expect(is_call(view, "view", "reshape", "unflatten"), f"{y.name} is read by {view.name}, not viewed as [T, K, d]")
+        mul = walk.only_reader(view)
+        expect(is_call(mul, "mul", "__mul__") and len(mul.args) == 2 and not mul.kwargs and view in mul.args,
+               "the experts' rows are not scaled by the routing weights")
+        weights = _broadcast_weights(mul.args[1] if mul.args[0] is view else mul.args[0], walk)
     shape = shape_of(view)
     expect(len(shape) == 3 and same_size(shape[0], T) and shape[1] == K and same_size(shape[2], d),
            f"{y.name} is viewed as {shape}, not [T, K={K}, d]")
-    mul = walk.only_reader(view)
-    expect(is_call(mul, "mul", "__mul__") and len(mul.args) == 2 and not mul.kwargs and view in mul.args,
-           "the experts' rows are not scaled by the routing weights")
-    weights = _broadcast_weights(mul.args[1] if mul.args[0] is view else mul.args[0], walk)
     expect(weights is not None and len(shape_of(weights)) == 2 and dtype_of(weights) is not None
            and dtype_of(weights).is_floating_point, "the experts' rows are not scaled by [T, K] weights broadcast over d")
-    total = walk.only_reader(mul)
+    total = walk.only_reader(view if mul is first else mul)
     dim, keepdim = (arg(total, 1, "dim"), arg(total, 2, "keepdim", False)) if is_call(total, "sum") else (None, None)
     expect(is_call(total, "sum") and dim in (1, -2, (1,), (-2,), [1], [-2]) and keepdim is False
            and set(total.kwargs) <= {"dim", "keepdim"} and len(total.args) <= 3,
            "the scaled rows are not summed over each token's K experts")
     walk.mark(view, mul, total)
     return total, weights
+
+
+def _weight_column(scale, T, K: int, walk: RegionWalk) -> fx.Node | None:
+    """w of `w.reshape(-1, 1)` / `w.view(T * K, 1)` ([T, K] weights as one column of the T K rows, in
+    row-major order), cast or not after the reshape; else None."""
+    scale = through_float_casts(scale, walk)
+    if not is_call(scale, "view", "reshape") or len(shape_of(scale)) != 2 or shape_of(scale)[1] != 1:
+        return None
+    inner = scale.args[0]
+    shape = shape_of(inner)
+    if not (len(shape) == 2 and same_size(shape[0], T) and shape[1] == K):
+        return None
+    walk.mark(scale)
+    return inner
 
 
 def _broadcast_weights(scale, walk: RegionWalk) -> fx.Node | None:

@@ -740,7 +740,10 @@ class RepeatLoopMoE(Router):
     w.unsqueeze(-1)).sum(dim=1)`.
 
     spelling: "method" (x.repeat_interleave, ids.view(-1)), "function" (torch.repeat_interleave,
-              ids.reshape(-1), one shared mask node per expert, zeros_like, w[..., None])
+              ids.reshape(-1), one shared mask node per expert, zeros_like, w[..., None]), "assign"
+              (y = torch.zeros(T * K, d), the rows scaled by w.reshape(-1, 1), then scatter_add_ into
+              zeros by each row's token, `torch.arange(T).repeat_interleave(K)`), "assign_tiled" (the
+              same added back by `arange(T).repeat(K)`: row r to token r mod T, not an MoE)
     ids_int32: the ids cast to int32 before they are flattened (BailingMoE's variant)
     Knobs that break it (the negative grid): transposed_ids (flat of ids.t(): k-major slots),
     experts_used, read_flipped (experts read their rows of the repeated rows flipped), y_read (y's
@@ -765,6 +768,9 @@ class RepeatLoopMoE(Router):
         if self.spelling == "function":
             xr = torch.repeat_interleave(x, self.K, dim=0)
             y = torch.zeros_like(xr)
+        elif self.spelling.startswith("assign"):
+            xr = x.repeat_interleave(self.K, dim=0)
+            y = torch.zeros(xr.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
         else:
             xr = x.repeat_interleave(self.K, dim=0)
             y = torch.empty_like(xr)
@@ -775,6 +781,13 @@ class RepeatLoopMoE(Router):
                 y[m] = self.experts[e](rows[m])
             else:
                 y[flat == e] = self.experts[e](rows[flat == e])
+        if self.spelling.startswith("assign"):
+            T, d = x.shape
+            token = torch.arange(T, device=x.device)
+            token = token.repeat_interleave(self.K) if self.spelling == "assign" else token.repeat(self.K)
+            out = torch.zeros(T, d, dtype=x.dtype, device=x.device)
+            out.scatter_add_(0, token.unsqueeze(-1).expand(-1, d), y * w.reshape(-1, 1))
+            return out
         scale = w[..., None] if self.spelling == "function" else w.unsqueeze(-1)
         out = (y.view(*w.shape, -1) * scale).sum(dim=self.sum_dim)
         return out + y.sum() if self.y_read else out

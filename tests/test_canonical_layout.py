@@ -53,16 +53,27 @@ def test_elementwise_code_of_a_transpose_runs_before_it():
 
 
 def tiled_arange(spelling, n, copies):
+    """arange(n) `copies` times: tiled ([copies, n], flat row r is r mod n) or interleaved ([n, copies],
+    flat row r is r // copies)."""
     index = torch.arange(n).view(1, -1)
     if spelling == "expand":
         return index.expand(copies, -1)
     if spelling == "repeat":
         return index.repeat(copies, 1)
-    return torch.arange(n).repeat(copies).view(copies, n)
+    if spelling == "flat_repeat":
+        return torch.arange(n).repeat(copies).view(copies, n)
+    if spelling == "interleave":
+        return torch.arange(n).repeat_interleave(copies).view(n, copies)
+    if spelling == "column_expand":
+        return torch.arange(n)[:, None].expand(-1, copies)
+    return torch.arange(n).unsqueeze(1).repeat(1, copies)  # column_repeat
+
+
+TILES = ["expand", "repeat", "flat_repeat", "interleave", "column_expand", "column_repeat"]
 
 
 @pytest.mark.parametrize("rows", ["gather", "getitem", "index_select"])
-@pytest.mark.parametrize("tile", ["expand", "repeat", "flat_repeat"])
+@pytest.mark.parametrize("tile", TILES)
 def test_rows_read_by_a_tiled_arange_become_a_repeat(rows, tile):
     def fn(x):
         index = tiled_arange(tile, x.shape[0], E)
@@ -73,15 +84,17 @@ def test_rows_read_by_a_tiled_arange_become_a_repeat(rows, tile):
 
     x = torch.randn(T, d)
     gm = traced(fn, x)
-    assert "tiled_rows_to_repeat" in rules(canonicalize(gm))
-    assert "repeat" in ops(gm) and not {"gather", "index_select", "getitem"} & set(ops(gm)), ops(gm)
+    assert "copied_rows_to_repeat" in rules(canonicalize(gm))
+    copy = "repeat" if tile in ("expand", "repeat", "flat_repeat") else "repeat_interleave"
+    assert copy in ops(gm) and not {"gather", "index_select", "getitem"} & set(ops(gm)), ops(gm)
     same_value(gm, fn, x)
 
 
+@pytest.mark.parametrize("tile", ["expand", "interleave"])
 @pytest.mark.parametrize("combine", ["scatter_add_", "scatter_add", "index_add_", "index_add"])
-def test_rows_added_back_by_a_tiled_arange_become_a_sum_over_the_copies(combine):
+def test_rows_added_back_by_a_tiled_arange_become_a_sum_over_the_copies(combine, tile):
     def fn(base, v):
-        index = tiled_arange("expand", base.shape[0], E)
+        index = tiled_arange(tile, base.shape[0], E)
         out = base * 1
         if combine.startswith("scatter_add"):
             wide = index.reshape(-1, 1).expand(-1, base.shape[1])
@@ -91,7 +104,7 @@ def test_rows_added_back_by_a_tiled_arange_become_a_sum_over_the_copies(combine)
 
     base, v = torch.randn(T, d), torch.randn(E * T, d)
     gm = traced(fn, base, v)
-    assert "tiled_scatter_add_to_sum" in rules(canonicalize(gm))
+    assert "copies_added_back_to_sum" in rules(canonicalize(gm))
     assert not {"scatter_add", "scatter_add_", "index_add", "index_add_"} & set(ops(gm)), ops(gm)
     assert "sum" in ops(gm)
     same_value(gm, fn, base, v)
@@ -107,6 +120,11 @@ def shifted_rows(x):  # arange(1, T + 1) - 1 starts at 0 too, but is not spelled
     return x[index.reshape(-1)]
 
 
+def rows_by_counts(x):  # each token's row repeated by a tensor of counts: not a fixed K copies
+    counts = torch.arange(x.shape[0]) % 3
+    return x[torch.arange(x.shape[0]).repeat_interleave(counts)]
+
+
 def columns_by_tiled_arange(x):  # gather along dim 1
     index = torch.arange(x.shape[1]).view(1, -1).expand(E, -1)
     return torch.gather(x, 1, index.reshape(1, -1).expand(x.shape[0], -1))
@@ -120,6 +138,7 @@ def added_into_other_rows(base, v):  # index_add of E*T rows into a base of T + 
 @pytest.mark.parametrize("fn,shapes", [
     (rows_of_other_tokens, [(T, d)]),
     (shifted_rows, [(T, d)]),
+    (rows_by_counts, [(T, d)]),
     (columns_by_tiled_arange, [(T, d)]),
     (added_into_other_rows, [(T + 1, d), (E * T, d)]),
 ])
@@ -127,5 +146,5 @@ def test_other_tiled_reads_and_adds_stay(fn, shapes):
     args = [torch.randn(s) for s in shapes]
     gm = traced(fn, *args)
     applied = rules(canonicalize(gm))
-    assert not {"tiled_rows_to_repeat", "tiled_scatter_add_to_sum"} & set(applied), applied
+    assert not {"copied_rows_to_repeat", "copies_added_back_to_sum"} & set(applied), applied
     same_value(gm, fn, *args)

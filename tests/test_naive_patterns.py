@@ -198,6 +198,7 @@ REPEAT_VARIANTS = {
     "fused-bias": dict(experts="fused", bias=True),
     "non-gated-top3": dict(experts="plain", K=3),
     "int32-ids-function": dict(ids_int32=True, spelling="function"),
+    "assign-zeros-scatter_add": dict(spelling="assign", K=3),
 }
 
 
@@ -579,6 +580,7 @@ class _RepeatWritesX(RepeatLoopMoE):
 
 NEGATIVE = {
     "subset-of-experts": (lambda: LoopMoE(experts_used=[0, 1, 3]), "not every expert"),
+    "repeat-rows-added-back-tiled": (lambda: RepeatLoopMoE(spelling="assign_tiled"), "not [T, K=2, d]"),
     "dense-sum-with-two-other-terms": (lambda: DenseMoE(combine="two_extra_slices"), "at most one other term"),
     "expert-visited-twice": (lambda: LoopMoE(experts_used=[0, 1, 2, 3, 1]), "added twice"),
     "spare-expert": (lambda: LoopMoE(spare_experts=1), "num_classes=5 but the router ranks E=4"),
@@ -853,7 +855,7 @@ def test_expert_loop_gpu_bf16(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["deepseek-moe", "fused-bias"])
+@pytest.mark.parametrize("variant", ["deepseek-moe", "fused-bias", "assign-zeros-scatter_add"])
 def test_repeat_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: RepeatLoopMoE(**REPEAT_VARIANTS[variant]), "repeat_loop")
 
