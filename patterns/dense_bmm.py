@@ -12,7 +12,10 @@ Eager code it matches (transformers' Llama 4, `Llama4TextMoe`), shapes (T tokens
 and its variants: rows broadcast as [E, T, d] (`x.expand(E, T, d)`, `x.unsqueeze(0)`, each times
 `gates.t().unsqueeze(-1)`), weights in nn.Linear's [E, out, in] orientation read through
 `.transpose(1, 2)`, gate and up as two stacked parameters (`act(bmm(rows, Wg)) * bmm(rows, Wu)`),
-and the gate on the expert outputs instead of the inputs (`(y * gates.t().unsqueeze(-1)).sum(0)`).
+and the gate on the expert outputs instead of the inputs (`(y * gates.t().unsqueeze(-1)).sum(0)`,
+`gates.t().view(E, T)[..., None]`). Gated on the outputs, the projections may add stacked biases
+broadcast over the tokens (`bmm(rows, W) + B[..., None, :]`: transformers 4.5x's gpt-oss on its
+training path, with its interleaved clamped SwiGLU).
 The same code written with einsum (`einsum("td,edn->etn", x, W)`, `einsum("te,etd->td", gates, y)`)
 or with matmuls that broadcast x over the weights (`x @ W`) reaches this finder as these bmm and
 product forms (`canonical.einsum_to_bmm`, `canonical.einsum_weighted_sum_to_product`,
@@ -30,7 +33,8 @@ expert FLOPs: 16x for Llama 4 Scout):
 
 Why it is the same function: an unchosen expert's gate is 0, so (gate on the outputs) its output
 counts 0 times, or (gate on the inputs) it runs on a zero row, which an expert without biases maps
-to zero: up = 0 makes a gated activation 0, and a non-gated one is checked to give act(0) = 0. The
+to zero: up = 0 makes a gated activation 0, and a non-gated one is checked to give act(0) = 0
+(experts with biases map it to their biases, so biases are taken only with the gate on the outputs). The
 gradients agree too: the unchosen entries of the gate matrix get a gradient only in the dense code,
 and it ends at the constant zeros / -inf the top-k was scattered into. As in `dense_experts`, an
 unchosen expert whose output is inf or nan gives nan in the dense code and not here.
@@ -55,6 +59,7 @@ from .common import (
     finish_match,
     getitem_of,
     is_call,
+    is_getitem,
     module_path,
     same_size,
     shape_of,
@@ -153,9 +158,14 @@ def _gate_column(node, walk: RegionWalk) -> tuple[fx.Node, int]:
     if rank == 2:
         expect(is_call(node, *_VIEWS), "the gate column is not a reshape of the transposed gate matrix")
     else:
-        expect(is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, 2) or getitem_of(node, (slice(None), slice(None), None)) is not None,
+        expect(is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, 2)
+               or getitem_of(node, (slice(None), slice(None), None)) is not None
+               or getitem_of(node, (Ellipsis, None)) is not None,
                "the gate column is not the transposed gate matrix unsqueezed last")
     node = through_float_casts(node.args[0], walk)
+    if rank == 3 and is_call(node, *_VIEWS) and len(shape_of(node)) == 2 and shape_of(node) == shape_of(node.args[0]):
+        walk.mark(node)  # gates.t().view(E, T): a view to the transposed matrix's own shape
+        node = through_float_casts(node.args[0], walk)
     transposed = (is_call(node, "t") or (is_call(node, "transpose") and sorted(node.args[1:3]) in ([0, 1], [-2, -1], [-1, 0]))
                   or (is_call(node, "permute") and _sizes(node) == (1, 0)))
     expect(transposed and len(shape_of(node)) == 2, "the gate column is not taken from the gate matrix transposed to [E, T]")
@@ -216,34 +226,77 @@ def _check(up: fx.Node, rows: fx.Node, factor: fx.Node | None) -> MoEMatch:
         w1, transposed = _stacked_weight(gate.args[1], "gate", walk)
         w_up, up_transposed = _stacked_weight(up_proj.args[1], "up", walk)
         expect(up_transposed == transposed, "the gate and up weights are laid out differently")
+        b1 = None
         walk.mark(*backward_slice([a], stop=set(ups)), down)
     else:
         expect(ups == [up], f"the activation reads {len(ups)} bmm outputs, not the up projection's alone (or a gate/up pair)")
         w1, transposed = _stacked_weight(rhs, "up", walk)
-        act = identify_activation(up, a)
+        h, b1 = _biased(up, E, walk)
+        act = identify_activation(h, a)
         expect(not isinstance(act, str), str(act))
-        walk.mark(*backward_slice([a], stop={up}), down)
+        walk.mark(*backward_slice([a], stop={h}), down)
     w1_out = shape_of(up)[-1] * (1 if w_up is None else 2)
-    zero = torch_activation(torch.zeros(1, w1_out, dtype=torch.float64), act["activation"], act["interleaved"],
-                            act["alpha"], act["limit"])
-    expect(bool((zero == 0).all()), f"{act['activation']}(0) is not 0: an unchosen expert would add to every token")
     w2, transposed2 = _stacked_weight(down.args[1], "down", walk)
     expect(transposed2 == transposed, "the two projections' weights are laid out differently")
+    y, b2 = _biased(down, E, walk)
 
-    anchor, out_gates = _summed_over_experts(down, walk, E, T, d)
+    anchor, out_gates = _summed_over_experts(y, walk, E, T, d)
     expect((gates is None) != (out_gates is None),
            "the experts are not gated" if gates is None else "the experts are gated on both their inputs and their outputs")
+    if gates is not None:  # an unchosen expert runs on a zero row: it must map it to zero
+        expect(b1 is None and b2 is None and (w_up is not None or _biased(up, E, RegionWalk())[1] is None),
+               "experts with biases scaled on their inputs: an unchosen expert maps its zero row to its biases")
+        zero = torch_activation(torch.zeros(1, w1_out, dtype=torch.float64), act["activation"], act["interleaved"],
+                                act["alpha"], act["limit"])
+        expect(bool((zero == 0).all()), f"{act['activation']}(0) is not 0: an unchosen expert would add to every token")
     gate_matrix = gates if gates is not None else out_gates
     support = sparse_gates(gate_matrix, walk)
     E_router, K = topk_routing(support.ids, walk)
     expect(E_router == E, f"the router ranks {E_router} experts, the weights hold {E}")
     expect(shape_of(gate_matrix)[1] == E and same_size(shape_of(gate_matrix)[0], T), f"the gate matrix {shape_of(gate_matrix)} is not [T, E={E}]")
-    match = finish_match(IDIOM, up, walk, anchor, x, support.ids, gate_matrix, w1, w2, None, None, transposed, act,
+    match = finish_match(IDIOM, up, walk, anchor, x, support.ids, gate_matrix, w1, w2, b1, b2, transposed, act,
                          E=E, K=K, T=T, d=d, w_up=w_up)
     match.gates, match.input_scaled = True, gates is not None
     if match.input_scaled:
         match.router_probs = None  # token rounding would give added rows a weight outside the gate's meaning
     return match
+
+
+def _biased(product: fx.Node, E, walk: RegionWalk) -> tuple[fx.Node, fx.Node | None]:
+    """(the projection's value, its [E, width] bias or None): `bmm(...) + B[..., None, :]` (also
+    `B[:, None, :]`, `B[:, None]`, `B.unsqueeze(1)`, `B.view(E, 1, width)`; either order) when that add
+    is the product's one reader and the broadcast bias is read by it alone; else (product, None)."""
+    if len(product.users) != 1:
+        return product, None
+    (add,) = product.users
+    if not (is_call(add, "add", "__add__") and len(add.args) == 2 and not add.kwargs):
+        return product, None
+    other = add.args[1] if add.args[0] is product else add.args[0]
+    bias = _expert_rows(other)
+    if bias is None or len(other.users) != 1:
+        return product, None
+    width = shape_of(product)[-1]
+    if shape_of(bias) != (E, width) or dtype_of(bias) != dtype_of(product):
+        return product, None
+    walk.mark(add, other)
+    return add, bias
+
+
+def _expert_rows(node) -> fx.Node | None:
+    """B [E, width] of B given a unit middle dim: `B[..., None, :]`, `B[:, None, :]`, `B[:, None]`,
+    `B.unsqueeze(1)` / `unsqueeze(-2)`, `B.view(E, 1, width)` / `reshape`; else None."""
+    if not isinstance(node, fx.Node) or not node.args or len(shape_of(node)) != 3 or shape_of(node)[1] != 1:
+        return None
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or len(shape_of(src)) != 2:
+        return None
+    if is_call(node, "unsqueeze") and arg(node, 1, "dim") in (1, -2):
+        return src
+    if is_call(node, *_VIEWS):
+        return src
+    if is_getitem(node) and node.args[1] in ((Ellipsis, None, slice(None)), (slice(None), None, slice(None)), (slice(None), None)):
+        return src
+    return None
 
 
 def _down_projection(up: fx.Node) -> fx.Node:

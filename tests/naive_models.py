@@ -962,6 +962,42 @@ class GptOssReferenceMoE(nn.Module):
         return out + b1.sum() if self.bias_read else out
 
 
+
+class GptOssDenseMoE(nn.Module):
+    """transformers 4.5x's gpt-oss experts on their training path: every expert on every token by bmm
+    over [E, d, 2n] / [E, n, d] weights, each with a stacked bias broadcast over the tokens
+    (`B[..., None, :]`), the interleaved clamped SwiGLU (`oai_swiglu`), and the outputs weighted by
+    the router's [T, E] scores (top-k softmax scattered into zeros) transposed to [E, T]:
+    `(y * scores.transpose(0, 1).view(E, T)[..., None]).sum(0)`.
+
+    gate_on: "output" (as transformers), "input" (the rows scaled instead: with biases an unchosen
+             expert adds its biases, never rewritten)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, gate_on="output"):
+        super().__init__()
+        self.E, self.K, self.gate_on = E, K, gate_on
+        self.gate = nn.Linear(d, E)  # the router
+        self.gate_up_proj = stacked_param(E, 2 * n, d, "in_out")  # [E, d, 2n]
+        self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * n) * 0.1)
+        self.down_proj = stacked_param(E, d, n, "in_out")  # [E, n, d]
+        self.down_proj_bias = nn.Parameter(torch.randn(E, d) * 0.1)
+
+    def forward(self, x):
+        T, d = x.shape
+        logits = self.gate(x)
+        top, ids = torch.topk(logits, self.K, dim=-1)
+        scores = torch.zeros_like(logits).scatter_(1, ids, F.softmax(top, dim=1, dtype=top.dtype))
+        rows = x.repeat(self.E, 1)
+        if self.gate_on == "input":
+            rows = rows * scores.transpose(0, 1).reshape(-1, 1)
+        rows = rows.view(self.E, -1, d)
+        h = torch.bmm(rows, self.gate_up_proj) + self.gate_up_proj_bias[..., None, :]
+        y = torch.bmm(oai_swiglu(h), self.down_proj) + self.down_proj_bias[..., None, :]
+        if self.gate_on == "output":
+            y = y * scores.transpose(0, 1).view(self.E, T)[..., None]  # [E, T, 1]
+        return y.sum(dim=0)
+
 # Library ops a combine may call (torchtitan 0.3 adds its experts' rows back with its own
 # `torchtitan::deterministic_scatter_add`: a scatter_add along dim 0, its gradient a gather), written
 # here in our words, and two that must not be taken for a scatter_add: one whose gradient leaves src

@@ -21,8 +21,8 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import (AnyHitLoopMoE, BmmMoE, DeepSeekRefMoE, DenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE,
-                           SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE)
+from .naive_models import (AnyHitLoopMoE, BmmMoE, DeepSeekRefMoE, DenseMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE,
+                           RepeatLoopMoE, SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -302,6 +302,18 @@ TILED_VARIANTS = {
 def test_dense_bmm_tiled_rows_match_eager(variant):
     report = _check_rewrite(TiledBmmMoE(**TILED_VARIANTS[variant]), "dense_bmm", op="sonic::moe_experts")
     assert "router-scaled inputs" in report.rewritten[0].details["layout"], str(report)
+
+
+def test_dense_bmm_with_biases_gated_on_the_outputs_matches_eager():
+    """transformers 4.5x's gpt-oss training path: stacked biases, interleaved clamped SwiGLU."""
+    report = _check_rewrite(GptOssDenseMoE(), "dense_bmm", op="sonic::moe_experts")
+    details = report.rewritten[0].details
+    assert details["activation"] == "swiglu_oai" and "bias" in details["layout"], str(report)
+
+
+def test_dense_bmm_with_biases_scaled_on_the_inputs_stays(caplog):
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(GptOssDenseMoE(gate_on="input"), _inputs()[0], "maps its zero row to its biases", caplog)
 
 
 def test_dense_bmm_rows_of_other_tokens_stay(caplog):
@@ -904,6 +916,11 @@ def test_dense_bmm_gpu_bf16(variant):
 @pytest.mark.parametrize("variant", ["llama4-4.5x", "top2-index_select-index_add_"])
 def test_dense_bmm_tiled_rows_gpu_bf16(variant):
     _check_gpu_bf16(lambda: TiledBmmMoE(**TILED_VARIANTS[variant]), "dense_bmm")
+
+
+@pytest.mark.gpu
+def test_dense_bmm_biases_gpu_bf16():
+    _check_gpu_bf16(GptOssDenseMoE, "dense_bmm")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["loop-list", "bmm-stacked"])
