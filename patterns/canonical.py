@@ -80,8 +80,8 @@ import torch.nn.functional as F
 from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, elementwise_of_transpose_to_transpose,
                                same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
-from .canonical_products import (broadcast_matmul_to_bmm, einsum_to_bmm, einsum_weighted_sum_to_product,
-                                 gathered_product_to_einsum, split_loop_to_grouped_mm)
+from .canonical_products import (broadcast_matmul_to_bmm, einsum_outer_to_product, einsum_to_bmm,
+                                 einsum_weighted_sum_to_product, gathered_product_to_einsum, split_loop_to_grouped_mm)
 from .canonical_views import reshape_chain_to_base, reshape_through_elementwise
 from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, getitem_of, insert_call, is_call, is_getitem,
                      is_int, op_name, same_shape, same_size, shape_of, storage_of, writes_in_place)
@@ -875,5 +875,5 @@ RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, no
          keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,
          index_put_accumulate_to_index_add, mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, gathered_product_to_einsum, reshape_through_elementwise, reshape_chain_to_base,
-         einsum_to_bmm, einsum_weighted_sum_to_product, broadcast_matmul_to_bmm,
+         einsum_to_bmm, einsum_weighted_sum_to_product, einsum_outer_to_product, broadcast_matmul_to_bmm,
          split_loop_to_grouped_mm]

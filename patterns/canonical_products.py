@@ -18,6 +18,9 @@ Rules (eager spelling -> canonical form):
         # a [T, E] matrix weighting [E, T, d] (or [T, E, d]) values summed over E
         # (both: the same sums of products, in float32/float64 only: in bf16/fp16 each product
         # would be rounded before the sum, which einsum's matmul accumulates in float32)
+    torch.einsum("te,tm->etm", g, x)              ->  g.t().unsqueeze(-1) * x.unsqueeze(0)
+        # an einsum that contracts no letter (GShard-style dispatch of tokens to experts): each
+        # element one product, as the broadcast product of the operands laid out as the output
     x[:, None, None, :] @ W[ids]                  ->  torch.einsum("ta,tkab->tkb", x, W[ids]).unsqueeze(2)
     torch.bmm(x[:, None].expand(T, K, d).reshape(T * K, 1, d), W[ids.reshape(-1)])
                                                   ->  torch.einsum("ta,tkab->tkb", x, W[ids]).reshape(-1, 1, b)
@@ -151,6 +154,33 @@ def einsum_weighted_sum_to_product(gm: fx.GraphModule, node: fx.Node, order: dic
     total = insert_call(gm, node, torch.sum, (product, lb.index(e)))
     node.replace_all_uses_with(total)
     return f"{node.name} ({node.args[0]!r}) -> (values * weights).sum({lb.index(e)})"
+
+
+def einsum_outer_to_product(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """A two-operand einsum that contracts nothing (every letter of each operand is in the output:
+    `einsum("te,tm->etm", g, x)`, GShard-style dispatch) as the broadcast product of its operands laid
+    out in the output's order (`g.t().unsqueeze(-1) * x.unsqueeze(0)`): each element is one product,
+    rounded once either way. Operands and result of one dtype (no autocast)."""
+    spec = _einsum_spec(node)
+    if spec is None:
+        return None
+    la, lb, out, a, b = spec
+    if not (set(la) | set(lb)) == set(out) or not dtype_of(a) == dtype_of(b) == dtype_of(node):
+        return None
+    sizes = {c: shape_of(a)[la.index(c)] for c in la}
+    if not all(same_size(sizes[c], shape_of(b)[lb.index(c)]) for c in lb if c in sizes):
+        return None  # a letter of unequal sizes (one of them 1) would broadcast
+    laid = []
+    for operand, letters in ((a, la), (b, lb)):
+        own = "".join(c for c in out if c in letters)
+        value = _laid_out(gm, node, operand, letters, own)
+        for i, c in enumerate(out):
+            if c not in letters:
+                value = insert_call(gm, node, torch.unsqueeze, (value, i))
+        laid.append(value)
+    product = insert_call(gm, node, torch.mul, tuple(laid))
+    node.replace_all_uses_with(product)
+    return f"{node.name} ({node.args[0]!r}) -> a broadcast product"
 
 
 def broadcast_matmul_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:

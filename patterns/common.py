@@ -71,6 +71,10 @@ class MoEMatch:
     input_scaled: bool = False
     # topk_ids / topk_weights are [T] (a top-1 `max` over the scores): the rewrite hands the op [T, 1]
     flat_top1: bool = False
+    # x, the routing and the anchor keep two or more leading token dims ([B, S, d], [B, S, K]: code
+    # that never flattens its tokens): the rewrite hands the op their [T, .] views and views the
+    # output back as the anchor is shaped. shape["T"] is their product.
+    token_dims: bool = False
     # What the region does with an id >= E (expert parallelism's sentinel for an expert on another
     # rank): "drop" (the slot adds nothing: the rewrite calls the op in the slot form with those
     # slots as padding), "clamp" (the slot runs expert E-1, as the region's clamp makes it: the op
@@ -597,6 +601,8 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         return insert(overload(name, args[SAVE_H_ARG[name]]), args)
 
     x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
+    if match.token_dims:  # [B, S, .] -> [T, .]: views of the region's own inputs
+        x, ids, weights = (insert(torch.reshape, (t, (-1, shape_of(t)[-1]))) for t in (x, ids, weights))
     if match.flat_top1:
         ids, weights = insert(torch.unsqueeze, (ids, -1)), insert(torch.unsqueeze, (weights, -1))
     if match.gates:  # the [T, K] weights at the top-k ids of a gate matrix zero elsewhere
@@ -649,6 +655,8 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     if match.input_scaled:  # [T*K, d] rows -> [T, d]
         rows = insert(torch.reshape, (out, (-1, match.shape["K"], match.shape["d"])))
         result = out = insert(torch.sum, (rows, 1))
+    if match.token_dims:  # [T, d] -> the anchor's [B, S, d]
+        result = out = insert(torch.reshape, (out, tuple(shape_of(match.anchor))))
     anchor_dtype = dtype_of(match.anchor)
     if anchor_dtype is not None and anchor_dtype != match.dtype:
         result = to(out, anchor_dtype)

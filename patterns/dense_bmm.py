@@ -15,7 +15,10 @@ and its variants: rows broadcast as [E, T, d] (`x.expand(E, T, d)`, `x.unsqueeze
 and the gate on the expert outputs instead of the inputs (`(y * gates.t().unsqueeze(-1)).sum(0)`,
 `gates.t().view(E, T)[..., None]`). Gated on the outputs, the projections may add stacked biases
 broadcast over the tokens (`bmm(rows, W) + B[..., None, :]`: transformers 4.5x's gpt-oss on its
-training path, with its interleaved clamped SwiGLU).
+training path, with its interleaved clamped SwiGLU). Gated on both sides (GShard's dispatch and
+combine without capacity: the rows masked by `F.one_hot(ids, E).sum(1)`, the outputs weighted by the
+combine matrix, `einsum("etd,te->td", y, combine)` too) it is gated on the outputs, where the mask is
+the indicator of the combine's own top-k ids: a chosen expert reads x * 1.
 The same code written with einsum (`einsum("td,edn->etn", x, W)`, `einsum("te,etd->td", gates, y)`)
 or with matmuls that broadcast x over the weights (`x @ W`) reaches this finder as these bmm and
 product forms (`canonical.einsum_to_bmm`, `canonical.einsum_weighted_sum_to_product`,
@@ -65,6 +68,7 @@ from .common import (
     shape_of,
 )
 from .dense_experts import sparse_gates, sums_dim
+from .gathered_weights import einsum_parts
 from .module_list import projections_before, through_float_casts, topk_routing
 
 IDIOM = "dense_bmm"
@@ -241,8 +245,13 @@ def _check(up: fx.Node, rows: fx.Node, factor: fx.Node | None) -> MoEMatch:
     y, b2 = _biased(down, E, walk)
 
     anchor, out_gates = _summed_over_experts(y, walk, E, T, d)
-    expect((gates is None) != (out_gates is None),
-           "the experts are not gated" if gates is None else "the experts are gated on both their inputs and their outputs")
+    expect(gates is not None or out_gates is not None, "the experts are not gated")
+    if gates is not None and out_gates is not None:  # GShard's dispatch and combine: rows masked, outputs weighted
+        out_support = sparse_gates(out_gates, RegionWalk())
+        expect(_indicator_of(gates, walk) is out_support.ids,
+               "the experts are gated on both their inputs and their outputs, and the input gate is not the "
+               "0/1 indicator of the output gate's top-k ids")
+        gates = None  # each chosen expert reads x itself (x * 1); the rest count 0 times
     if gates is not None:  # an unchosen expert runs on a zero row: it must map it to zero
         expect(b1 is None and b2 is None and (w_up is not None or _biased(up, E, RegionWalk())[1] is None),
                "experts with biases scaled on their inputs: an unchosen expert maps its zero row to its biases")
@@ -260,6 +269,41 @@ def _check(up: fx.Node, rows: fx.Node, factor: fx.Node | None) -> MoEMatch:
     if match.input_scaled:
         match.router_probs = None  # token rounding would give added rows a weight outside the gate's meaning
     return match
+
+
+def _einsum_gated_sum(einsum: fx.Node, y: fx.Node, E, T, d) -> fx.Node | None:
+    """The [T, E] gates of `einsum("etd,te->td", y, gates)` (any letters, either order) on y [E, T, d];
+    else None."""
+    parts = einsum_parts(einsum)
+    if parts is None or y not in parts[1]:
+        return None
+    ins, operands, out = parts
+    i = operands.index(y)
+    g = operands[1 - i]
+    if len(ins[i]) != 3 or not (len(shape_of(y)) == 3 and shape_of(y)[0] == E and same_size(shape_of(y)[1], T)
+                                and shape_of(y)[2] == d):
+        return None
+    e, t, dd = ins[i]
+    return g if isinstance(g, fx.Node) and ins[1 - i] == t + e and out == t + dd else None
+
+
+def _indicator_of(gates: fx.Node, walk: RegionWalk) -> fx.Node | None:
+    """ids when `gates` [T, E] is `F.one_hot(ids, E).sum(1)` (casts allowed) of top-k ids: 1 where a
+    token chose the expert, 0 elsewhere (a token's top-k ids are distinct); else None."""
+    total = through_float_casts(gates, walk)
+    if not (is_call(total, "sum") and sums_dim(total, (1, -2))):
+        return None
+    hot = through_float_casts(total.args[0], walk)
+    while is_call(hot, "to", "float", "half", "bfloat16", "type_as") and dtype_of(hot) is not None:
+        hot = hot.args[0]  # one_hot's int64 to a float dtype: 0 and 1 stay exact
+    if not (is_call(hot, "one_hot") and len(shape_of(hot)) == 3):
+        return None
+    ids = arg(hot, 0, "tensor")
+    classes = arg(hot, 1, "num_classes", -1)
+    if not (isinstance(ids, fx.Node) and is_call(getitem_of(ids, 1), "topk") and classes == shape_of(gates)[1]):
+        return None
+    walk.mark(total, hot, *[n for n in backward_slice([total.args[0]], stop={hot})])
+    return ids
 
 
 def _biased(product: fx.Node, E, walk: RegionWalk) -> tuple[fx.Node, fx.Node | None]:
@@ -333,6 +377,9 @@ def _summed_over_experts(y: fx.Node, walk: RegionWalk, E, T, d) -> tuple[fx.Node
             factor = reader.args[1] if reader.args[0] is node else reader.args[0]
             gates, rank = _gate_column(factor, walk)
             expect(len(shape_of(node)) == rank, "the gate column and the expert outputs differ in rank")
+        elif is_call(reader, "einsum") and gates is None and (found := _einsum_gated_sum(reader, node, E, T, d)) is not None:
+            walk.mark(reader)  # einsum("etd,te->td", y, gates): left as written in bf16 (canonical_products)
+            return reader, found
         elif is_call(reader, "sum"):
             shape = shape_of(node)
             ok = len(shape) == 3 and shape[0] == E and same_size(shape[1], T) and shape[2] == d

@@ -10,7 +10,10 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
     out = (gates.unsqueeze(-1) * outs).sum(1)                      # [T, d]; or einsum("te,ted->td", gates, outs),
                                                                    #   sum_e gates[:, e:e+1] * self.experts[e](x)
 
-with experts as in `module_list`. It becomes the sparse computation
+with experts as in `module_list`, the sum of columns also started from one other term (a shared
+expert's output, added to the op's output), and hidden states that keep two leading token dims
+([B, S, d] with [B, S, E] gates, `gates[..., e:e+1]`, `stack(outs, dim=-2)`: `MoEMatch.token_dims`).
+It becomes the sparse computation
 
     out = moe_experts_list(x, ids, w, [w1_e], [w3_e] or [], [w2_e], b1?, b2?, activation=<probed>)
 
@@ -91,7 +94,8 @@ def _check_stacked(stack: fx.Node) -> MoEMatch:
     """(gates.unsqueeze(-1) * stack(outs, 1)).sum(1) or einsum("te,ted->td", gates, stack(outs, 1))."""
     walk = RegionWalk()
     outs = _stacked_outputs(stack)
-    expect(arg(stack, 1, "dim", 0) in (1, -2), "expert outputs are not stacked as [T, E, d] (dim=1)")
+    lead = len(shape_of(outs[0])) - 1  # the tokens' dims: [T, d] outputs, or [B, S, d]
+    expect(arg(stack, 1, "dim", 0) in (lead, -2), "expert outputs are not stacked as [T, E, d] (dim=1)")
     walk.mark(stack)
     readers = list(stack.users)
     expect(len(readers) == 1, "the stacked expert outputs are read more than once")
@@ -104,7 +108,7 @@ def _check_stacked(stack: fx.Node) -> MoEMatch:
         other = combine.args[1] if combine.args[0] is stack else combine.args[0]
         gates = _broadcast_gates(other, walk)
         anchor = next(iter(combine.users), None) if len(combine.users) == 1 else None
-        expect(is_call(anchor, "sum") and sums_dim(anchor, (1, -2)), "weighted expert outputs are not summed over the experts")
+        expect(is_call(anchor, "sum") and sums_dim(anchor, (lead, -2)), "weighted expert outputs are not summed over the experts")
         walk.mark(combine, other)
     walk.mark(anchor)
     return _finish(anchor, gates, outs, walk)
@@ -120,16 +124,18 @@ def _einsum_gates(einsum: fx.Node, stack: fx.Node) -> fx.Node:
     expect(spec is not None, f"einsum {equation!r} has no explicit output")
     ins, out = [spec.group(1), spec.group(2)], spec.group(3)
     i = operands.index(stack)
-    t, e, d = ins[i] if len(ins[i]) == 3 else ("", "", "")
-    ok = len({t, e, d}) == 3 and ins[1 - i] == t + e and out == t + d
+    spec_outs = ins[i]
+    t, e, d = (spec_outs[:-2], spec_outs[-2], spec_outs[-1]) if len(spec_outs) >= 3 else ("", "", "")
+    ok = len(set(spec_outs)) == len(spec_outs) >= 3 and ins[1 - i] == t + e and out == t + d
     expect(ok, f"einsum {equation!r} is not sum_e gates[t, e] * outs[t, e, d]")
     return operands[1 - i]
 
 
 def _broadcast_gates(node, walk: RegionWalk) -> fx.Node:
-    """g from g.unsqueeze(-1) / g[..., None] / g[:, :, None] (a 2-D g broadcast over a last dim)."""
+    """g from g.unsqueeze(-1) / g[..., None] / g[:, :, None] (g broadcast over a last dim; the last
+    form of a 2-D g only)."""
     node = through_float_casts(node, walk)
-    if is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, 2):
+    if is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, len(shape_of(node)) - 1):
         walk.mark(node)
         return node.args[0]
     if is_getitem(node) and node.args[1] in ((Ellipsis, None), (slice(None), slice(None), None)):
@@ -139,13 +145,18 @@ def _broadcast_gates(node, walk: RegionWalk) -> fx.Node:
 
 
 def sums_dim(node: fx.Node, dims) -> bool:
-    """A `sum` node over one of `dims` (an int or a one-element list), no keepdim, no dtype."""
-    dim = arg(node, 1, "dim")
+    """A `sum` node over one of `dims` (an int or a one-element list), no keepdim, no dtype (numpy's
+    names `axis`, `keepdims` too)."""
+    dim = arg(node, 1, "dim", node.kwargs.get("axis"))
     dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
-    return dim in dims and not arg(node, 2, "keepdim", False) and arg(node, 3, "dtype") is None
+    keepdim = arg(node, 2, "keepdim", node.kwargs.get("keepdims", False))
+    return dim in dims and not keepdim and arg(node, 3, "dtype") is None
 
 
-_ALL_ROWS = (slice(None), Ellipsis)  # gates[:, ...] and gates[..., ...] of a 2-D gate matrix
+def _all_tokens(index, gates) -> bool:
+    """`index` selects every token of `gates`: `:` of a 2-D matrix, `...` of one of any rank."""
+    rank = len(shape_of(gates))
+    return (index == Ellipsis and rank >= 2) or (index == slice(None) and rank == 2)
 
 
 def _column(node, walk: RegionWalk | None = None):
@@ -159,21 +170,19 @@ def _column(node, walk: RegionWalk | None = None):
         picked.append(node)
         if is_getitem(node) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2:
             full, e = node.args[1]
-            if full in _ALL_ROWS and isinstance(e, int) and len(shape_of(node.args[0])) == 2:
+            if _all_tokens(full, node.args[0]) and isinstance(e, int):
                 walk.mark(*picked)
                 return node.args[0], e
         return None
     if not is_getitem(node) or not isinstance(node.args[1], tuple):
         return None
     index = node.args[1]
-    if len(shape_of(node.args[0])) != 2:
-        return None
-    if len(index) == 2 and index[0] in _ALL_ROWS and isinstance(index[1], slice):
+    if len(index) == 2 and _all_tokens(index[0], node.args[0]) and isinstance(index[1], slice):
         s = index[1]
         if isinstance(s.start, int) and s.stop == s.start + 1 and s.step in (None, 1):
             walk.mark(node)
             return node.args[0], s.start
-    if len(index) == 3 and index[0] in _ALL_ROWS and isinstance(index[1], int) and index[2] is None:
+    if len(index) == 3 and _all_tokens(index[0], node.args[0]) and isinstance(index[1], int) and index[2] is None:
         walk.mark(node)
         return node.args[0], index[1]
     return None
@@ -264,7 +273,8 @@ class GateSupport(NamedTuple):
 
 def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
     """The support of a gate matrix provably zero outside the top-k, or NoMatch. Forms:
-    zeros.scatter(1, ids, w) (or scatter_), (one_hot(ids, E) * w[..., None]).sum(1), and
+    zeros.scatter(1, ids, w) (or scatter_), (one_hot(ids, E) * w[..., None]).sum(1) (or its einsum
+    `einsum("tk,tke->te", w, one_hot(ids, E))`), and
     f(full(-inf).scatter(1, ids, v)) with f a sigmoid, exp or softmax over the experts (Llama 4's
     router: sigmoid of the top-k logits scattered into -inf), each through float casts."""
     gates = through_float_casts(gates, walk)
@@ -277,9 +287,13 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
         squash = gates
         walk.mark(gates)
         gates = through_float_casts(arg(gates, 0, "input"), walk)
+    if is_call(gates, "einsum") and squash is None:  # einsum("tk,tke->te", w, one_hot(ids, E)), as written in bf16
+        found = _einsum_one_hot_gates(gates, walk)
+        expect(found is not None, not_sparse)
+        return found
     if is_call(gates, "sum") and squash is None:  # (one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
         mul = gates.args[0]
-        expect(sums_dim(gates, (1, -2)) and is_call(mul, *_MUL) and len(mul.args) == 2, not_sparse)
+        expect(sums_dim(gates, (len(shape_of(mul)) - 2, -2)) and is_call(mul, *_MUL) and len(mul.args) == 2, not_sparse)
         for oh, wb in (mul.args, mul.args[::-1]):
             cast = oh if is_call(oh, "to", "float", "type_as") else None  # 0/1 as floats: exact
             oh = oh.args[0] if cast is not None else oh
@@ -301,7 +315,7 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
     expect(scatter is not None and fill == (-math.inf if squash is not None else 0.0), not_sparse)
     expect(len(scatter.args) == 4 and not scatter.kwargs, "the gate scatter has a reduce or a scalar value")
     _, dim, ids, w = scatter.args
-    expect(dim in (1, -1), f"the gates scatter along dim {dim}, not over the experts")
+    expect(dim in (len(shape_of(scatter)) - 1, -1), f"the gates scatter along dim {dim}, not over the experts")
     expect(isinstance(w, fx.Node) and shape_of(w) == shape_of(ids), "the scattered values are not [T, K] weights")
     if is_call(scatter, "scatter_"):
         order = {n: i for i, n in enumerate(base.graph.nodes)}
@@ -311,6 +325,30 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
         expect(not others, "the gate matrix is written more than once")
     walk.mark(base, scatter)
     return GateSupport(ids, w if squash is None else None, base, scatter if is_call(scatter, "scatter_") else None)
+
+
+def _einsum_one_hot_gates(einsum: fx.Node, walk: RegionWalk) -> GateSupport | None:
+    """The support of `einsum("tk,tke->te", w, F.one_hot(ids, E))` (any letters, either order; the
+    one_hot cast to a float dtype: 0 and 1 stay exact), else None."""
+    equation, *operands = einsum.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    spec = re.fullmatch(r"(\w+),(\w+)->(\w+)", equation.replace(" ", "")) if isinstance(equation, str) else None
+    if spec is None or len(operands) != 2 or einsum.kwargs:
+        return None
+    ins, out = [spec.group(1), spec.group(2)], spec.group(3)
+    for i in (0, 1):
+        oh = operands[i]
+        cast = oh if is_call(oh, "to", "float", "half", "bfloat16", "type_as") else None
+        oh = oh.args[0] if cast is not None else oh
+        if not is_call(oh, "one_hot") or len(ins[i]) != 3 or len(ins[1 - i]) != 2:
+            continue
+        t, k, e = ins[i]
+        if ins[1 - i] != t + k or out != t + e or arg(oh, 1, "num_classes", -1) != shape_of(einsum)[-1]:
+            return None
+        walk.mark(einsum, oh, cast)
+        return GateSupport(oh.args[0], operands[1 - i], None, None)
+    return None
 
 
 def _fill_value(node) -> float | None:
@@ -333,8 +371,10 @@ def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWa
     gathered = topk_weights is None  # a squashed gate matrix: the op's weights are gathered from it
     if gathered:
         topk_weights, zeros, inplace_scatter = gates, None, None
-    E, K = topk_routing(ids, walk)
-    expect(len(shape_of(gates)) == 2 and shape_of(gates)[1] == E, f"the gate matrix {shape_of(gates)} is not [T, E={E}]")
+    lead = shape_of(gates)[:-1]  # the tokens' dims: [T], or [B, S] in code that never flattens them
+    expect(len(lead) >= 1, f"the gate matrix {shape_of(gates)} is not [T, E]")
+    E, K = topk_routing(ids, walk, token_dims=len(lead))
+    expect(shape_of(gates)[-1] == E, f"the gate matrix {shape_of(gates)} is not [T, E={E}]")
     expect(len(outs) == E, f"{len(outs)} expert outputs are combined, the router ranks E={E}")
     expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point, "routing weights are not floating point")
     experts = []
@@ -343,12 +383,16 @@ def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWa
     xs = {through_float_casts(ex.rows, walk) for ex in experts}
     expect(len(xs) == 1, "experts read different inputs")
     x = xs.pop()
-    expect(len(shape_of(x)) == 2, "expert input is not [T, d]")
-    T, d = shape_of(x)
-    expect(same_size(T, shape_of(ids)[0]) and same_size(shape_of(gates)[0], T), "gate matrix, ids and expert input differ in T")
-    expect(same_size(shape_of(anchor)[0], T) and same_size(shape_of(anchor)[-1], d), f"combined output {shape_of(anchor)} is not [T, d]")
+    expect(len(shape_of(x)) == len(lead) + 1, "expert input is not [T, d]")
+    d = shape_of(x)[-1]
+    same_tokens = all(same_size(a, b) for shape in (shape_of(x), shape_of(ids), shape_of(anchor))
+                      for a, b in zip(shape[:-1], lead))
+    expect(same_tokens and len(shape_of(ids)) == len(shape_of(anchor)) == len(lead) + 1,
+           "gate matrix, ids, expert input and combined output differ in their token dims")
+    expect(same_size(shape_of(anchor)[-1], d), f"combined output {shape_of(anchor)} is not [T, d]")
+    T = math.prod(lead)
     return finish_list_match(
         IDIOM, anchor, walk, anchor, [anchor], x, ids, topk_weights, experts, E=E, K=K, T=T, d=d,
         extra_region=[inplace_scatter] if inplace_scatter is not None else [],
-        shape_only=[zeros] if zeros is not None else [], gates=gathered, added_to=added_to,
+        shape_only=[zeros] if zeros is not None else [], gates=gathered, added_to=added_to, token_dims=len(lead) > 1,
     )

@@ -72,7 +72,7 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
         halves = _halves(node)
         for operand in (halves[2] if halves else [node]):
             for user in operand.users:
-                parts = _einsum_parts(user) if is_call(user, "einsum") else None
+                parts = einsum_parts(user) if is_call(user, "einsum") else None
                 if parts is None:
                     others.setdefault(ids, user)
                     continue
@@ -170,7 +170,7 @@ def _biased(out: fx.Node, ids: fx.Node, walk: RegionWalk) -> tuple[fx.Node, fx.N
     return user, other.args[0]
 
 
-def _einsum_parts(node: fx.Node) -> tuple[list[str], list, str] | None:
+def einsum_parts(node: fx.Node) -> tuple[list[str], list, str] | None:
     """(input specs, operands, output spec) of a two-operand einsum with an explicit output, or None."""
     equation, *operands = node.args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
@@ -197,7 +197,7 @@ def _projection(einsum: fx.Node, ids: fx.Node, rows_rank: int, what: str) -> Pro
     """`einsum(rows, W[ids])` computing out[t, k, o] = sum_i rows[t, (k,) i] * W[ids[t, k]][o, i]
     (transposed: W[.][i, o]), on W[ids] or a half of it cut along o; rows is [T, d] (rows_rank 2)
     or [T, K, n] (3)."""
-    parts = _einsum_parts(einsum)
+    parts = einsum_parts(einsum)
     expect(parts is not None, f"{what} projection {einsum.name} is not a two-operand einsum with an explicit output")
     ins, operands, out = parts
     found = [_weight_operand(op, ids) for op in operands]
@@ -285,7 +285,7 @@ def _down_projection(ups: list[fx.Node], ids: fx.Node) -> fx.Node:
         if node in reached or any(inp in reached for inp in node.all_input_nodes):
             reached.add(node)
             if node not in ups and is_call(node, "einsum"):
-                parts = _einsum_parts(node)
+                parts = einsum_parts(node)
                 if parts and any(_weight_operand(op, ids) is not None for op in parts[1]):
                     return node
     raise NoMatch("no down projection on weights gathered by the same ids reads the up projections")
@@ -301,7 +301,7 @@ def weighted_sum_over_slots(y: fx.Node, T, K: int, d, walk: RegionWalk) -> tuple
     user = walk.only_reader(reader)
     expect(user is not None, f"the expert outputs {y.name} are read more than once, not only by the combine")
     if is_call(user, "einsum"):
-        parts = _einsum_parts(user)
+        parts = einsum_parts(user)
         expect(parts is not None and reader in parts[1], f"the combine einsum {user.name} is not a two-operand product")
         ins, operands, out = parts
         yi = parts[1].index(reader)

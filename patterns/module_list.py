@@ -280,16 +280,18 @@ def same_experts(experts: list[ExpertMLP]) -> None:
         expect(ex.biased == first.biased, f"expert {e} has biases on (up, down) = {ex.biased}, expert 0 on {first.biased}")
 
 
-def topk_routing(topk_ids: fx.Node, walk: RegionWalk) -> tuple[int, int]:
-    """(E, K) of `torch.topk(scores [T, E], K, dim=-1).indices`: distinct ids in [0, E) per token."""
+def topk_routing(topk_ids: fx.Node, walk: RegionWalk, token_dims: int = 1) -> tuple[int, int]:
+    """(E, K) of `torch.topk(scores [T, E], K, dim=-1).indices`: distinct ids in [0, E) per token.
+    `token_dims`: how many leading dims the scores' tokens take ([B, S, E]: 2)."""
     topk = getitem_of(topk_ids, 1)
     expect(is_call(topk, "topk"), "expert ids are not the indices of a torch.topk")
     scores, K = arg(topk, 0, "input"), arg(topk, 1, "k")
     shape = shape_of(scores)
-    expect(len(shape) == 2 and arg(topk, 2, "dim", -1) in (-1, 1), "top-k does not rank [T, E] scores over the experts")
-    expect(isinstance(K, int) and isinstance(shape[1], int), "top-k width or expert count is not static")
-    expect(shape_of(topk_ids) == (shape[0], K), f"top-k ids are not [T, K={K}]")
-    return shape[1], K
+    expect(len(shape) == token_dims + 1 and arg(topk, 2, "dim", -1) in (-1, token_dims),
+           "top-k does not rank [T, E] scores over the experts")
+    expect(isinstance(K, int) and isinstance(shape[-1], int), "top-k width or expert count is not static")
+    expect(shape_of(topk_ids) == (*shape[:-1], K), f"top-k ids are not [T, K={K}]")
+    return shape[-1], K
 
 
 def ranked_over(topk_ids: fx.Node, E: int) -> bool:
@@ -303,7 +305,8 @@ def ranked_over(topk_ids: fx.Node, E: int) -> bool:
 
 
 def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts: list[ExpertMLP], *,
-                      E, K, T, d, accumulator=None, extra_region=(), shape_only=(), gates=False, added_to=None) -> MoEMatch:
+                      E, K, T, d, accumulator=None, extra_region=(), shape_only=(), gates=False, added_to=None,
+                      token_dims=False) -> MoEMatch:
     """Legality shared by the list idioms (dtypes, shapes, a closed region), then the typed match.
 
     `anchors` are the nodes whose backward slice is the region (every in-place add of a combine);
@@ -311,7 +314,8 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     Dynamo adds on `torch.where`'s sizes); `shape_only` are nodes that read their input only for
     its shape (`zeros_like`), so the region does not extend past them. `gates`: topk_weights is a
     [T, E] gate matrix to gather the weights from (`MoEMatch.gates`). `added_to`: a tensor outside
-    the region that the combine adds the experts' sum to (`MoEMatch.added_to`).
+    the region that the combine adds the experts' sum to (`MoEMatch.added_to`). `token_dims`: x, the
+    routing and the anchor keep two or more leading token dims (`MoEMatch.token_dims`).
     """
     from moe_compiler.codegen.activations import GATED
 
@@ -345,7 +349,8 @@ def finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weig
     region = _closed_region(walk, anchors, inputs, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
                          shape={"T": T, "d": d, "n": n, "E": E, "K": K}, expert_lists=(w_gate, w_up, w_down),
-                         expert_bias_lists=bias_lists if any(bias_lists) else None, gates=gates, added_to=added_to)
+                         expert_bias_lists=bias_lists if any(bias_lists) else None, gates=gates, added_to=added_to,
+                         token_dims=token_dims)
 
 
 def _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator, *, shape,

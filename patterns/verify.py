@@ -207,6 +207,8 @@ class _Region:
             else:
                 values.append(fixed[node])
                 continue
+            if m.token_dims:  # [T, .] -> the node's [B, S, .]
+                value = value.reshape(tuple(_concrete(s) for s in shape_of(node)))
             values.append(_laid_out_as(node, value.to(self.device)))
         return values
 
@@ -216,6 +218,8 @@ class _Region:
 
         m = self.match
         at = {node: value for node, value in zip(self.inputs, values)}
+        if m.token_dims:  # the op's [T, .] views of x and the routing; its result viewed back below
+            at.update({n: at[n].reshape(-1, at[n].shape[-1]) for n in (m.x, m.topk_ids, m.topk_weights)})
         x = at[m.x]
         if m.group_offsets:  # row r runs the expert whose group holds it (E past the last group: dropped below)
             offsets = at[m.topk_ids]
@@ -255,6 +259,8 @@ class _Region:
             out = out.reshape(T, K, -1).sum(1)
         else:
             out = torch_moe_experts(x, ids, weights, w1, w2, b1, b2, **flags)
+        if m.token_dims:
+            out = out.reshape(tuple(_concrete(s) for s in shape_of(m.anchor)))
         return out if m.added_to is None else at[m.added_to] + out
 
 

@@ -282,6 +282,42 @@ class DenseMoE(Router):
         return (gates.unsqueeze(-1) * outs).sum(1)
 
 
+class BatchedDenseMoE(Router):
+    """`DenseMoE` on [B, S, d] hidden states that are never flattened: the router's [B, S, E] scores,
+    a [B, S, E] gate matrix, every expert's [B, S, d] output.
+
+    gates:   "scatter" (zeros_like(probs).scatter(-1, ids, w)), "one_hot" ((one_hot(ids, E) * w[..., None]).sum(-2))
+    combine: "slices" (out = out + gates[..., e:e+1] * experts[e](x)), "stack_sum" ((gates[..., None] *
+             stack(outs, -2)).sum(-2)), "einsum" (einsum("bse,bsed->bsd", gates, stack(outs, 2))),
+             "shared_slices" (the slices from a shared expert's output), "colon_slices" (gates[:, e:e+1]:
+             on [B, S, E] gates that picks sequence position e, not expert e: never rewritten)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, gates="scatter", combine="slices"):
+        super().__init__(d, E, K)
+        self.experts = make_experts("gated", d, n, E)
+        self.gates, self.combine = gates, combine
+        self.shared = GatedExpert(d, n) if combine == "shared_slices" else None
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        w, ids = torch.topk(probs, self.K, dim=-1)
+        if self.gates == "scatter":
+            gates = torch.zeros_like(probs).scatter(-1, ids, w)
+        else:
+            gates = (F.one_hot(ids, self.E) * w[..., None]).sum(-2)
+        if self.combine in ("slices", "shared_slices", "colon_slices"):
+            out = torch.zeros_like(x) if self.shared is None else self.shared(x)
+            for e in range(self.E):
+                column = gates[:, e:e + 1] if self.combine == "colon_slices" else gates[..., e:e + 1]
+                out = out + column * self.experts[e](x)
+            return out
+        outs = torch.stack([expert(x) for expert in self.experts], dim=-2)  # [B, S, E, d]
+        if self.combine == "einsum":
+            return torch.einsum("bse,bsed->bsd", gates, outs)
+        return (gates[..., None] * outs).sum(-2)
+
+
 class SplitLoopMoE(LoopMoE):
     """Routing and mask in forward, the loop in a helper method: without
     capture_dynamic_output_shape_ops, Dynamo compiles forward up to the call and returns the mask."""
@@ -997,6 +1033,36 @@ class GptOssDenseMoE(nn.Module):
         if self.gate_on == "output":
             y = y * scores.transpose(0, 1).view(self.E, T)[..., None]  # [E, T, 1]
         return y.sum(dim=0)
+
+
+class DispatchCombineMoE(Router):
+    """GShard / Mesh-TensorFlow style without capacity (ported from JAX code): one_hot of the top-k ids,
+    a 0/1 dispatch matrix `one_hot.sum(1)` that masks each expert's copy of the tokens
+    (`einsum("te,td->etd", dispatch, x)`), ReLU experts by einsum over stacked [E, d, n] / [E, n, d]
+    weights, and the outputs weighted by the combine matrix `einsum("tk,tke->te", w, one_hot)`:
+    `einsum("etd,te->td", y, combine)`.
+
+    dispatch_k: the dispatch mask from a top-k of its own with this k (k < K leaves a chosen expert
+             reading zeros: never rewritten)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, dispatch_k=None):
+        super().__init__(d, E, K)
+        self.dispatch_k = dispatch_k
+        self.wi = stacked_param(E, n, d, "in_out")  # [E, d, n]
+        self.wo = stacked_param(E, d, n, "in_out")  # [E, n, d]
+
+    def forward(self, x):
+        probs, w, ids = self.route(x)
+        one_hot = F.one_hot(ids, self.E).to(x.dtype)  # [T, K, E]
+        combine = torch.einsum("tk,tke->te", w.to(x.dtype), one_hot)
+        if self.dispatch_k is not None:
+            one_hot = F.one_hot(torch.topk(probs, self.dispatch_k, dim=-1).indices, self.E).to(x.dtype)
+        dispatch = one_hot.sum(axis=1)
+        rows = torch.einsum("te,td->etd", dispatch, x)
+        h = torch.relu(torch.einsum("etd,edn->etn", rows, self.wi))
+        y = torch.einsum("etn,end->etd", h, self.wo)
+        return torch.einsum("etd,te->td", y, combine)
 
 # Library ops a combine may call (torchtitan 0.3 adds its experts' rows back with its own
 # `torchtitan::deterministic_scatter_add`: a scatter_add along dim 0, its gradient a gather), written

@@ -513,7 +513,6 @@ def test_an_einsum_weighted_sum_becomes_a_product_summed(equation, values_shape,
     ("td,dn->tn", ((T, d), (d, n))),  # no batch: a plain matmul, left as written
     ("tdk,edk->etk", ((T, d, 3), (E, d, 3))),  # k in both operands and the output: not one batch letter
     ("td,td->t", ((T, d), (T, d))),  # a row-wise dot
-    ("ti,tj->tij", ((T, d), (T, n))),  # an outer product per row
 ])
 def test_other_einsums_stay(equation, shapes):
     args = tuple(torch.randn(s) for s in shapes)
@@ -524,6 +523,24 @@ def test_other_einsums_stay(equation, shapes):
     gm = traced(einsum_form, *args)
     assert canonicalize(gm) == []
     assert ops(gm).count("einsum") == 1
+
+
+@pytest.mark.parametrize("equation,shapes", [
+    ("te,tm->etm", ((T, E), (T, d))),  # GShard's dispatch of each token to each expert
+    ("ti,tj->tij", ((T, d), (T, n))),  # an outer product per row
+    ("i,j->ji", ((d,), (n,))),
+])
+def test_an_einsum_that_contracts_nothing_becomes_a_broadcast_product(equation, shapes):
+    args = tuple(torch.randn(s) for s in shapes)
+
+    def einsum_form(a, b):
+        return torch.einsum(equation, a, b)
+
+    gm = traced(einsum_form, *args)
+    assert [line.split(":")[0] for line in canonicalize(gm)] == ["einsum_outer_to_product"]
+    assert "einsum" not in ops(gm) and "mul" in ops(gm)
+    gm.recompile()
+    torch.testing.assert_close(gm(*gm.example_inputs)[0], einsum_form(*args), rtol=0, atol=0)
 
 
 def _split_loop(rows, counts, w1, w2, acts=None):

@@ -21,8 +21,8 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import (AnyHitLoopMoE, BmmMoE, DeepSeekRefMoE, DenseMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE,
-                           RepeatLoopMoE, SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE)
+from .naive_models import (AnyHitLoopMoE, BatchedDenseMoE, BmmMoE, DeepSeekRefMoE, DenseMoE, DispatchCombineMoE, GptOssDenseMoE, LoopMoE,
+                           PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -314,6 +314,18 @@ def test_dense_bmm_with_biases_gated_on_the_outputs_matches_eager():
 def test_dense_bmm_with_biases_scaled_on_the_inputs_stays(caplog):
     with torch._dynamo.config.patch(**{FLAG: True}):
         assert_left_alone(GptOssDenseMoE(gate_on="input"), _inputs()[0], "maps its zero row to its biases", caplog)
+
+
+def test_dense_bmm_dispatch_and_combine_matches_eager():
+    """Rows masked by the 0/1 dispatch matrix of the top-k ids, outputs weighted by the combine matrix."""
+    report = _check_rewrite(DispatchCombineMoE(), "dense_bmm", op="sonic::moe_experts")
+    assert "router-scaled inputs" not in report.rewritten[0].details["layout"], str(report)
+
+
+def test_dense_bmm_dispatch_of_fewer_experts_than_combine_stays(caplog):
+    """A dispatch mask of the top-1 under a top-2 combine: the second expert reads zero rows."""
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(DispatchCombineMoE(dispatch_k=1), _inputs()[0], "not the 0/1 indicator", caplog)
 
 
 def test_dense_bmm_rows_of_other_tokens_stay(caplog):
@@ -922,6 +934,16 @@ def test_dense_bmm_tiled_rows_gpu_bf16(variant):
 def test_dense_bmm_biases_gpu_bf16():
     _check_gpu_bf16(GptOssDenseMoE, "dense_bmm")
 
+
+@pytest.mark.gpu
+def test_dense_bmm_dispatch_and_combine_gpu_bf16():
+    _check_gpu_bf16(DispatchCombineMoE, "dense_bmm")
+
+
+def test_dense_bmm_dispatch_and_combine_cpu_bf16():
+    """bf16 on the CPU: the combine einsum stays as written (canonical_products) and is read as it is."""
+    _check_gpu_bf16(DispatchCombineMoE, "dense_bmm", "cpu", "aot_eager")
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["loop-list", "bmm-stacked"])
 def test_autocast_gpu(case, monkeypatch):
@@ -939,3 +961,44 @@ def test_expert_loop_stacked_gpu_bf16(variant):
 def test_expert_loop_stacked_cpu_bf16(variant):
     """bf16 on the CPU (the reference op), aot_eager: as close to the fp32 model as eager bf16 is."""
     _check_gpu_bf16(lambda: StackedLoopMoE(**STACKED_VARIANTS[variant][0]), "expert_loop", "cpu", "aot_eager")
+
+
+# -- hidden states never flattened: [B, S, d] ---------------------------------------------------
+
+BATCHED_VARIANTS = {
+    "scatter-slices": dict(),
+    "one_hot-stack_sum": dict(gates="one_hot", combine="stack_sum"),
+    "scatter-einsum": dict(combine="einsum"),
+    "shared-slices": dict(combine="shared_slices", K=1),
+}
+
+
+@pytest.mark.parametrize("variant", BATCHED_VARIANTS)
+def test_dense_experts_on_unflattened_tokens_match_eager(variant):
+    from .test_canonical import _rewritten_and_equal
+
+    torch.manual_seed(0)
+    model, x = BatchedDenseMoE(**BATCHED_VARIANTS[variant]), torch.randn(2, 6, D)
+    assert [r.idiom for r in _rewritten_and_equal(model, x)] == ["dense_experts"]
+    compiled = _compile(model)
+    with torch.no_grad():
+        assert OP in profiled_op_names(lambda: compiled(x))
+
+
+def test_gate_columns_of_sequence_positions_stay(caplog):
+    """gates[:, e:e+1] of [B, S, E] gates is position e of each sequence: no expert's column (d = E
+    here, so that the [B, 1, E] rows broadcast over the experts' [B, S, d] outputs)."""
+    torch.manual_seed(0)
+    model, x = BatchedDenseMoE(d=8, E=8, combine="colon_slices"), torch.randn(2, 8, 8)
+    with torch.no_grad():
+        want = model(x)
+        with caplog.at_level(logging.DEBUG, logger="moe_compiler"), moe_compiler.capture() as report:
+            got = _compile(model)(x)
+    assert not report.rewritten, str(report)
+    assert_close_to_eager(got, want, what="output")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["scatter-slices", "one_hot-stack_sum"])
+def test_dense_experts_on_unflattened_tokens_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: BatchedDenseMoE(**BATCHED_VARIANTS[variant]), "dense_experts")
