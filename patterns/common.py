@@ -826,11 +826,11 @@ def check_stacked_biases(b1, b2, *, E, w1_out, d, x_dtype) -> None:
 
 
 def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, *, E, K, T, d,
-                 w_up=None, added_to=None, group_offsets=False) -> MoEMatch:
+                 w_up=None, added_to=None, group_offsets=False, token_dims=False) -> MoEMatch:
     """Legality shared by every idiom (dtypes, shapes, a closed region), then the typed match.
     `w_up`: the up projection's own stacked parameter, shaped as w1 (the gate) then; `added_to`: see
     MoEMatch (outside the region); `group_offsets`: topk_ids is the rows' [E] group offsets and
-    there are no weights (see MoEMatch)."""
+    there are no weights (see MoEMatch); `token_dims`: see MoEMatch."""
     from moe_compiler.codegen.activations import GATED
 
     x_dtype = dtype_of(x)
@@ -883,6 +883,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
         shape={"T": T, "d": d, "n": n, "E": E, "K": K},
         dtype=x_dtype,
         group_offsets=group_offsets,
+        token_dims=token_dims,
         **site_fields(site, topk_ids, topk_weights, T, E, experts_module=module_path(site)),
     )
 

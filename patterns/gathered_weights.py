@@ -10,7 +10,8 @@ Eager code it matches, shapes (T tokens, d hidden, n expert width, E experts, K 
     y = torch.einsum("tao,taio->tai", act(g) * u, W2[ids])          # W2 [E, d, n]; y [T, K, d]
     out = torch.einsum("tai,ta->ti", y, w)                          # or (y * w.unsqueeze(-1)).sum(1)
 
-any einsum letters, either operand order, and the weights in either orientation ([E, out, in] as
+any einsum letters, either operand order, the tokens also as two leading dims that are never
+flattened (x [B, S, d], ids [B, S, K]: "bsd,bskod->bsko"; `MoEMatch.token_dims`), and the weights in either orientation ([E, out, in] as
 above, or [E, in, out]: "ti,taio->tao"), with stacked biases gathered the same way and added to
 a projection's output (`einsum(...) + B1[ids, ...]`, `y += B2[ids, ...]`: gpt-oss). Every (t, k)
 pair is expert ids[t, k] on x[t], so `out[t] = sum_k w[t, k] * expert_{ids[t, k]}(x[t])`: the op's
@@ -29,6 +30,7 @@ other readers of a gathered weight are left alone with that reason.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple
 
@@ -77,7 +79,7 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
                     others.setdefault(ids, user)
                     continue
                 rows = parts[1][1 - parts[1].index(operand)] if operand in parts[1] else None
-                if isinstance(rows, fx.Node) and len(shape_of(rows)) == 2:
+                if isinstance(rows, fx.Node) and len(shape_of(rows)) == len(shape_of(ids)):  # [T, d] (or [B, S, d])
                     groups.setdefault((ids, rows), []).append(user)
     results: list[MoEMatch | Rejection] = []
     for (ids, x), ups in groups.items():
@@ -94,12 +96,13 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
 
 
 def _gather_index(node: fx.Node, rank: int) -> fx.Node | None:
-    """The [T, K] index of `table[index]` (`common.table_index`) on a rank-`rank` table, else None."""
+    """The [T, K] (or [B, S, K]) index of `table[index]` (`common.table_index`) on a rank-`rank`
+    table, else None."""
     found = table_index(node)
     if found is None:
         return None
     table, index = found
-    return index if len(shape_of(table)) == rank and len(shape_of(index)) == 2 else None
+    return index if len(shape_of(table)) == rank and len(shape_of(index)) >= 2 else None
 
 
 def _gather_ids(node: fx.Node, rank: int = 3) -> fx.Node | None:
@@ -115,7 +118,7 @@ def _is_weight_gather(node: fx.Node) -> bool:
 
 
 def _halves(gather: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
-    """(the split, its dim in [0, 4), [half 0, half 1]) when the gather's one reader cuts it in two
+    """(the split, its dim (non-negative), [half 0, half 1]) when the gather's one reader cuts it in two
     equal halves, `W13[ids].chunk(2, dim)`, `.split(m, dim)` or `.split([m, m], dim)` (SGLang's and
     vLLM's native MoE fallback: gate and up in one parameter, gathered then cut), each half read;
     else None."""
@@ -134,7 +137,7 @@ def _halves(gather: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
     parts = {u.args[1]: u for u in cut.users if is_getitem(u)}
     if not (ok and isinstance(dim, int) and len(cut.users) == 2 and set(parts) == {0, 1}):
         return None
-    return cut, dim % 4, [parts[0], parts[1]]
+    return cut, dim % len(shape_of(gather)), [parts[0], parts[1]]
 
 
 def _weight_operand(op, ids: fx.Node) -> tuple[fx.Node, int | None] | None:
@@ -193,10 +196,10 @@ class Projection(NamedTuple):
     transposed: bool  # W [E, in, out]
 
 
-def _projection(einsum: fx.Node, ids: fx.Node, rows_rank: int, what: str) -> Projection:
+def _projection(einsum: fx.Node, ids: fx.Node, per_slot: bool, what: str) -> Projection:
     """`einsum(rows, W[ids])` computing out[t, k, o] = sum_i rows[t, (k,) i] * W[ids[t, k]][o, i]
-    (transposed: W[.][i, o]), on W[ids] or a half of it cut along o; rows is [T, d] (rows_rank 2)
-    or [T, K, n] (3)."""
+    (transposed: W[.][i, o]), on W[ids] or a half of it cut along o; rows is [T, d] or, `per_slot`,
+    [T, K, n]. The tokens may take two or more leading dims, as the ids do ([B, S, K]: "bsd,bskod->bsko")."""
     parts = einsum_parts(einsum)
     expect(parts is not None, f"{what} projection {einsum.name} is not a two-operand einsum with an explicit output")
     ins, operands, out = parts
@@ -206,13 +209,15 @@ def _projection(einsum: fx.Node, ids: fx.Node, rows_rank: int, what: str) -> Pro
     wi = gathers[0]
     gather, half = found[wi]
     w_spec, r_spec, rows = ins[wi], ins[1 - wi], operands[1 - wi]
-    expect(len(w_spec) == 4 and len(out) == 3, f"{what} projection einsum {einsum.args[0]!r} is not [T, K, out] from [T, K, ., .] weights")
-    t, k, p, q = w_spec
-    o = out[2]
-    expect(out[:2] == t + k and o in (p, q), f"{what} projection einsum {einsum.args[0]!r} does not keep (token, k, out)")
+    lead = len(shape_of(ids)) - 1  # the tokens' dims
+    expect(len(w_spec) == lead + 3 and len(out) == lead + 2,
+           f"{what} projection einsum {einsum.args[0]!r} is not [T, K, out] from [T, K, ., .] weights")
+    t, k, p, q = w_spec[:lead], w_spec[lead], w_spec[lead + 1], w_spec[lead + 2]
+    o = out[-1]
+    expect(out[:-1] == t + k and o in (p, q), f"{what} projection einsum {einsum.args[0]!r} does not keep (token, k, out)")
     i = q if o == p else p
-    want = t + i if rows_rank == 2 else t + k + i
-    expect(r_spec == want and len(shape_of(rows)) == rows_rank,
+    want = t + k + i if per_slot else t + i
+    expect(r_spec == want and len(shape_of(rows)) == len(want),
            f"{what} projection einsum {einsum.args[0]!r} does not contract the rows' last dim with the weights' other")
     expect(half is None or _halves(gather)[1] == w_spec.index(o),
            f"{what} projection {einsum.name} reads a half of {gather.name} cut along its input dim, not its output dim")
@@ -221,12 +226,14 @@ def _projection(einsum: fx.Node, ids: fx.Node, rows_rank: int, what: str) -> Pro
 
 def _check(ids: fx.Node, x: fx.Node, ups: list[fx.Node]) -> MoEMatch:
     walk = RegionWalk()
-    E, K = topk_routing(ids, walk)
-    expect(len(shape_of(x)) == 2, "hidden states are not [T, d]")
-    T, d = shape_of(x)
-    expect(same_size(T, shape_of(ids)[0]), "hidden states are not [T, d] for the routed T")
+    lead = shape_of(ids)[:-1]  # the tokens' dims: [T], or [B, S] in code that never flattens them
+    E, K = topk_routing(ids, walk, token_dims=len(lead))
+    expect(len(shape_of(x)) == len(lead) + 1, "hidden states are not [T, d]")
+    d = shape_of(x)[-1]
+    expect(all(same_size(a, b) for a, b in zip(shape_of(x), lead)), "hidden states are not [T, d] for the routed T")
+    T = math.prod(lead)
     expect(len(ups) in (1, 2), f"{len(ups)} projections of the hidden states on gathered weights, not one or two")
-    projections = [_projection(up, ids, 2, "up") for up in ups]
+    projections = [_projection(up, ids, False, "up") for up in ups]
     expect(all(p.rows is x for p in projections), "the up projections read different rows")
     transposed = {p.transposed for p in projections}
     expect(len(transposed) == 1, "gate and up are gathered in two orientations")
@@ -236,7 +243,7 @@ def _check(ids: fx.Node, x: fx.Node, ups: list[fx.Node]) -> MoEMatch:
            "an up projection reads a half of its gathered weights, but gate and up are not its two halves")
 
     down = _down_projection(ups, ids)
-    down_p = _projection(down, ids, 3, "down")
+    down_p = _projection(down, ids, True, "down")
     a = down_p.rows
     expect(down_p.transposed == transposed, "the up and down weights are gathered in two orientations")
     expect(down_p.half is None, f"the down projection reads a half of {down_p.gather.name}")
@@ -269,11 +276,11 @@ def _check(ids: fx.Node, x: fx.Node, ups: list[fx.Node]) -> MoEMatch:
             w1, w_up = gate.gather.args[0], up.gather.args[0]
         walk.mark(*backward_slice([a], stop=set(ups)))
     y, b2 = _biased(down, ids, walk)
-    anchor, weights = weighted_sum_over_slots(y, T, K, d, walk)
+    anchor, weights = weighted_sum_over_slots(y, lead, K, d, walk)
     expect(shape_of(weights) == shape_of(ids), "top-k weights and ids differ in shape")
     expect(shape_of(w1)[0] == E, f"the weights hold {shape_of(w1)[0]} experts, the router ranks E={E}")
     return finish_match(IDIOM, ups[0], walk, anchor, x, ids, weights, w1, down_p.gather.args[0], b1, b2, transposed, act,
-                        E=E, K=K, T=T, d=d, w_up=w_up)
+                        E=E, K=K, T=T, d=d, w_up=w_up, token_dims=len(lead) > 1)
 
 
 def _down_projection(ups: list[fx.Node], ids: fx.Node) -> fx.Node:
@@ -293,10 +300,12 @@ def _down_projection(ups: list[fx.Node], ids: fx.Node) -> fx.Node:
 
 def weighted_sum_over_slots(y: fx.Node, T, K: int, d, walk: RegionWalk) -> tuple[fx.Node, fx.Node]:
     """(the [T, d] anchor, the [T, K] weights) of `einsum("tkd,tk->td", y, w)` (any letters, either
-    order) or `(y * w.unsqueeze(-1)).sum(1)` (w[..., None], w.view(T, K, 1); casts allowed)."""
+    order) or `(y * w.unsqueeze(-1)).sum(1)` (w[..., None], w.view(T, K, 1); casts allowed). `T`: the
+    token count, or a tuple of the tokens' dims ([B, S]: y [B, S, K, d], summed over dim 2)."""
+    lead = tuple(T) if isinstance(T, tuple) else (T,)
     shape = shape_of(y)
-    expect(len(shape) == 3 and same_size(shape[0], T) and shape[1] == K and same_size(shape[2], d),
-           f"the expert outputs are {shape}, not [T, K={K}, d]")
+    expect(len(shape) == len(lead) + 2 and all(same_size(a, b) for a, b in zip(shape, lead)) and shape[-2] == K
+           and same_size(shape[-1], d), f"the expert outputs are {shape}, not [T, K={K}, d]")
     reader = walk.forward(y)
     user = walk.only_reader(reader)
     expect(user is not None, f"the expert outputs {y.name} are read more than once, not only by the combine")
@@ -305,18 +314,20 @@ def weighted_sum_over_slots(y: fx.Node, T, K: int, d, walk: RegionWalk) -> tuple
         expect(parts is not None and reader in parts[1], f"the combine einsum {user.name} is not a two-operand product")
         ins, operands, out = parts
         yi = parts[1].index(reader)
-        t, k, j = ins[yi] if len(ins[yi]) == 3 else ("", "", "")
-        ok = len({t, k, j}) == 3 and ins[1 - yi] == t + k and out == t + j
+        spec = ins[yi]
+        t, k, j = (spec[:-2], spec[-2], spec[-1]) if len(spec) == len(lead) + 2 else ("", "", "")
+        ok = len(spec) == len(lead) + 2 and ins[1 - yi] == t + k and out == t + j
         expect(ok, f"the combine einsum {user.args[0]!r} is not sum_k y[t, k, d] * w[t, k]")
         walk.mark(user)
         return user, operands[1 - yi]  # as the combine reads it, casts included: the op's input
     expect(is_call(user, "mul", "__mul__") and len(user.args) == 2 and not user.kwargs,
            "the expert outputs are not scaled by the routing weights")
     weights = _broadcast_weights(user.args[1] if user.args[0] is reader else user.args[0], walk)
-    expect(weights is not None and len(shape_of(weights)) == 2,
+    expect(weights is not None and len(shape_of(weights)) == len(lead) + 1,
            "the expert outputs are not scaled by [T, K] weights broadcast over d")
     total = walk.only_reader(user)
-    expect(is_call(total, "sum") and sums_dim(total, (1, -2)) and len(total.args) <= 3 and set(total.kwargs) <= {"dim", "keepdim"},
+    expect(is_call(total, "sum") and sums_dim(total, (len(lead), -2)) and len(total.args) <= 3
+           and set(total.kwargs) <= {"dim", "keepdim"},
            "the scaled expert outputs are not summed over each token's K experts")
     walk.mark(user, total)
     return total, weights

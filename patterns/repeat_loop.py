@@ -228,7 +228,7 @@ def _broadcast_weights(scale, walk: RegionWalk) -> fx.Node | None:
     """w of `w.unsqueeze(-1)`, `w[..., None]`, `w[:, :, None]` or `w.view(T, K, 1)`, cast or not after
     the broadcast; w itself as the combine reads it (its casts are the op's input)."""
     scale = through_float_casts(scale, walk)
-    if is_call(scale, "unsqueeze") and arg(scale, 1, "dim") in (-1, 2):
+    if is_call(scale, "unsqueeze") and arg(scale, 1, "dim") in (-1, len(shape_of(scale)) - 1):
         inner = scale.args[0]
     elif _is_index(scale) and scale.args[1] in ((Ellipsis, None), (slice(None), slice(None), None)):
         inner = scale.args[0]

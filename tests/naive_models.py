@@ -957,6 +957,36 @@ class GatheredMoE(Router):
         return out
 
 
+class BatchedGatheredMoE(Router):
+    """`GatheredMoE` on [B, S, d] hidden states that are never flattened: the [B, S, K] ids gather
+    [B, S, K, ., .] weights, `einsum("bsd,bskod->bsko", x, W1[ids])`.
+
+    gate_up: "separate" (w1, w3 [E, n, d]), "fused" (w13 [E, 2n, d], the product chunked)
+    combine: "einsum" (`einsum("bskd,bsk->bsd", y, w)`), "mul_sum" (`(y * w.unsqueeze(-1)).sum(2)`)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", combine="einsum"):
+        super().__init__(d, E, K)
+        self.gate_up, self.combine = gate_up, combine
+        self.w1 = stacked_param(E, 2 * n if gate_up == "fused" else n, d, "out_in")
+        if gate_up == "separate":
+            self.w3 = stacked_param(E, n, d, "out_in")
+        self.w2 = stacked_param(E, d, n, "out_in")
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        w, ids = torch.topk(probs, self.K, dim=-1)  # [B, S, K]
+        if self.gate_up == "fused":
+            g, u = torch.einsum("bsd,bskod->bsko", x, self.w1[ids]).chunk(2, dim=-1)
+        else:
+            g = torch.einsum("bsd,bskod->bsko", x, self.w1[ids])
+            u = torch.einsum("bsd,bskod->bsko", x, self.w3[ids])
+        y = torch.einsum("bsko,bskdo->bskd", F.silu(g) * u, self.w2[ids])
+        if self.combine == "einsum":
+            return torch.einsum("bskd,bsk->bsd", y, w)
+        return (y * w.unsqueeze(-1)).sum(2)
+
+
 def oai_swiglu(h, alpha=1.702, limit=7.0):
     """gpt-oss's reference activation on interleaved gate/up columns."""
     glu, linear = h[..., ::2].clamp(min=None, max=limit), h[..., 1::2].clamp(min=-limit, max=limit)

@@ -16,7 +16,7 @@ import torch
 import moe_compiler
 
 from .helpers import assert_close_to_eager
-from .naive_models import GatheredMoE, GptOssReferenceMoE
+from .naive_models import BatchedGatheredMoE, GatheredMoE, GptOssReferenceMoE
 from .test_naive_patterns import (D, _check_autocast, _check_gpu_bf16, _check_rewrite, _compile, _inputs, assert_expert_views,
                                   assert_left_alone)
 
@@ -161,3 +161,34 @@ def test_gpt_oss_reference_gpu_bf16():
 def test_gpt_oss_reference_autocast(monkeypatch):
     # float32 biases meet bf16 einsums under autocast (eager adds them in float32)
     _check_autocast(monkeypatch, GptOssReferenceMoE, IDIOM)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(gate_up="fused", combine="mul_sum")], ids=["separate-einsum", "fused-mul_sum"])
+def test_gathered_weights_on_unflattened_tokens_match_eager(kwargs):
+    """[B, S, d] hidden states and [B, S, K] ids: the op runs on their [T, .] views."""
+    from .test_canonical import _rewritten_and_equal
+
+    torch.manual_seed(0)
+    model, x = BatchedGatheredMoE(**kwargs), torch.randn(2, 6, D)
+    assert [r.idiom for r in _rewritten_and_equal(model, x)] == [IDIOM]
+
+
+@pytest.mark.gpu
+def test_gathered_weights_on_unflattened_tokens_gpu_bf16():
+    from .test_naive_patterns import _out_and_grads
+
+    torch.manual_seed(0)
+    fp32 = BatchedGatheredMoE().cuda()
+    bf16 = BatchedGatheredMoE().cuda().to(torch.bfloat16)
+    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in fp32.state_dict().items()})
+    x = torch.randn(2, 64, D, device="cuda")
+    cotangent = torch.randn_like(x)
+    xb, cb = x.to(torch.bfloat16), cotangent.to(torch.bfloat16)
+    truth = _out_and_grads(fp32, x, cotangent, dict(fp32.named_parameters()))
+    eager = _out_and_grads(bf16, xb, cb, dict(bf16.named_parameters()))
+    with moe_compiler.capture() as report:
+        got = _out_and_grads(_compile(bf16, "inductor"), xb, cb, dict(bf16.named_parameters()))
+    assert [r.idiom for r in report.rewritten] == [IDIOM], str(report)
+    assert_close_to_eager(got[0], eager[0], truth[0], torch.bfloat16, "output")
+    for name in truth[1]:
+        assert_close_to_eager(got[1][name], eager[1][name], truth[1][name], torch.bfloat16, f"grad {name}")
