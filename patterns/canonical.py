@@ -23,7 +23,8 @@ Rules (eager spelling -> canonical form):
     v[(ids == e).any(-1)], torch.where((ids == e).any(-1))[0]  ->  v[tok], tok = torch.where(ids == e)[0]
         # ids top-k indices (distinct in a row): each token of expert e once, in order
     G[:, e][tok]                                  ->  w[tok, k], (tok, k) = torch.where(ids == e)
-        # G the gate matrix of the rule above (one_hot(ids) * w summed over k)
+        # G the gate matrix of the rule above (one_hot(ids) * w summed over k), or top-k weights
+        # scattered into zeros (scatter, scatter_add); also G[:, e:e+1][tok], G[:, e].index_select(0, tok)
     out.index_put_((tok,), v, accumulate=True)    ->  out.index_add_(0, tok, v)
     out.scatter_add_(0, tok[:, None].expand(-1, d), v)  ->  out.index_add_(0, tok, v)
         # rows added into rows: tok 1-D integer, v exactly the rows' shape (functional forms too)
@@ -420,21 +421,33 @@ def _gate_matrix(gm: fx.GraphModule, ids: fx.Node, w: fx.Node, E: int, order: di
 
 
 def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`G[:, e][tok]` (or `[tok, None]`) of a gate matrix G = (one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
-    made by `masked_weight_to_gate_column`, with (tok, k) = torch.where(ids == e) -> `w[tok, k]` (or
-    `w[tok, k, None]`): row tok[i] of G's column e sums w[tok[i], :] masked to the one slot k[i]
-    whose id is e, so the values are equal (up to the sign of a zero) wherever the token's weights
-    are finite (a NaN or inf weight in another slot makes G's entry NaN, as 0 * inf is)."""
-    if not (is_getitem(node) and len(node.args) == 2 and is_getitem(node.args[0])):
+    """`G[:, e][tok]` (or `[tok, None]`, `G[:, e:e+1][tok]`, `G[:, e].index_select(0, tok)`) of a gate
+    matrix G = (one_hot(ids, E) * w.unsqueeze(-1)).sum(1) made by `masked_weight_to_gate_column`, or
+    of top-k weights scattered into zeros (`_scattered_support`), with (tok, k) = torch.where(ids == e)
+    -> `w[tok, k]` (or `w[tok, k, None]`): row tok[i] of G's column e is w at the one slot k[i] whose
+    id is e, so the values are equal (up to the sign of a zero) wherever the token's weights are
+    finite (a NaN or inf weight in another slot makes the one_hot form's entry NaN, as 0 * inf is)."""
+    if is_getitem(node) and len(node.args) == 2 and is_getitem(node.args[0]):
+        column, index = node.args
+    elif (is_call(node, "index_select") and len(node.args) == 3 and node.args[1] in (0, -2) and not node.kwargs
+          and is_getitem(node.args[0])):
+        column, index = node.args[0], node.args[2]
+    else:
         return None
-    column, index = node.args
     made = {g: key for key, g in gm.meta.get("sonic_gate_matrices", {}).items()}
     gates, at = column.args
-    if gates not in made or not (isinstance(at, tuple) and len(at) == 2 and at[0] == slice(None) and is_int(at[1])):
+    if not (isinstance(at, tuple) and len(at) == 2 and at[0] == slice(None)):
         return None
-    ids, w = made[gates]
     e, rest = at[1], ()
-    if isinstance(index, tuple) and len(index) == 2 and index[1] is None:
+    if isinstance(e, slice) and is_int(e.start) and e.stop == e.start + 1 and e.step in (None, 1):
+        e, rest = e.start, (None,)  # G[:, e:e+1][tok]: the [N, 1] column
+    if not is_int(e):
+        return None
+    ids_w = made.get(gates) or _scattered_support(gates)
+    if ids_w is None:
+        return None
+    ids, w = ids_w
+    if isinstance(index, tuple) and len(index) == 2 and index[1] is None and not rest:
         index, rest = index[0], (None,)
     where = index.args[0] if isinstance(index, fx.Node) and getitem_of(index, 0) is not None else None
     hit = where.args[0] if is_call(where, "where") and len(where.args) == 1 and not where.kwargs else None
@@ -445,6 +458,24 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
     node.replace_all_uses_with(picked)
     order[picked] = order[node]
     return f"{node.name} -> {w.name}[{index.name}, {k.name}]"
+
+
+def _scattered_support(gates) -> tuple[fx.Node, fx.Node] | None:
+    """(ids, w) when `gates` is [T, K] weights w scattered into a fresh zeros [T, E] at top-k ids
+    (`torch.zeros_like(probs).scatter(1, ids, w)`, `scatter_add`, in place too): G[t, e] is w[t, k]
+    at the one slot whose id is e (top-k ids are distinct), 0 elsewhere; else None."""
+    if not (is_call(gates, "scatter", "scatter_", "scatter_add", "scatter_add_") and len(gates.args) == 4
+            and not gates.kwargs):
+        return None
+    base, dim, ids, w = gates.args
+    if not (is_call(base, *ZEROS) and dim in (1, -1) and isinstance(ids, fx.Node) and isinstance(w, fx.Node)):
+        return None
+    if str(gates.target).endswith("_") and list(base.users) != [gates]:
+        return None  # the zeros read or written elsewhere
+    shape, E = shape_of(gates), _range_of(ids)
+    if E is None or len(shape) != 2 or shape[1] != E or shape_of(w) != shape_of(ids) or dtype_of(w) != dtype_of(gates):
+        return None
+    return ids, w
 
 
 def keepdim_reduction_to_plain(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:

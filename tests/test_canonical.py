@@ -263,6 +263,49 @@ def test_a_weight_by_mask_layer_is_rewritten_and_equal_to_eager():
         assert "sonic::moe_experts_list" in profiled_op_names(lambda: compiled(x))
 
 
+class ScatteredCombine(_SwiGLUExperts):
+    """Each expert's rows (torch.where of any hit) weighted by rows of a combine matrix of the top-k
+    weights scattered into zeros (ST-MoE's spelling); `spelling` says how the column is read:
+    "index_select" (`G[:, e].index_select(0, tok)`), "slice" (`G[:, e:e+1][tok]`), "getitem"
+    (`G[:, e][tok]`), or "other_ids" (the combine scattered at the ids of a second top-k: never
+    rewritten as the weights of the first)."""
+
+    def forward(self, x):
+        probs = self.gate(x).softmax(-1)
+        w, ids = torch.topk(probs, K, dim=-1)
+        at = torch.topk(probs * torch.arange(1, E + 1), K, dim=-1).indices if self.spelling == "other_ids" else ids
+        combine = torch.zeros_like(probs).scatter_add(1, at, w)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok = torch.where((ids == e).any(-1))[0]
+            g, u = self.up[e](x[tok]).chunk(2, dim=-1)
+            y = self.down[e](F.silu(g) * u)
+            if self.spelling == "index_select":
+                scale = combine[:, e].index_select(0, tok).unsqueeze(1)
+            elif self.spelling == "slice":
+                scale = combine[:, e:e + 1][tok]
+            else:
+                scale = combine[:, e][tok].unsqueeze(-1)
+            out.index_add_(0, tok, y * scale)
+        return out
+
+
+@pytest.mark.parametrize("spelling", ["index_select", "slice", "getitem"])
+def test_rows_of_a_scattered_combine_matrix_are_the_top_k_weights(spelling):
+    torch.manual_seed(0)
+    regions = _rewritten_and_equal(ScatteredCombine(spelling), torch.randn(T, d), flags={FLAG: True})
+    assert [r.idiom for r in regions] == ["expert_loop"]
+
+
+def test_a_combine_matrix_scattered_at_other_ids_stays():
+    torch.manual_seed(0)
+    model, x = ScatteredCombine("other_ids"), torch.randn(T, d)
+    gm = traced(model, x)
+    applied = canonicalize(gm)
+    assert not any(line.startswith("gate_column_rows_to_weights") for line in applied), applied
+    same_value(gm, model, x)
+
+
 class TopOne(_SwiGLUExperts):
     """A top-1 layer over its experts' rows; `spelling` says how the router's max is read: without
     keepdim ("plain"), or kept as a [T, 1] column then squeezed, selected (`[:, 0]`), read by rows, or
