@@ -9,7 +9,8 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
     y = torch.empty_like(xr)                                  # (or zeros_like, torch.zeros(T * K, d))
     for e, expert in enumerate(self.experts):
         y[flat == e] = expert(xr[flat == e])
-    out = (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1)   # [T, d]; or (y * w.reshape(-1, 1)).view(T, K, d).sum(1)
+    out = (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1)   # [T, d]; or (y * w.reshape(-1, 1)).view(T, K, d).sum(1),
+                                                              #   w.flatten()[:, None] too
 
 (a scatter-add of the scaled rows into zeros by each row's token, `arange(T).repeat_interleave(K)`,
 reaches this finder as that view and sum: `canonical_layout.copies_added_back_to_sum`)
@@ -211,12 +212,25 @@ def _combine(y: fx.Node, writes: list[fx.Node], T, K: int, d, walk: RegionWalk) 
 
 
 def _weight_column(scale, T, K: int, walk: RegionWalk) -> fx.Node | None:
-    """w of `w.reshape(-1, 1)` / `w.view(T * K, 1)` ([T, K] weights as one column of the T K rows, in
-    row-major order), cast or not after the reshape; else None."""
+    """w of `w.reshape(-1, 1)` / `w.view(T * K, 1)`, or of a flat `w.flatten()` / `w.reshape(-1)` made a
+    column (`[:, None]`, `.unsqueeze(-1)`): [T, K] weights as one column of the T K rows, in row-major
+    order, cast or not after the reshape; else None."""
     scale = through_float_casts(scale, walk)
-    if not is_call(scale, "view", "reshape") or len(shape_of(scale)) != 2 or shape_of(scale)[1] != 1:
+    if len(shape_of(scale)) != 2 or shape_of(scale)[1] != 1:
         return None
-    inner = scale.args[0]
+    if is_call(scale, "unsqueeze") and arg(scale, 1, "dim") in (-1, 1) or (
+            _is_index(scale) and scale.args[1] == (slice(None), None)):
+        flat = scale.args[0]  # a flat [T K] view of the weights, made a column
+        flat_view = is_call(flat, "flatten") and len(flat.args) == 1 and not flat.kwargs
+        flat_view = flat_view or (is_call(flat, "view", "reshape") and flat.args[1:] in ((-1,), ((-1,),)))
+        if not flat_view:
+            return None
+        walk.mark(flat)
+        inner = flat.args[0]
+    elif is_call(scale, "view", "reshape"):
+        inner = scale.args[0]
+    else:
+        return None
     shape = shape_of(inner)
     if not (len(shape) == 2 and same_size(shape[0], T) and shape[1] == K):
         return None

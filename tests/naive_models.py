@@ -778,7 +778,8 @@ class RepeatLoopMoE(Router):
     spelling: "method" (x.repeat_interleave, ids.view(-1)), "function" (torch.repeat_interleave,
               ids.reshape(-1), one shared mask node per expert, zeros_like, w[..., None]), "assign"
               (y = torch.zeros(T * K, d), the rows scaled by w.reshape(-1, 1), then scatter_add_ into
-              zeros by each row's token, `torch.arange(T).repeat_interleave(K)`), "assign_tiled" (the
+              zeros by each row's token, `torch.arange(T).repeat_interleave(K)`), "assign_flat" (the
+              rows scaled by w.flatten()[:, None], index_add_ into zeros_like(x)), "assign_tiled" (the
               same added back by `arange(T).repeat(K)`: row r to token r mod T, not an MoE)
     ids_int32: the ids cast to int32 before they are flattened (BailingMoE's variant)
     Knobs that break it (the negative grid): transposed_ids (flat of ids.t(): k-major slots),
@@ -820,7 +821,9 @@ class RepeatLoopMoE(Router):
         if self.spelling.startswith("assign"):
             T, d = x.shape
             token = torch.arange(T, device=x.device)
-            token = token.repeat_interleave(self.K) if self.spelling == "assign" else token.repeat(self.K)
+            token = token.repeat(self.K) if self.spelling == "assign_tiled" else token.repeat_interleave(self.K)
+            if self.spelling == "assign_flat":
+                return torch.zeros_like(x).index_add_(0, token, y * w.flatten()[:, None])
             out = torch.zeros(T, d, dtype=x.dtype, device=x.device)
             out.scatter_add_(0, token.unsqueeze(-1).expand(-1, d), y * w.reshape(-1, 1))
             return out

@@ -199,6 +199,7 @@ REPEAT_VARIANTS = {
     "non-gated-top3": dict(experts="plain", K=3),
     "int32-ids-function": dict(ids_int32=True, spelling="function"),
     "assign-zeros-scatter_add": dict(spelling="assign", K=3),
+    "assign-flat-weights-index_add": dict(spelling="assign_flat"),
 }
 
 
