@@ -634,7 +634,7 @@ NEGATIVE = {
     "bmm-dense-sigmoid-gates": (lambda: BmmMoE(gates="probs"), "not provably zero outside the top-k"),
     "bmm-large-negative-fill": (lambda: BmmMoE(gates="big_neg"), "not provably zero outside the top-k"),
     "bmm-untransposed-gate-column": (lambda: BmmMoE(column="untransposed"), "not taken from the gate matrix transposed"),
-    "bmm-up-bias": (lambda: BmmMoE(bias=True), "not only the up-projection output"),
+    "bmm-up-bias": (lambda: BmmMoE(bias=True), "an unchosen expert maps its zero row to its biases"),
     "bmm-ungated": (lambda: BmmMoE(gate_on="none"), "the experts are not gated"),
     "bmm-gated-twice": (lambda: BmmMoE(gate_on="both"), "gated on both"),
     # zeros_like: the rows of the expert left out stay defined in eager
