@@ -473,7 +473,7 @@ def _scattered_support(gates) -> tuple[fx.Node, fx.Node] | None:
     if str(gates.target).endswith("_") and list(base.users) != [gates]:
         return None  # the zeros read or written elsewhere
     shape, E = shape_of(gates), _range_of(ids)
-    if E is None or len(shape) != 2 or shape[1] != E or shape_of(w) != shape_of(ids) or dtype_of(w) != dtype_of(gates):
+    if E is None or len(shape) != 2 or shape[1] != E or not same_shape(shape_of(w), shape_of(ids)) or dtype_of(w) != dtype_of(gates):
         return None
     return ids, w
 

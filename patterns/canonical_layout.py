@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from .common import arg, example_value, insert_call, is_call, is_getitem, is_int, same_size, shape_of
+from .common import arg, example_value, insert_call, is_call, is_getitem, is_int, same_shape, same_size, shape_of
 
 # one-input elementwise code that keeps its input's layout: casts and pointwise functions
 _CASTS = ("to", "float", "half", "bfloat16", "double", "type_as")
@@ -289,7 +289,7 @@ def copies_added_back_to_sum(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
     of v that the index maps to it."""
     if is_call(node, "scatter_add", "scatter_add_") and len(node.args) + len(node.kwargs) == 4:
         out, dim, idx, v = (arg(node, i, name) for i, name in enumerate(("input", "dim", "index", "src")))
-        copies = _copies_column(idx) if isinstance(idx, fx.Node) and shape_of(idx) == shape_of(v) else None
+        copies = _copies_column(idx) if isinstance(idx, fx.Node) and same_shape(shape_of(idx), shape_of(v)) else None
     elif is_call(node, "index_add", "index_add_") and len(node.args) + len(node.kwargs) == 4:
         out, dim, flat, v = (arg(node, i, name) for i, name in enumerate(("input", "dim", "index", "source")))
         copies = arange_copies(flat) if isinstance(flat, fx.Node) and len(shape_of(flat)) == 1 else None

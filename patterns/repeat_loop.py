@@ -35,7 +35,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from .common import MoEMatch, NoMatch, RegionWalk, Rejection, arg, dtype_of, expect, getitem_of, is_call, module_path, same_size, shape_of
+from .common import (MoEMatch, NoMatch, RegionWalk, Rejection, arg, dtype_of, expect, getitem_of, is_call, module_path,
+                     same_shape, same_size, shape_of)
 from .expert_loop import _is_bool_mask, _is_index, _size_asserts
 from .module_list import expert_mlp, finish_expert_match, through_float_casts, topk_routing
 
@@ -121,7 +122,7 @@ def _check(y: fx.Node, writes: list[fx.Node]) -> MoEMatch:
         rows = through_float_casts(expert_mlp(through_float_casts(writes[0].args[2], walk), RegionWalk(), 0,
                                               stacked=True).rows, walk)
         xr = rows.args[0] if _is_index(rows) else None
-        expect(isinstance(xr, fx.Node) and shape_of(xr) == shape_of(y) and dtype_of(xr) == dtype_of(y),
+        expect(isinstance(xr, fx.Node) and same_shape(shape_of(xr), shape_of(y)) and dtype_of(xr) == dtype_of(y),
                f"the loop writes into {y.name}, not a tensor shaped as the rows its experts read")
     x, repeats = _repeated(xr)
     walk.mark(y, xr)
