@@ -113,13 +113,17 @@ def elementwise_of_transpose_to_transpose(gm: fx.GraphModule, node: fx.Node, ord
 
 def _dense(value: torch.Tensor) -> bool:
     """A 2-D tensor whose elements fill its storage span without overlap (contiguous or transposed)."""
-    s0, s1 = value.stride()
-    rows, cols = value.shape
-    return (s1 == 1 and s0 == cols) or (s0 == 1 and s1 == rows) or rows <= 1 or cols <= 1
+    try:  # symbolic sizes: decided only where provable
+        s0, s1 = value.stride()
+        rows, cols = value.shape
+        return bool((s1 == 1 and s0 == cols) or (s0 == 1 and s1 == rows) or rows <= 1 or cols <= 1)
+    except Exception:
+        return False
 
 
 def same_device_move_to_self(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`t.to(device)` with device t's own and no other argument -> `t`: `to` returns t itself."""
+    """`t.to(device)` with device t's own (a CUDA device named with its index) and no other argument ->
+    `t`: `to` returns t itself."""
     if not is_call(node, "to") or node.op != "call_method" or len(node.args) != 2 or node.kwargs:
         return None
     t, device = node.args
@@ -128,7 +132,8 @@ def same_device_move_to_self(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
         device = torch.device(device)
     if not isinstance(device, torch.device) or not isinstance(value, torch.Tensor):
         return None
-    if device.type != value.device.type or (device.index is not None and device.index != value.device.index):
+    # the same type and index ('cuda' without one means the current device at run time: not provably t's)
+    if device.type != value.device.type or (device.index != value.device.index and device.type != "cpu"):
         return None
     node.replace_all_uses_with(t)
     return f"{node.name} -> {t.name}"
