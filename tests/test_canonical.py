@@ -1301,3 +1301,23 @@ def test_a_marked_reshape_of_elementwise_code_stays_when_nothing_comes_back_or_t
 
     for fn, args in ((nothing_back, (torch.randn(T, d), torch.randn(T, d))), (read_twice, (torch.randn(T, K, n),))):
         assert canonicalize(_marked_graph(fn, *args)) == []
+
+
+@pytest.mark.gpu
+def test_rows_of_a_scattered_combine_matrix_gpu_bf16():
+    """The same layer in bf16 on CUDA through Inductor: as close to the fp32 model as eager bf16 is."""
+    import moe_compiler
+
+    from .helpers import assert_close_to_eager
+
+    torch.manual_seed(0)
+    fp32 = ScatteredCombine("index_select").cuda()
+    bf16 = ScatteredCombine("index_select").cuda().to(torch.bfloat16)
+    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in fp32.state_dict().items()})
+    x = torch.randn(64, d, device="cuda")
+    truth, eager = fp32(x), bf16(x.to(torch.bfloat16))
+    compiled = torch.compile(bf16, backend="sonic", options={"sonic.fallback": False})
+    with torch._dynamo.config.patch(**{FLAG: True}), moe_compiler.capture() as report, torch.no_grad():
+        got = compiled(x.to(torch.bfloat16))
+    assert [r.idiom for r in report.rewritten] == ["expert_loop"], str(report)
+    assert_close_to_eager(got, eager.detach(), truth.detach(), torch.bfloat16, "output")
