@@ -92,6 +92,7 @@ def canonicalize(gm: fx.GraphModule) -> list[str]:
     """Bring `gm` to canonical form in place; one line per rewrite applied (empty: untouched)."""
     applied: list[str] = []
     for rule in RULES:
+        gm.meta[_PASS] = {}  # what a rule may remember during its one pass over the nodes
         nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
         order = {n: i for i, n in enumerate(nodes)}
         for node in nodes:
@@ -100,7 +101,11 @@ def canonicalize(gm: fx.GraphModule) -> list[str]:
                 if done:
                     applied.append(f"{rule.__name__}: {done}")
                     _erase_if_dead(gm.graph, node, order)
+    gm.meta.pop(_PASS, None)
     return applied
+
+
+_PASS = "sonic_canonical_pass"  # gm.meta key of the current rule pass's memo (`canonicalize`)
 
 
 def _erase_if_dead(graph: fx.Graph, node: fx.Node, order: dict) -> None:
@@ -883,11 +888,12 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
     theirs between the two (storages from the fake tensors, which views share)."""
     results = {storage_of(first), storage_of(second)} - {None}
     inputs = {storage_of(i) for i in second.all_input_nodes} - {None}
-    for writer in gm.graph.nodes:
-        if writer.op != "call_function" and writer.op != "call_method" or not writes_in_place(writer):
-            continue
-        target = writer.args[0] if writer.args and isinstance(writer.args[0], fx.Node) else None
-        ref = storage_of(target) if target is not None else None
+    memo = gm.meta.get(_PASS, {})  # this rule's pass merges reads and makes no writer: found once
+    if "writers" not in memo:
+        memo["writers"] = [(writer, storage_of(writer.args[0]) if writer.args and isinstance(writer.args[0], fx.Node)
+                            else None) for writer in gm.graph.nodes
+                           if writer.op in ("call_function", "call_method") and writes_in_place(writer)]
+    for writer, ref in memo["writers"]:
         if ref is None:
             return False  # a write into something of unknown storage: assume the worst
         between = order.get(first, -1) < order.get(writer, -1) < order.get(second, -1)

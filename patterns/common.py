@@ -525,17 +525,36 @@ def _inplace_flag(node: fx.Node) -> bool:
         return False
     if node.kwargs.get("inplace") is True:
         return True
-    try:
-        signature = inspect.signature(node.target)
-    except (TypeError, ValueError):  # builtins and C functions without a signature
-        return False
-    if "inplace" not in signature.parameters:
+    signature = _signature(node.target)
+    if signature is None or "inplace" not in signature.parameters:
         return False
     try:
         bound = signature.bind(*node.args, **node.kwargs)
     except TypeError:
         return False
     return bound.arguments.get("inplace") is True
+
+
+_SIGNATURES: dict = {}  # call target -> its inspect.Signature or None (parsing one takes ~0.5 ms)
+
+
+def _signature(target) -> inspect.Signature | None:
+    """`inspect.signature(target)`, remembered per target; None for builtins and C functions without one."""
+    try:
+        return _SIGNATURES[target]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable target
+        return _signature_uncached(target)
+    _SIGNATURES[target] = found = _signature_uncached(target)
+    return found
+
+
+def _signature_uncached(target) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
 
 
 def fake_mode_of(gm: fx.GraphModule):
