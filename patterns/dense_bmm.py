@@ -64,6 +64,7 @@ from .common import (
     is_call,
     is_getitem,
     module_path,
+    same_shape,
     same_size,
     shape_of,
 )
@@ -167,7 +168,7 @@ def _gate_column(node, walk: RegionWalk) -> tuple[fx.Node, int]:
                or getitem_of(node, (Ellipsis, None)) is not None,
                "the gate column is not the transposed gate matrix unsqueezed last")
     node = through_float_casts(node.args[0], walk)
-    if rank == 3 and is_call(node, *_VIEWS) and len(shape_of(node)) == 2 and shape_of(node) == shape_of(node.args[0]):
+    if rank == 3 and is_call(node, *_VIEWS) and len(shape_of(node)) == 2 and same_shape(shape_of(node), shape_of(node.args[0])):
         walk.mark(node)  # gates.t().view(E, T): a view to the transposed matrix's own shape
         node = through_float_casts(node.args[0], walk)
     transposed = (is_call(node, "t") or (is_call(node, "transpose") and sorted(node.args[1:3]) in ([0, 1], [-2, -1], [-1, 0]))

@@ -44,6 +44,7 @@ from .common import (
     is_call,
     is_getitem,
     module_path,
+    same_shape,
     same_size,
     shape_of,
     writes_in_place,
@@ -247,7 +248,7 @@ def _check_columns(anchor: fx.Node) -> MoEMatch:
     expect(len(others) <= 1, f"{', '.join(getattr(t, 'name', str(t)) for t in others)} are not gate columns times "
            "expert outputs: at most one other term is added to the experts' sum")
     added_to = others[0] if others else None
-    expect(added_to is None or (isinstance(added_to, fx.Node) and shape_of(added_to) == shape_of(anchor)
+    expect(added_to is None or (isinstance(added_to, fx.Node) and same_shape(shape_of(added_to), shape_of(anchor))
                                 and dtype_of(added_to) == dtype_of(anchor)),
            f"{getattr(added_to, 'name', added_to)} added to the experts' sum is not shaped as it")
     return _finish(anchor, gates_nodes.pop(), [by_expert[e] for e in range(len(by_expert))], walk, added_to)
