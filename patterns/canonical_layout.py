@@ -162,7 +162,7 @@ def _arange_length(node) -> object | None:
     dtype = node.kwargs.get("dtype")
     if dtype is not None and (dtype.is_floating_point or dtype == torch.bool):
         return None
-    return args[0]
+    return example_value(args[0])  # a symbolic length (a node under dynamic shapes) as its SymInt
 
 
 def _arange_as(node, dim: int) -> object | None:
@@ -304,8 +304,12 @@ def copies_added_back_to_sum(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
         return None
     if not _copied(out, v, copies) or example_value(out).dtype != example_value(v).dtype:
         return None
-    E_or_T, T_or_K = (copies.T, copies.copies) if copies.interleaved else (copies.copies, copies.T)
-    per_copy = insert_call(gm, node, torch.Tensor.view, (v, E_or_T, T_or_K, shape_of(out)[1]))
+    width = shape_of(out)[1]
+    if not is_int(width):
+        return None
+    # the copies' count and the width are static; the token count goes as -1 (no symbol baked in)
+    sizes = (-1, copies.copies, width) if copies.interleaved else (copies.copies, -1, width)
+    per_copy = insert_call(gm, node, torch.Tensor.view, (v, *sizes))
     summed = insert_call(gm, node, torch.sum, (per_copy, 1 if copies.interleaved else 0))
     if str(node.target).endswith("_"):
         with gm.graph.inserting_before(node):

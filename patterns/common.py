@@ -620,8 +620,8 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         return insert(overload(name, args[SAVE_H_ARG[name]]), args)
 
     x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
-    if match.token_dims:  # [B, S, .] -> [T, .]: views of the region's own inputs
-        x, ids, weights = (insert(torch.reshape, (t, (-1, shape_of(t)[-1]))) for t in (x, ids, weights))
+    if match.token_dims:  # [B, S, .] -> [T, .]: views of the region's own inputs (no size baked in)
+        x, ids, weights = (insert(torch.flatten, (t, 0, -2)) for t in (x, ids, weights))
     if match.flat_top1:
         ids, weights = insert(torch.unsqueeze, (ids, -1)), insert(torch.unsqueeze, (weights, -1))
     if match.gates:  # the [T, K] weights at the top-k ids of a gate matrix zero elsewhere
@@ -674,8 +674,8 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     if match.input_scaled:  # [T*K, d] rows -> [T, d]
         rows = insert(torch.reshape, (out, (-1, match.shape["K"], match.shape["d"])))
         result = out = insert(torch.sum, (rows, 1))
-    if match.token_dims:  # [T, d] -> the anchor's [B, S, d]
-        result = out = insert(torch.reshape, (out, tuple(shape_of(match.anchor))))
+    if match.token_dims:  # [T, d] -> the anchor's [B, S, d], which is x's shape
+        result = out = insert(torch.Tensor.reshape_as, (out, match.x))
     anchor_dtype = dtype_of(match.anchor)
     if anchor_dtype is not None and anchor_dtype != match.dtype:
         result = to(out, anchor_dtype)

@@ -21,8 +21,9 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import (AnyHitLoopMoE, BatchedDenseMoE, BmmMoE, DeepSeekRefMoE, DenseMoE, DispatchCombineMoE, GptOssDenseMoE, LoopMoE,
-                           PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE)
+from .naive_models import (AnyHitLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
+                           DispatchCombineMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
+                           StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -1003,3 +1004,41 @@ def test_gate_columns_of_sequence_positions_stay(caplog):
 @pytest.mark.parametrize("variant", ["scatter-slices", "one_hot-stack_sum"])
 def test_dense_experts_on_unflattened_tokens_gpu_bf16(variant):
     _check_gpu_bf16(lambda: BatchedDenseMoE(**BATCHED_VARIANTS[variant]), "dense_experts")
+
+
+@pytest.mark.parametrize("make", [BatchedDenseMoE, BatchedGatheredMoE],
+                         ids=["dense", "gathered"])
+def test_unflattened_tokens_at_new_sequence_lengths(make):
+    """A second sequence length recompiles with a symbolic S: the op's [T, .] views and the output's
+    view back take no size from the first call."""
+    torch.manual_seed(0)
+    model = make()
+    compiled = _compile(model)
+    rewritten = []
+    for S in (6, 9, 13):
+        x = torch.randn(2, S, D)
+        with moe_compiler.capture() as report:
+            got = compiled(x)
+        rewritten += report.rewritten
+        assert_close_to_eager(got, model(x), what=f"S={S}")
+    assert len(rewritten) == 2, rewritten  # the static first call, then the symbolic one
+
+
+@pytest.mark.parametrize("make", [lambda: RepeatLoopMoE(spelling="assign"), lambda: TiledBmmMoE(K=2)],
+                         ids=["repeat-interleaved-arange", "tiled-arange"])
+def test_rows_copied_by_an_arange_at_new_token_counts(make):
+    """A second token count recompiles with a symbolic T: arange(T)'s length is read as its symbol,
+    and the copies' views take no size from the first call."""
+    torch.manual_seed(0)
+    model = make()
+    compiled = _compile(model)
+    rewritten = []
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        for T in (12, 17, 23):
+            x = torch.randn(T, D)
+            with moe_compiler.capture() as report:
+                got = compiled(x)
+            rewritten += report.rewritten
+            assert not report.rejected, str(report)
+            assert_close_to_eager(got, model(x), what=f"T={T}")
+    assert len(rewritten) == 2, rewritten  # the static first call, then the symbolic one
