@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import inspect
 import operator
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -367,10 +368,23 @@ def module_class(node: fx.Node) -> str:
     return getattr(cls, "__name__", str(cls))
 
 
+_PATHS: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, set[str]]]" = weakref.WeakKeyDictionary()
+
+
+def _module_paths(graph: fx.Graph) -> set[str]:
+    """The module paths of the graph's calls, found once per graph and node count (the finders of a
+    pass read an unchanged graph, once per region)."""
+    known = _PATHS.get(graph)
+    if known is None or known[0] != len(graph.nodes):
+        paths = {module_path(n) for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+        _PATHS[graph] = known = (len(graph.nodes), paths)
+    return known[1]
+
+
 def describe_shared_expert(graph: fx.Graph, experts_module: str) -> str:
     """'-', 'plain' or 'sigmoid-gated': a shared_expert(s) sibling of the experts module in the graph."""
     parent = experts_module.rsplit(".", 1)[0]
-    paths = {module_path(n) for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+    paths = _module_paths(graph)
     shared = [p for p in paths if p.startswith(parent + ".shared_expert")]
     if not shared:
         return "-"
