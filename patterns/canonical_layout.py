@@ -32,7 +32,8 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from .common import arg, example_value, insert_call, is_call, is_getitem, is_int, same_shape, same_size, shape_of
+from .common import (arg, call_sizes, example_value, insert_call, is_call, is_getitem, is_int, same_shape, same_size,
+                     shape_of)
 
 # one-input elementwise code that keeps its input's layout: casts and pointwise functions
 _CASTS = ("to", "float", "half", "bfloat16", "double", "type_as")
@@ -180,11 +181,6 @@ def _arange_as(node, dim: int) -> object | None:
     return T if is_getitem(node) and node.args[1] in new_dim else None
 
 
-def _sizes(node: fx.Node) -> tuple:
-    """The sizes of `t.expand(...)` / `t.repeat(...)`, given as one tuple or as arguments."""
-    return tuple(node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:])
-
-
 def arange_copies(node) -> Copies | None:
     """The `Copies` `node` holds, flat [copies * T] or as a matrix ([E, T] tiled, [T, K] interleaved):
     a [1, T] row of arange(T) widened to [E, T] (`expand(E, -1)`, `repeat(E, 1)`), a [T, 1] column
@@ -214,7 +210,7 @@ def arange_copies(node) -> Copies | None:
         return flat if want and same_size(shape[0], want[0]) and same_size(shape[1], want[1]) else None
     if not is_call(node, "expand", "repeat"):
         return None
-    reps = _sizes(node)
+    reps = call_sizes(node)
     if (T := _arange_as(src, 0)) is not None:  # [1, T] -> [E, T]
         if is_call(node, "repeat") and reps[1:] != (1,):
             return None
@@ -232,7 +228,7 @@ def _copies_column(idx) -> Copies | None:
     `flat.unsqueeze(-1)`) widened (`expand(-1, d)`, `expand_as`, `repeat(1, d)`)."""
     if not is_call(idx, "expand", "expand_as", "repeat") or not isinstance(idx.args[0], fx.Node):
         return None
-    if is_call(idx, "repeat") and (len(_sizes(idx)) != 2 or _sizes(idx)[0] != 1):
+    if is_call(idx, "repeat") and (len(call_sizes(idx)) != 2 or call_sizes(idx)[0] != 1):
         return None
     column = idx.args[0]
     if len(shape_of(column)) != 2 or not same_size(shape_of(column)[1], 1) or len(shape_of(idx)) != 2:

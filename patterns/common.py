@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import inspect
 import operator
+import re
 import weakref
 from typing import Any, Iterable
 
@@ -389,6 +390,28 @@ def describe_shared_expert(graph: fx.Graph, experts_module: str) -> str:
     if not shared:
         return "-"
     return "sigmoid-gated" if any(p.startswith(parent + ".shared_expert_gate") for p in shared) else "plain"
+
+
+def einsum_parts(node: fx.Node) -> tuple[list[str], list, str] | None:
+    """(input specs, operands, output spec) of a two-operand einsum with an explicit output, or None."""
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or len(operands) != 2 or node.kwargs:
+        return None
+    spec = re.fullmatch(r"([a-zA-Z]+),([a-zA-Z]+)->([a-zA-Z]*)", equation.replace(" ", ""))
+    if spec is None:
+        return None
+    ins, out = [spec.group(1), spec.group(2)], spec.group(3)
+    if any(len(set(s)) != len(s) for s in (*ins, out)):
+        return None  # a repeated letter (a diagonal) is not a product of these shapes
+    return ins, operands, out
+
+
+def call_sizes(node: fx.Node) -> tuple:
+    """The sizes of `t.expand(...)` / `t.repeat(...)` / `t.view(...)`, given as arguments or as one tuple."""
+    sizes = tuple(node.args[1:])
+    return tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else sizes
 
 
 def op_name(target: Any) -> str:

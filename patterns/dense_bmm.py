@@ -57,7 +57,9 @@ from .common import (
     Rejection,
     arg,
     backward_slice,
+    call_sizes,
     dtype_of,
+    einsum_parts,
     expect,
     finish_match,
     getitem_of,
@@ -69,7 +71,6 @@ from .common import (
     shape_of,
 )
 from .dense_experts import sparse_gates, sums_dim
-from .gathered_weights import einsum_parts
 from .module_list import projections_before, through_float_casts, topk_routing
 
 IDIOM = "dense_bmm"
@@ -122,7 +123,7 @@ def _broadcast_x(node, E, walk: RegionWalk | None = None) -> fx.Node | None:
 
     chain = []
     if is_call(node, "repeat"):
-        reps, src = _sizes(node), node.args[0]
+        reps, src = call_sizes(node), node.args[0]
         if len(shape_of(src)) == 2 and tuple(reps[1:]) in ((1,), (1, 1)) and ok(reps[0]):
             if walk is not None:
                 walk.mark(node)
@@ -130,7 +131,7 @@ def _broadcast_x(node, E, walk: RegionWalk | None = None) -> fx.Node | None:
         return None
     if is_call(node, "expand"):
         chain.append(node)
-        sizes = _sizes(node)
+        sizes = call_sizes(node)
         if not sizes or not ok(sizes[0]):
             return None
         node = node.args[0]
@@ -145,12 +146,6 @@ def _broadcast_x(node, E, walk: RegionWalk | None = None) -> fx.Node | None:
     if walk is not None:
         walk.mark(*chain)
     return node
-
-
-def _sizes(node: fx.Node) -> tuple:
-    """The sizes of `t.repeat(a, b)` / `t.expand(a, b)` or of `t.repeat((a, b))`."""
-    sizes = tuple(node.args[1:])
-    return tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else sizes
 
 
 def _gate_column(node, walk: RegionWalk) -> tuple[fx.Node, int]:
@@ -172,7 +167,7 @@ def _gate_column(node, walk: RegionWalk) -> tuple[fx.Node, int]:
         walk.mark(node)  # gates.t().view(E, T): a view to the transposed matrix's own shape
         node = through_float_casts(node.args[0], walk)
     transposed = (is_call(node, "t") or (is_call(node, "transpose") and sorted(node.args[1:3]) in ([0, 1], [-2, -1], [-1, 0]))
-                  or (is_call(node, "permute") and _sizes(node) == (1, 0)))
+                  or (is_call(node, "permute") and call_sizes(node) == (1, 0)))
     expect(transposed and len(shape_of(node)) == 2, "the gate column is not taken from the gate matrix transposed to [E, T]")
     walk.mark(node)
     return node.args[0], rank

@@ -40,6 +40,7 @@ from .common import (
     Rejection,
     arg,
     dtype_of,
+    einsum_parts,
     expect,
     is_call,
     is_getitem,
@@ -331,13 +332,10 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
 def _einsum_one_hot_gates(einsum: fx.Node, walk: RegionWalk) -> GateSupport | None:
     """The support of `einsum("tk,tke->te", w, F.one_hot(ids, E))` (any letters, either order; the
     one_hot cast to a float dtype: 0 and 1 stay exact), else None."""
-    equation, *operands = einsum.args
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
-    spec = re.fullmatch(r"(\w+),(\w+)->(\w+)", equation.replace(" ", "")) if isinstance(equation, str) else None
-    if spec is None or len(operands) != 2 or einsum.kwargs:
+    parts = einsum_parts(einsum)
+    if parts is None:
         return None
-    ins, out = [spec.group(1), spec.group(2)], spec.group(3)
+    ins, operands, out = parts
     for i in (0, 1):
         oh = operands[i]
         cast = oh if is_call(oh, "to", "float", "half", "bfloat16", "type_as") else None

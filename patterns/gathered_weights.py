@@ -31,7 +31,6 @@ other readers of a gathered weight are left alone with that reason.
 from __future__ import annotations
 
 import math
-import re
 from typing import NamedTuple
 
 import torch.fx as fx
@@ -44,6 +43,7 @@ from .common import (
     Rejection,
     arg,
     backward_slice,
+    einsum_parts,
     expect,
     finish_match,
     getitem_of,
@@ -171,22 +171,6 @@ def _biased(out: fx.Node, ids: fx.Node, walk: RegionWalk) -> tuple[fx.Node, fx.N
     expect(len(other.users) == 1, f"the gathered bias {other.name} is read more than once")
     walk.mark(user, other)
     return user, other.args[0]
-
-
-def einsum_parts(node: fx.Node) -> tuple[list[str], list, str] | None:
-    """(input specs, operands, output spec) of a two-operand einsum with an explicit output, or None."""
-    equation, *operands = node.args
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
-    if not isinstance(equation, str) or len(operands) != 2 or node.kwargs:
-        return None
-    spec = re.fullmatch(r"([a-zA-Z]+),([a-zA-Z]+)->([a-zA-Z]*)", equation.replace(" ", ""))
-    if spec is None:
-        return None
-    ins, out = [spec.group(1), spec.group(2)], spec.group(3)
-    if any(len(set(s)) != len(s) for s in (*ins, out)):
-        return None  # a repeated letter (a diagonal) is not a product of these shapes
-    return ins, operands, out
 
 
 class Projection(NamedTuple):
