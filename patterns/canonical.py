@@ -81,7 +81,10 @@ import torch.nn.functional as F
 from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, elementwise_of_transpose_to_transpose,
                                same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
-from .canonical_products import (broadcast_matmul_to_bmm, einsum_outer_to_product, einsum_to_bmm,
+from .canonical_routing import (gate_nonzero_to_any_hit, gate_rows_column_to_column_rows, one_hot_count_to_any_hit,
+                                position_copy_to_mask_write, scale_after_row_writes_to_scaled_rows,
+                                slot_token_rows_to_repeat)
+from .canonical_products import (addmm_to_matmul_plus_bias, broadcast_matmul_to_bmm, einsum_outer_to_product, einsum_to_bmm,
                                  einsum_weighted_sum_to_product, gathered_product_to_einsum, split_loop_to_grouped_mm)
 from .canonical_views import reshape_chain_to_base, reshape_through_elementwise
 from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, getitem_of, insert_call, is_call, is_getitem,
@@ -448,7 +451,7 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
         e, rest = e.start, (None,)  # G[:, e:e+1][tok]: the [N, 1] column
     if not is_int(e):
         return None
-    ids_w = made.get(gates) or _scattered_support(gates)
+    ids_w = made.get(gates) or _scattered_support(gates) or _sparse_support(gates)
     if ids_w is None:
         return None
     ids, w = ids_w
@@ -458,6 +461,11 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
     hit = where.args[0] if is_call(where, "where") and len(where.args) == 1 and not where.kwargs else None
     if not (is_call(hit, "eq", "__eq__") and not hit.kwargs and tuple(hit.args) in ((ids, e), (e, ids))):
         return None
+    if w is None:  # the values at the ids, gathered once after the gates
+        made = gm.meta.setdefault("sonic_gate_values", {})
+        if gates not in made or made[gates].graph is not gm.graph:
+            made[gates] = insert_call(gm, gates.next, torch.gather, (gates, 1, ids))
+        w = made[gates]
     k = _where_output_before(gm, where, 1, node, order)
     picked = insert_call(gm, node, operator.getitem, (w, (index, k, *rest)))
     node.replace_all_uses_with(picked)
@@ -481,6 +489,22 @@ def _scattered_support(gates) -> tuple[fx.Node, fx.Node] | None:
     if E is None or len(shape) != 2 or shape[1] != E or not same_shape(shape_of(w), shape_of(ids)) or dtype_of(w) != dtype_of(gates):
         return None
     return ids, w
+
+
+def _sparse_support(gates) -> tuple[fx.Node, fx.Node | None] | None:
+    """(ids, w) of any gate matrix `dense_experts.sparse_gates` proves zero outside [T, K] top-k ids
+    (one_hot(ids, E) * w summed over K, a softmax of top-k logits scattered into -inf...): w the
+    values the graph holds when they are the gates' own, else None (the caller gathers
+    `gates.gather(1, ids)`: G[t, e] is the value at the one slot k whose id is e)."""
+    from .canonical_routing import _gate_support
+
+    found = _gate_support(gates)
+    if found is None:
+        return None
+    ids, w = found
+    if w is not None and dtype_of(w) == dtype_of(gates) and same_shape(shape_of(w), shape_of(ids)):
+        return ids, w
+    return ids, None
 
 
 def keepdim_reduction_to_plain(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
@@ -904,11 +928,12 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 # the scatter rules before any_hit_where_to_hit_where: row_scatter_add_to_index_add compares the
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
-RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, nonzero_columns_to_where,
+RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, one_hot_count_to_any_hit,
+         gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, nonzero_columns_to_where,
          boolean_index_to_where, scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add,
-         transpose_pair_to_base, elementwise_of_transpose_to_transpose, copied_rows_to_repeat, copies_added_back_to_sum,
-         any_hit_where_to_hit_where,
-         arange_mask_to_one_hot, masked_weight_to_gate_column, gate_column_rows_to_weights,
+         addmm_to_matmul_plus_bias, transpose_pair_to_base, elementwise_of_transpose_to_transpose, copied_rows_to_repeat, copies_added_back_to_sum,
+         any_hit_where_to_hit_where, position_copy_to_mask_write, slot_token_rows_to_repeat,
+         arange_mask_to_one_hot, masked_weight_to_gate_column, gate_rows_column_to_column_rows, gate_column_rows_to_weights,
          keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,
          index_put_accumulate_to_index_add, mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, gathered_product_to_einsum, reshape_through_elementwise, reshape_chain_to_base,

@@ -21,6 +21,9 @@ Rules (eager spelling -> canonical form):
     torch.einsum("te,tm->etm", g, x)              ->  g.t().unsqueeze(-1) * x.unsqueeze(0)
         # an einsum that contracts no letter (GShard-style dispatch of tokens to experts): each
         # element one product, as the broadcast product of the operands laid out as the output
+    torch.addmm(b, a, W)                          ->  a @ W + b
+        # 2-D a and W, beta = alpha = 1: the product and the bias added as two ops (the form
+        # `module_list.biased_matmul` reads: an expert `addmm(B[e], rows, W[e])`), up to rounding
     x[:, None, None, :] @ W[ids]                  ->  torch.einsum("ta,tkab->tkb", x, W[ids]).unsqueeze(2)
     torch.bmm(x[:, None].expand(T, K, d).reshape(T * K, 1, d), W[ids.reshape(-1)])
                                                   ->  torch.einsum("ta,tkab->tkb", x, W[ids]).reshape(-1, 1, b)
@@ -46,8 +49,8 @@ import torch
 import torch.fx as fx
 
 from .canonical_views import chain_top, mark, view_root
-from .common import (Rejection, arg, dtype_of, getitem_of, insert_call, is_call, is_getitem, is_int, op_name, same_size,
-                     shape_of, table_index)
+from .common import (Rejection, arg, dtype_of, getitem_of, insert_call, is_call, is_getitem, is_int, op_name, same_shape,
+                     same_size, shape_of, table_index)
 
 
 # --- einsum as batched products --------------------------------------------------------------
@@ -181,6 +184,26 @@ def einsum_outer_to_product(gm: fx.GraphModule, node: fx.Node, order: dict) -> s
     product = insert_call(gm, node, torch.mul, tuple(laid))
     node.replace_all_uses_with(product)
     return f"{node.name} ({node.args[0]!r}) -> a broadcast product"
+
+
+def addmm_to_matmul_plus_bias(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`torch.addmm(b, a, W)` (or `b.addmm(a, W)`) of 2-D a and W with beta = alpha = 1 -> `a @ W + b`."""
+    if not is_call(node, "addmm") or len(node.args) != 3 or node.kwargs.keys() - {"beta", "alpha"}:
+        return None
+    if any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
+        return None
+    bias, a, w = node.args
+    if not all(isinstance(n, fx.Node) and len(shape_of(n)) == 2 for n in (a, w)) or not isinstance(bias, fx.Node):
+        return None
+    product = insert_call(gm, node, operator.matmul, (a, w))
+    added = insert_call(gm, node, operator.add, (product, bias))
+    if not same_shape(shape_of(added), shape_of(node)) or dtype_of(added) != dtype_of(node):
+        gm.graph.erase_node(added)
+        gm.graph.erase_node(product)
+        return None
+    node.replace_all_uses_with(added)
+    order[added] = order[node]
+    return f"{node.name} -> {a.name} @ {w.name} + {bias.name}"
 
 
 def broadcast_matmul_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:

@@ -6,7 +6,7 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
     w, ids = torch.topk(scores, K, dim=-1)                    # [T, K] (any [T, K] weights)
     flat = ids.view(-1)                                       # [T*K] (or reshape(-1), flatten())
     xr = x.repeat_interleave(K, dim=0)                        # [T*K, d]: row t*K + k is token t
-    y = torch.empty_like(xr)                                  # (or zeros_like, torch.zeros(T * K, d))
+    y = torch.empty_like(xr)                                  # (or zeros_like, torch.zeros(T * K, d), x.new_zeros(T * K, d))
     for e, expert in enumerate(self.experts):
         y[flat == e] = expert(xr[flat == e])
     out = (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1)   # [T, d]; or (y * w.reshape(-1, 1)).view(T, K, d).sum(1),
@@ -105,17 +105,18 @@ def _is_int_cast(node) -> bool:
 
 
 def _fresh_sized(y: fx.Node) -> bool:
-    """`torch.zeros(sizes)` / `torch.empty(sizes)`, sizes as arguments or one tuple, with at most a
-    dtype, a device and a layout."""
-    return (is_call(y, *_FRESH_SIZED) and y.op == "call_function" and bool(y.args)
-            and set(y.kwargs) <= {"dtype", "device", "layout", "requires_grad"} and not y.kwargs.get("requires_grad"))
+    """`torch.zeros(sizes)` / `torch.empty(sizes)` (or `t.new_zeros(sizes)` / `t.new_empty(sizes)`),
+    sizes as arguments or one tuple, with at most a dtype, a device and a layout."""
+    sized = is_call(y, *_FRESH_SIZED) and y.op == "call_function" and bool(y.args)
+    sized |= is_call(y, "new_zeros", "new_empty") and y.op == "call_method" and len(y.args) >= 2
+    return sized and set(y.kwargs) <= {"dtype", "device", "layout", "requires_grad"} and not y.kwargs.get("requires_grad")
 
 
 def _check(y: fx.Node, writes: list[fx.Node]) -> MoEMatch:
     walk = RegionWalk()
     like = is_call(y, *_FRESH) and len(y.args) == 1 and set(y.kwargs) <= {"memory_format"}
     expect(like or _fresh_sized(y),
-           f"the loop writes into {y.name}, not a fresh empty_like/zeros_like (or zeros/empty) of the repeated rows")
+           f"the loop writes into {y.name}, not a fresh empty_like/zeros_like (or zeros/empty/new_zeros) of the repeated rows")
     if like:
         xr = y.args[0]
     else:  # torch.zeros(T * K, d, ...): the rows the first expert reads, of y's shape and dtype

@@ -780,7 +780,9 @@ class RepeatLoopMoE(Router):
               (y = torch.zeros(T * K, d), the rows scaled by w.reshape(-1, 1), then scatter_add_ into
               zeros by each row's token, `torch.arange(T).repeat_interleave(K)`), "assign_flat" (the
               rows scaled by w.flatten()[:, None], index_add_ into zeros_like(x)), "assign_tiled" (the
-              same added back by `arange(T).repeat(K)`: row r to token r mod T, not an MoE)
+              same added back by `arange(T).repeat(K)`: row r to token r mod T, not an MoE),
+              "slots" (no repeat: y = x.new_zeros(T * K, d), each expert's slots `pos = (flat ==
+              e).nonzero().flatten()` read as x[pos // K] and written by y.index_copy_(0, pos, ...))
     ids_int32: the ids cast to int32 before they are flattened (BailingMoE's variant)
     Knobs that break it (the negative grid): transposed_ids (flat of ids.t(): k-major slots),
     experts_used, read_flipped (experts read their rows of the repeated rows flipped), y_read (y's
@@ -802,6 +804,12 @@ class RepeatLoopMoE(Router):
             flat = ids.t().reshape(-1)
         else:
             flat = ids.reshape(-1) if self.spelling == "function" else ids.view(-1)
+        if self.spelling == "slots":
+            y = x.new_zeros(x.shape[0] * self.K, x.shape[1])
+            for e in self.experts_used:
+                pos = (flat == e).nonzero().flatten()
+                y.index_copy_(0, pos, self.experts[e](x[torch.div(pos, self.K, rounding_mode="floor")]))
+            return (y.view(x.shape[0], self.K, -1) * w.unsqueeze(2)).sum(dim=self.sum_dim)
         if self.spelling == "function":
             xr = torch.repeat_interleave(x, self.K, dim=0)
             y = torch.zeros_like(xr)
@@ -1302,3 +1310,99 @@ class GroupedRowsExperts(nn.Module):
             h = F.silu(g) * u
         out = self._mm(h, self.w2, offs)
         return out.type_as(rows)
+
+
+class MembershipLoopMoE(Router):
+    """A loop that finds an expert's tokens by counting or by its gate column, and reads each token's
+    weight from a [T, E] gate matrix at (rows, column):
+
+    rows:    "count" (`F.one_hot(ids, E)[:, :, e].sum(1) > 0`), "count_after" (`F.one_hot(ids,
+             E).sum(1)[:, e] >= 1`), "eq_count" (`0 < (ids == e).sum(-1)`), "any" (`F.one_hot(ids,
+             E)[..., e].any(-1)`), "gate" (`gates[:, e] != 0`)
+    gates:   "one_hot" ((one_hot(ids) * w.unsqueeze(-1)).sum(1)), "scatter" (w scattered into
+             zeros), "softmax_neg_inf" (the top-k logits scattered into -inf, then a softmax)
+    weight:  "rows_column" (`gates[tok, e:e+1]`), "rows_int" (`gates[tok, e].unsqueeze(-1)`),
+             "index_select" (`gates[:, e].index_select(0, tok)[:, None]`)
+    experts: "gated" (nn.Linear), or "addmm" (stacked [E, d, n] parameters and biases,
+             `torch.addmm(b1[e], rows, W1[e])`)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, rows="count", gates="one_hot", weight="rows_column", experts="gated"):
+        super().__init__(d, E, K)
+        self.rows, self.gates, self.weight, self.kind = rows, gates, weight, experts
+        if experts == "addmm":
+            self.W1, self.W2 = stacked_param(E, n, d, "in_out"), stacked_param(E, d, n, "in_out")
+            self.b1, self.b2 = nn.Parameter(torch.randn(E, n) * 0.1), nn.Parameter(torch.randn(E, d) * 0.1)
+        else:
+            self.experts = make_experts(experts, d, n, E)
+
+    def expert(self, e, rows):
+        if self.kind == "addmm":
+            return torch.addmm(self.b2[e], F.gelu(torch.addmm(self.b1[e], rows, self.W1[e])), self.W2[e])
+        return self.experts[e](rows)
+
+    def forward(self, x):
+        logits = self.gate(x)
+        if self.gates == "softmax_neg_inf":
+            top, ids = logits.topk(self.K, dim=-1)
+            gates = torch.full_like(logits, float("-inf")).scatter(-1, ids, top).softmax(dim=-1)
+        else:
+            _, w, ids = self.route(x)
+            if self.gates == "one_hot":
+                gates = (F.one_hot(ids, self.E) * w.unsqueeze(-1)).sum(dim=1)
+            else:
+                gates = x.new_zeros(x.shape[0], self.E).scatter(1, ids, w)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            if self.rows == "count":
+                member = F.one_hot(ids, self.E)[:, :, e].sum(1) > 0
+            elif self.rows == "count_after":
+                member = F.one_hot(ids, self.E).sum(1)[:, e] >= 1
+            elif self.rows == "eq_count":
+                member = 0 < (ids == e).sum(-1)
+            elif self.rows == "any":
+                member = F.one_hot(ids, self.E)[..., e].any(-1)
+            else:
+                member = gates[:, e] != 0
+            tok = member.nonzero().squeeze(-1)
+            if self.weight == "rows_column":
+                coef = gates[tok, e:e + 1]
+            elif self.weight == "rows_int":
+                coef = gates[tok, e].unsqueeze(-1)
+            else:
+                coef = gates[:, e].index_select(0, tok)[:, None]
+            out = out.index_add(0, tok, self.expert(e, x[tok]) * coef)
+        return out
+
+
+class ScaledAfterLoopMoE(Router):
+    """Top-1 routing whose loop writes each expert's raw outputs and scales the whole result by the
+    router's probability after the loop: `out[m] = expert(x[m])` ... `out * p[:, None]`.
+
+    write:  "mask" (out[ids == e] = y), "where" (out[tok] = y), "index_add_" (out.index_add_(0, tok, y)),
+            "index_add" (out = out.index_add(0, tok, y))
+    scale:  "view" (p.view(-1, 1)), "unsqueeze" (p.unsqueeze(-1)), "none" (p[:, None])
+    """
+
+    def __init__(self, d=16, n=8, E=4, write="mask", scale="view", experts="plain_relu"):
+        super().__init__(d, E, 1)
+        self.experts = make_experts(experts, d, n, E, bias=True)
+        self.write, self.scale = write, scale
+
+    def forward(self, x):
+        p, ids = torch.softmax(self.gate(x), dim=-1).max(dim=-1)
+        out = x.new_zeros(x.shape)
+        for e in range(self.E):
+            mask = ids == e
+            if self.write == "mask":
+                out[mask] = self.experts[e](x[mask])
+                continue
+            tok = torch.where(mask)[0]
+            if self.write == "where":
+                out[tok] = self.experts[e](x[tok])
+            elif self.write == "index_add_":
+                out.index_add_(0, tok, self.experts[e](x[tok]))
+            else:
+                out = out.index_add(0, tok, self.experts[e](x[tok]))
+        column = {"view": lambda: p.view(-1, 1), "unsqueeze": lambda: p.unsqueeze(-1), "none": lambda: p[:, None]}
+        return out * column[self.scale]()

@@ -21,7 +21,7 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import (AnyHitLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
+from .naive_models import (AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
                            DispatchCombineMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
                            StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE)
 
@@ -186,6 +186,40 @@ def test_expert_loop_over_tokens_holding_the_expert_anywhere_matches_eager(varia
     _check_rewrite(AnyHitLoopMoE(**ANY_HIT_VARIANTS[variant]), "expert_loop")
 
 
+MEMBERSHIP_VARIANTS = {
+    "count-one_hot-rows_column": dict(),
+    "count_after-scatter-rows_int": dict(rows="count_after", gates="scatter", weight="rows_int"),
+    "eq_count-one_hot-index_select": dict(rows="eq_count", weight="index_select"),
+    "any-scatter-rows_column-addmm": dict(rows="any", gates="scatter", experts="addmm"),
+    "gate-softmax_neg_inf-index_select": dict(rows="gate", gates="softmax_neg_inf", weight="index_select"),
+    "gate-one_hot-rows_column-addmm": dict(rows="gate", experts="addmm"),
+    "gate-scatter-rows_int-top3": dict(rows="gate", gates="scatter", weight="rows_int", K=3),
+}
+
+
+@pytest.mark.parametrize("variant", MEMBERSHIP_VARIANTS)
+def test_expert_loop_over_counted_or_gated_members_matches_eager(variant):
+    # an expert's tokens as a count of its one_hot slots or its gate column's nonzeros, its weights
+    # read from a [T, E] gate matrix at (rows, column): torch.where(ids == e) and w[tok, k] in canonical form
+    # (addmm experts: stacked [E, in, out] gate and down parameters, no up: the stacked op on them)
+    op = "sonic::moe_experts" if "addmm" in variant else OP
+    _check_rewrite(MembershipLoopMoE(**MEMBERSHIP_VARIANTS[variant]), "expert_loop", op=op)
+
+
+SCALED_AFTER_VARIANTS = {
+    "mask-view": dict(),
+    "where-unsqueeze": dict(write="where", scale="unsqueeze"),
+    "index_add_-none-gated": dict(write="index_add_", scale="none", experts="gated"),
+    "index_add-view": dict(write="index_add"),
+}
+
+
+@pytest.mark.parametrize("variant", SCALED_AFTER_VARIANTS)
+def test_expert_loop_top1_scaled_after_the_loop_matches_eager(variant):
+    # out[m] = expert(x[m]) for every expert, then out * p[:, None]: each expert's rows scaled by p[tok]
+    _check_rewrite(ScaledAfterLoopMoE(**SCALED_AFTER_VARIANTS[variant]), "expert_loop")
+
+
 @pytest.mark.parametrize("variant", PER_K_VARIANTS)
 def test_expert_loop_per_column_matches_eager(variant):
     # for k in range(K): for e in range(E): rows where ids[:, k] == e, scaled by w[:, k]: every
@@ -201,6 +235,9 @@ REPEAT_VARIANTS = {
     "int32-ids-function": dict(ids_int32=True, spelling="function"),
     "assign-zeros-scatter_add": dict(spelling="assign", K=3),
     "assign-flat-weights-index_add": dict(spelling="assign_flat"),
+    # slots written by index_copy_ at their positions, tokens read at position // K: the repeat, spelled out
+    "slots-index_copy-top3": dict(spelling="slots", K=3),
+    "slots-index_copy-fused-bias": dict(spelling="slots", experts="fused", bias=True),
 }
 
 
@@ -881,7 +918,7 @@ def test_expert_loop_gpu_bf16(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["deepseek-moe", "fused-bias", "assign-zeros-scatter_add"])
+@pytest.mark.parametrize("variant", ["deepseek-moe", "fused-bias", "assign-zeros-scatter_add", "slots-index_copy-top3"])
 def test_repeat_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: RepeatLoopMoE(**REPEAT_VARIANTS[variant]), "repeat_loop")
 
@@ -904,6 +941,19 @@ def test_expert_loop_per_column_gpu_bf16(variant):
 def test_expert_loop_any_hit_gpu_bf16(variant):
     _check_gpu_bf16(lambda: AnyHitLoopMoE(**ANY_HIT_VARIANTS[variant]), "expert_loop")
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["count-one_hot-rows_column", "gate-softmax_neg_inf-index_select",
+                                     "any-scatter-rows_column-addmm"])
+def test_expert_loop_counted_or_gated_members_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: MembershipLoopMoE(**MEMBERSHIP_VARIANTS[variant]), "expert_loop")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["mask-view", "index_add-view"])
+def test_expert_loop_top1_scaled_after_the_loop_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: ScaledAfterLoopMoE(**SCALED_AFTER_VARIANTS[variant]), "expert_loop")
 
 
 @pytest.mark.gpu

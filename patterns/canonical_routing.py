@@ -1,0 +1,436 @@
+"""Canonical forms of routing: which rows an expert gets and what scales them, spelled as a count of
+one_hot slots, as the nonzeros of a gate matrix, as a gate matrix read at (rows, column), or as one
+scale applied to the sum of every expert's rows. Rules of `patterns.canonical` (which runs them with
+the others and states what a rule must keep); each brings a spelling to the form `expert_loop`
+reads: `tok, k = torch.where(ids == e)`, `w[tok, k, None]`, the product before the add.
+
+Rules (eager spelling -> canonical form; ids [T, K] the indices of a top-k over E scores):
+
+    F.one_hot(ids, E)[:, :, e].sum(1) > 0          ->  (ids == e).any(-1)
+        # also `!= 0`, `>= 1`, `.any(1)` of the column, `F.one_hot(ids, E).sum(1)[:, e] > 0` and
+        # `(ids == e).sum(-1) > 0`: a count of the slots holding e is positive exactly when one does
+    G[:, e] != 0                                   ->  (ids == e).any(-1)
+        # G a [T, E] gate matrix zero outside the top-k (`dense_experts.sparse_gates`: top-k weights
+        # scattered into zeros, one_hot(ids) * w summed over K, a softmax / sigmoid / exp of top-k
+        # logits scattered into -inf). Only where the rows the mask selects are read as rows
+        # (`v[tok]`, `index_select`), among them the rows of G's column e, and added into rows
+        # (`index_add`): a row whose top-k weight is exactly 0 (an underflowed softmax) is then
+        # added as 0 * y, the same sum wherever the expert's output is finite
+    G[tok, e], G[tok, e:e+1]                        ->  G[:, e][tok], G[:, e:e+1][tok]
+        # G such a gate matrix, tok 1-D integer rows: the same elements (`canonical`'s
+        # gate_column_rows_to_weights then reads them as w[tok, k])
+    out = zeros(T, d); out[tok_e] = y_e ...; out * s[:, None]
+                                                   ->  out[tok_e] = y_e * s[tok_e, None] ...; out
+        # one scale per token applied after every expert of a top-1 router wrote its rows (a Switch
+        # layer scaled by its router probability after the loop): rows `ids == e` or
+        # torch.where(ids == e)[0] of [T] max indices, written by `out[rows] = y`, `out.index_add_(0,
+        # rows, y)` (or an `index_add` chain) into a fresh zeros nothing else reads. Each written row is
+        # scaled once (index_add: the sum of scaled terms, up to rounding), a row never written is
+        # 0 either way (for a finite scale); the product keeps out's dtype and shape
+    buf.index_copy_(0, torch.where(m)[0], y)       ->  buf[m] = y
+        # m a 1-D boolean mask over buf's rows: the same rows written with the same values
+    x[torch.where(m)[0] // K]                      ->  x.repeat_interleave(K, 0)[m]
+        # m over the T * K slots of flattened [T, K] ids, x [T, d]: slot p is token p // K (the
+        # form `repeat_loop` reads: rows of x repeated K times, selected by `flat == e`)
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .common import (ZEROS, NoMatch, RegionWalk, arg, dtype_of, example_value, insert_call, is_call, is_getitem, is_int,
+                     same_shape, same_size, shape_of, writes_in_place)
+
+_POSITIVE = {("gt", 0), ("ne", 0), ("ge", 1)}  # count > 0, count != 0, count >= 1: some slot holds e
+_FLIPPED = {"gt": "lt", "ne": "ne", "ge": "le"}  # 0 < count, 0 != count, 1 <= count
+_COMPARE = {"gt": ("gt", "__gt__"), "ne": ("ne", "__ne__"), "ge": ("ge", "__ge__"),
+            "lt": ("lt", "__lt__"), "le": ("le", "__le__")}
+
+
+def _positive_test(node) -> fx.Node | None:
+    """c when node is `c > 0`, `c != 0` or `c >= 1` (either side: `0 < c`...), else None."""
+    if not isinstance(node, fx.Node) or node.kwargs or len(node.args) != 2:
+        return None
+    for name, names in _COMPARE.items():
+        if not is_call(node, *names):
+            continue
+        a, b = node.args
+        if isinstance(a, fx.Node) and (name, b) in _POSITIVE:
+            return a
+        if isinstance(b, fx.Node) and any(_FLIPPED[p] == name and a == v for p, v in _POSITIVE):
+            return b
+    return None
+
+
+def _range_of(ids):
+    from .canonical import _range_of as range_of  # canonical imports this module
+
+    return range_of(ids) if isinstance(ids, fx.Node) else None
+
+
+def _slot_count(count) -> tuple[fx.Node, int] | None:
+    """(ids, e) when `count` counts, per token, the slots of [T, K] top-k ids holding expert e:
+    `F.one_hot(ids, E)[:, :, e].sum(1)` (or `[..., e]`, sum(-1) of the [T, K] column),
+    `F.one_hot(ids, E).sum(1)[:, e]` or `(ids == e).sum(-1)`."""
+    if is_getitem(count) and isinstance(count.args[1], tuple) and len(count.args[1]) == 2:
+        summed, (rows, e) = count.args[0], count.args[1]  # one_hot(ids, E).sum(1)[:, e]
+        if rows == slice(None) and is_int(e) and is_call(summed, "sum") and _sums(summed, 1):
+            found = _one_hot_ids(summed.args[0])
+            if found is not None and 0 <= e < found[1]:
+                return found[0], e
+        return None
+    if not (is_call(count, "sum") and _sums(count, 1)):
+        return None
+    column = count.args[0]
+    if is_call(column, "eq", "__eq__") and len(column.args) == 2 and not column.kwargs:  # (ids == e).sum(-1)
+        ids, e = column.args if isinstance(column.args[0], fx.Node) else column.args[::-1]
+        E = _range_of(ids)
+        if E is not None and is_int(e) and 0 <= e < E and len(shape_of(ids)) == 2:
+            return ids, e
+        return None
+    if is_getitem(column) and isinstance(column.args[1], tuple) and column.args[1][:-1] in ((slice(None), slice(None)), (Ellipsis,)):
+        e = column.args[1][-1]
+        found = _one_hot_ids(column.args[0])
+        if found is not None and is_int(e) and 0 <= e < found[1]:
+            return found[0], e
+    return None
+
+
+def _sums(node: fx.Node, dim: int) -> bool:
+    """A plain sum over dim `dim` (or -1 of a 2-D input; dim=[d] too) without keepdim or dtype."""
+    d = arg(node, 1, "dim")
+    d = d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d
+    rank = len(shape_of(node.args[0]))
+    return (d == dim or (is_int(d) and d % max(rank, 1) == dim)) and not arg(node, 2, "keepdim", False) \
+        and arg(node, 3, "dtype") is None and len(node.args) <= 2
+
+
+def _one_hot_ids(one_hot) -> tuple[fx.Node, int] | None:
+    """(ids, E) when `one_hot` is F.one_hot(ids, E) of [T, K] top-k ids over E scores."""
+    if not is_call(one_hot, "one_hot"):
+        return None
+    ids, E = one_hot.args[0], arg(one_hot, 1, "num_classes", -1)
+    if not is_int(E) or _range_of(ids) != E or len(shape_of(ids)) != 2:
+        return None
+    return ids, E
+
+
+def _any_hit(gm: fx.GraphModule, node: fx.Node, ids: fx.Node, e: int) -> fx.Node:
+    hit = insert_call(gm, node, operator.eq, (ids, e))
+    return insert_call(gm, node, torch.any, (hit, -1))
+
+
+def one_hot_count_to_any_hit(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`F.one_hot(ids, E)[:, :, e].sum(1) > 0` (the spellings `_slot_count` reads, compared by
+    `_positive_test`, or the column's `.any(1)`) -> `(ids == e).any(-1)`: a token's count of slots
+    holding e is positive exactly when one of its slots holds e. Exact for ids in [0, E)."""
+    found = None
+    if is_call(node, "any") and len(node.args) + len(node.kwargs) == 2 and arg(node, 1, "dim") in (1, -1):
+        column = node.args[0]  # one_hot(ids, E)[:, :, e].any(1)
+        if is_getitem(column) and isinstance(column.args[1], tuple) and column.args[1][:-1] in ((slice(None), slice(None)), (Ellipsis,)):
+            oh, e = _one_hot_ids(column.args[0]), column.args[1][-1]
+            if oh is not None and is_int(e) and 0 <= e < oh[1]:
+                found = oh[0], e
+    else:
+        count = _positive_test(node)
+        found = _slot_count(count) if count is not None else None
+    if found is None or len(shape_of(node)) != 1:
+        return None
+    ids, e = found
+    node.replace_all_uses_with(_any_hit(gm, node, ids, e))
+    return f"{node.name} -> ({ids.name} == {e}).any(-1)"
+
+
+# --- the nonzeros of a gate matrix's column -----------------------------------------------------
+
+_ROW_READS = ("index_select",)
+_ROW_ADDS = ("index_add", "index_add_")
+
+
+def _gate_support(gates) -> tuple[fx.Node, fx.Node | None] | None:
+    """(ids, values or None) of a [T, E] gate matrix provably zero outside [T, K] top-k ids, with E
+    the ids' range; else None."""
+    from .dense_experts import sparse_gates  # the finders' own proof of sparsity
+
+    if not isinstance(gates, fx.Node) or len(shape_of(gates)) != 2:
+        return None
+    try:
+        support = sparse_gates(gates, RegionWalk())
+    except NoMatch:
+        return None
+    E = _range_of(support.ids)
+    if E is None or not same_size(shape_of(gates)[1], E) or not same_shape(shape_of(support.ids)[:1], shape_of(gates)[:1]):
+        return None
+    return support.ids, support.values
+
+
+def _gate_column(column) -> tuple[fx.Node, int] | None:
+    """(G, e) when `column` is G[:, e] of a sparse [T, E] gate matrix."""
+    if not (is_getitem(column) and isinstance(column.args[1], tuple) and len(column.args[1]) == 2):
+        return None
+    rows, e = column.args[1]
+    if rows != slice(None) or not is_int(e):
+        return None
+    return (column.args[0], e) if _gate_support(column.args[0]) is not None else None
+
+
+def _rows_of(mask: fx.Node) -> list[fx.Node] | None:
+    """The row indices a 1-D mask selects, as the graph reads them: `torch.where(m)[0]`,
+    `m.nonzero()` squeezed or flattened, or m itself as an index; None if any other use reads m."""
+    rows = []
+    for user in mask.users:
+        if is_call(user, "where") and len(user.args) == 1 and not user.kwargs:
+            for u in user.users:
+                if not (is_getitem(u) and u.args[1] == 0):
+                    return None
+                rows.append(u)
+        elif is_call(user, "nonzero", "argwhere") and len(user.args) == 1 and not user.kwargs:
+            for u in user.users:
+                if _only_asserted(u):
+                    rows.append(u)
+                    continue
+                flat = (is_call(u, "squeeze") and u.args[1:] in ((), (-1,), (1,)) and not u.kwargs) or (
+                    is_call(u, "view", "reshape") and u.args[1:] in ((-1,), ((-1,),))) or (
+                    is_call(u, "flatten") and len(u.args) == 1 and not u.kwargs) or (
+                    is_getitem(u) and u.args[1] == (slice(None), 0))
+                if not flat:
+                    return None
+                rows.append(u)
+        elif is_getitem(user) and user.args[1] is mask:
+            rows.append(mask)  # v[m]: m itself selects the rows
+        else:
+            return None
+        if is_call(user, "nonzero", "argwhere"):
+            rows = [r for r in rows if not _only_asserted(r)]  # Dynamo's checks of nonzero's count
+    return rows
+
+
+def _only_asserted(node: fx.Node) -> bool:
+    """`node` is a size Dynamo reads only to assert bounds on it (`sym_size` -> `ge`/`le` ->
+    `_assert_scalar`): no value of the graph depends on it."""
+    if node.target is not torch.ops.aten.sym_size.int:
+        return False
+    return all(all(u.target is torch.ops.aten._assert_scalar.default for u in check.users) for check in node.users)
+
+
+def _reads_only_rows(rows: list[fx.Node], mask: fx.Node, column: fx.Node) -> bool:
+    """Every use of the selected rows reads rows of a tensor or adds into rows, and some use reads
+    the rows of the gate column itself (so the rows come with their weights)."""
+    weights_read = False
+    for tok in set(rows):
+        for user in tok.users:
+            if _only_asserted(user):
+                continue  # Dynamo's checks of the row count
+            if is_getitem(user) and (user.args[1] is tok or (isinstance(user.args[1], tuple) and user.args[1]
+                                                               and user.args[1][0] is tok and user.args[0] is not tok)):
+                weights_read |= _same_column(user.args[0], column) or (
+                    isinstance(user.args[1], tuple) and user.args[0] is column.args[0]
+                    and user.args[1][1:] in ((column.args[1][1],), (slice(column.args[1][1], column.args[1][1] + 1),)))
+                continue
+            if is_call(user, *_ROW_READS) and len(user.args) == 3 and user.args[1] in (0, -2) and user.args[2] is tok:
+                weights_read |= _same_column(user.args[0], column)
+                continue
+            if is_call(user, *_ROW_ADDS) and len(user.args) >= 3 and user.args[1] == 0 and user.args[2] is tok:
+                continue
+            if tok is mask and user.op == "call_function" and user.target is operator.setitem:
+                continue
+            if not (tok is mask and (is_call(user, "where", "nonzero", "argwhere"))):
+                return False
+    return weights_read
+
+
+def _same_column(read, column: fx.Node) -> bool:
+    """`read` is `column` (G[:, e]) or another G[:, e] of the same G (Dynamo gives each its node)."""
+    return read is column or (is_getitem(read) and read.args[0] is column.args[0] and read.args[1] == column.args[1])
+
+
+def gate_nonzero_to_any_hit(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`G[:, e] != 0` -> `(ids == e).any(-1)` for a gate matrix G zero outside the top-k ids, when
+    the selected rows are only read as rows (among them G's column e) and added into rows: see the
+    module docstring for why a zero weight inside the top-k keeps the sum."""
+    column = _positive_test(node) if is_call(node, "ne", "__ne__") else None
+    found = _gate_column(column) if column is not None else None
+    if found is None or len(shape_of(node)) != 1:
+        return None
+    gates, e = found
+    rows = _rows_of(node)
+    if not rows or not _reads_only_rows(rows, node, column):
+        return None
+    ids, _ = _gate_support(gates)
+    node.replace_all_uses_with(_any_hit(gm, node, ids, e))
+    return f"{node.name} -> ({ids.name} == {e}).any(-1)"
+
+
+def gate_rows_column_to_column_rows(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`G[tok, e]` (or `G[tok, e:e+1]`) -> `G[:, e][tok]` (`G[:, e:e+1][tok]`) for a sparse gate
+    matrix G and 1-D integer rows tok: the same elements."""
+    if not (is_getitem(node) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2):
+        return None
+    gates, (tok, e) = node.args[0], node.args[1]
+    is_slice = isinstance(e, slice) and is_int(e.start) and e.stop == e.start + 1 and e.step in (None, 1)
+    if not (is_int(e) or is_slice) or not isinstance(tok, fx.Node) or len(shape_of(tok)) != 1:
+        return None
+    dtype = dtype_of(tok)
+    if dtype is None or dtype.is_floating_point or dtype == torch.bool or _gate_support(gates) is None:
+        return None
+    column = insert_call(gm, node, operator.getitem, (gates, (slice(None), e)))
+    picked = insert_call(gm, node, operator.getitem, (column, tok))
+    node.replace_all_uses_with(picked)
+    order[picked] = order[node]
+    return f"{node.name} -> {gates.name}[:, {e if is_int(e) else f'{e.start}:{e.stop}'}][{tok.name}]"
+
+
+# --- one scale for the rows of every expert, applied after the loop -----------------------------
+
+_MUL = ("mul", "__mul__", "__rmul__")
+
+
+def _row_writes(acc: fx.Node, until: fx.Node, order: dict) -> list[tuple[fx.Node, int]] | None:
+    """(writer, position of its value argument) for every write of rows into `acc` before `until`,
+    when acc is a fresh 2-D zeros that nothing else reads: `acc[rows] = y`, `acc.index_add_(0, rows,
+    y)`, or a chain of functional `index_add(0, rows, y)` ending in `until`'s operand."""
+    chain = []
+    while is_call(acc, "index_add") and len(acc.args) == 4 and acc.args[1] == 0 and not acc.kwargs:
+        if len(acc.users) != 1:
+            return None
+        chain.append((acc, 3))
+        acc = acc.args[0]
+    if not is_call(acc, *ZEROS) or len(shape_of(acc)) != 2:
+        return None
+    writes = []
+    for user in acc.users:
+        if chain and user is chain[-1][0]:
+            continue
+        if user is until and not chain:
+            continue
+        if order.get(user, len(order)) > order[until]:
+            return None
+        if user.op == "call_function" and user.target is operator.setitem and user.args[0] is acc:
+            writes.append((user, 2))
+        elif is_call(user, "index_add_") and len(user.args) == 4 and user.args[1] == 0 and not user.kwargs \
+                and user.args[0] is acc and not user.users:
+            writes.append((user, 3))
+        else:
+            return None
+    return writes + chain
+
+
+def _top1_rows(index) -> bool:
+    """`index` selects the tokens of one expert of a top-1 router: the mask `ids == e` or
+    `torch.where(ids == e)[0]`, ids the [T] indices of a max (or top-1) over E scores. (Rows of
+    other kinds, slots of flattened top-k ids, keep their scale where it is: `repeat_loop` reads it
+    after the loop.)"""
+    if is_getitem(index) and index.args[1] == 0 and is_call(index.args[0], "where") and len(index.args[0].args) == 1:
+        index = index.args[0].args[0]
+    if not (is_call(index, "eq", "__eq__") and len(index.args) == 2 and not index.kwargs):
+        return False
+    ids, e = index.args if isinstance(index.args[0], fx.Node) else index.args[::-1]
+    E = _range_of(ids)
+    return E is not None and is_int(e) and 0 <= e < E and len(shape_of(ids)) == 1
+
+
+def scale_after_row_writes_to_scaled_rows(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`acc * s[:, None]` (s [T]; or `s.unsqueeze(-1)`, `s.view(-1, 1)`, `s.reshape(-1, 1)`) with acc
+    a fresh [T, d] zeros written only by row writes before it -> each write's value scaled by
+    `s[rows, None]`, and acc itself: see the module docstring."""
+    if not is_call(node, *_MUL) or len(node.args) != 2 or node.kwargs:
+        return None
+    for acc, scale in (node.args, node.args[::-1]):
+        if not isinstance(acc, fx.Node) or not isinstance(scale, fx.Node):
+            continue
+        s = _column_of_vector(scale)
+        if s is None or len(shape_of(acc)) != 2 or not same_size(shape_of(s)[0], shape_of(acc)[0]):
+            continue
+        if dtype_of(node) != dtype_of(acc) or not same_shape(shape_of(node), shape_of(acc)):
+            continue  # the product promotes or broadcasts: not the accumulator's value scaled
+        writes = _row_writes(acc, node, order)
+        if not writes or not all(_top1_rows(w.args[1] if pos == 2 else w.args[2]) for w, pos in writes):
+            continue
+        for writer, pos in writes:
+            rows = writer.args[1] if pos == 2 else writer.args[2]
+            picked = insert_call(gm, writer, operator.getitem, (s, (rows, None)))
+            scaled = insert_call(gm, writer, operator.mul, (writer.args[pos], picked))
+            writer.args = (*writer.args[:pos], scaled, *writer.args[pos + 1:])
+        node.replace_all_uses_with(acc)
+        return f"{node.name} -> {acc.name}, its {len(writes)} row writes scaled by {s.name}"
+    return None
+
+
+def _column_of_vector(scale: fx.Node) -> fx.Node | None:
+    """s when `scale` is the [T, 1] column of a 1-D floating s: s[:, None], s.unsqueeze(-1),
+    s.view(-1, 1), s.reshape(-1, 1) (or (T, 1))."""
+    s = None
+    if is_getitem(scale) and scale.args[1] in ((slice(None), None), (Ellipsis, None)):
+        s = scale.args[0]
+    elif is_call(scale, "unsqueeze") and arg(scale, 1, "dim") in (-1, 1) and len(scale.args) + len(scale.kwargs) == 2:
+        s = scale.args[0]
+    elif is_call(scale, "view", "reshape") and len(shape_of(scale)) == 2 and shape_of(scale)[1] == 1:
+        s = scale.args[0]
+    if not isinstance(s, fx.Node) or len(shape_of(s)) != 1 or writes_in_place(scale):
+        return None
+    dtype = dtype_of(s)
+    return s if dtype is not None and dtype.is_floating_point and isinstance(example_value(s), torch.Tensor) else None
+
+
+# --- slots of flattened top-k ids: rows written by position, tokens read by position // K --------
+
+_FLOOR_DIV = ("floordiv", "floor_divide", "__floordiv__")
+
+
+def _where_rows(index) -> fx.Node | None:
+    """m when `index` is `torch.where(m)[0]` of a 1-D boolean m: its True positions, ascending."""
+    if not (is_getitem(index) and index.args[1] == 0):
+        return None
+    where = index.args[0]
+    if not (is_call(where, "where") and len(where.args) == 1 and not where.kwargs):
+        return None
+    m = where.args[0]
+    return m if isinstance(m, fx.Node) and dtype_of(m) == torch.bool and len(shape_of(m)) == 1 else None
+
+
+def position_copy_to_mask_write(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`buf.index_copy_(0, torch.where(m)[0], y)` -> `buf[m] = y` for a 1-D boolean m over buf's
+    rows: both write y's rows, in order, to the rows where m is True (the positions are distinct)."""
+    if not (is_call(node, "index_copy_") and len(node.args) == 4 and node.args[1] == 0 and not node.kwargs):
+        return None
+    buf, index, y = node.args[0], node.args[2], node.args[3]
+    m = _where_rows(index)
+    if m is None or node.users or len(shape_of(buf)) != 2 or not same_size(shape_of(m)[0], shape_of(buf)[0]):
+        return None
+    twin = insert_call(gm, node, operator.setitem, (buf, m, y))
+    twin.meta.pop("example_value", None)
+    order[twin] = order[node]
+    order.pop(node)
+    gm.graph.erase_node(node)  # an effect: _erase_if_dead would keep it
+    return f"{node.name} -> {buf.name}[{m.name}] = {y.name}"
+
+
+def slot_token_rows_to_repeat(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`x[torch.where(m)[0] // K]` (or `index_select(x, 0, ...)`, `div(..., rounding_mode="floor")`)
+    with x [T, d] and m [T * K] -> `x.repeat_interleave(K, 0)[m]`: slot p of flattened [T, K] ids
+    belongs to token p // K, and row p of the repeat is x[p // K]. The repeat is made once per
+    (x, K), right after x."""
+    if is_getitem(node) and len(node.args) == 2:
+        x, index = node.args
+    elif is_call(node, "index_select") and len(node.args) == 3 and node.args[1] == 0 and not node.kwargs:
+        x, index = node.args[0], node.args[2]
+    else:
+        return None
+    floor = is_call(index, *_FLOOR_DIV) and len(index.args) == 2 and not index.kwargs
+    floor |= is_call(index, "div") and len(index.args) == 2 and index.kwargs == {"rounding_mode": "floor"}
+    if not floor or not isinstance(x, fx.Node) or len(shape_of(x)) != 2:
+        return None
+    positions, K = index.args
+    m = _where_rows(positions)
+    if m is None or not is_int(K) or K < 1 or not same_size(shape_of(m)[0], shape_of(x)[0] * K):
+        return None
+    made = gm.meta.setdefault("sonic_slot_repeats", {})
+    if (x, K) not in made or made[(x, K)].graph is not gm.graph:
+        at = x.next if x.op != "placeholder" else next(n for n in gm.graph.nodes if n.op != "placeholder")
+        made[(x, K)] = insert_call(gm, at, torch.repeat_interleave, (x, K), {"dim": 0})
+    picked = insert_call(gm, node, operator.getitem, (made[(x, K)], m))
+    node.replace_all_uses_with(picked)
+    order[picked] = order[node]
+    return f"{node.name} -> {x.name}.repeat_interleave({K}, 0)[{m.name}]"

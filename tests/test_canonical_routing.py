@@ -1,0 +1,304 @@
+"""Canonical forms of routing (`patterns.canonical_routing`): an expert's rows found by counting
+one_hot slots or by its gate column's nonzeros, a gate matrix read at (rows, column), one scale
+applied after every expert wrote its rows, and `addmm` experts, each brought to the form
+`expert_loop` reads; the value never changes, and a spelling outside a rule's condition stays."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_compiler.patterns.canonical import canonicalize
+
+from .test_canonical import ops, same_value, traced
+
+T, d, E, K = 10, 6, 4, 2
+
+
+def rules(applied: list[str]) -> list[str]:
+    return [line.split(":")[0] for line in applied]
+
+
+def _member(spelling, ids, e):
+    if spelling == "count":
+        return F.one_hot(ids, E)[:, :, e].sum(1) > 0
+    if spelling == "count_dim_list":
+        return F.one_hot(ids, E)[..., e].sum(dim=[1]) != 0
+    if spelling == "count_after":
+        return F.one_hot(ids, E).sum(1)[:, e] >= 1
+    if spelling == "eq_count":
+        return 0 < (ids == e).sum(-1)
+    return F.one_hot(ids, E)[:, :, e].any(1)  # any
+
+
+@pytest.mark.parametrize("spelling", ["count", "count_dim_list", "count_after", "eq_count", "any"])
+def test_a_count_of_an_experts_slots_becomes_its_any_hit(spelling):
+    def fn(x, scores):
+        w, ids = torch.topk(scores, K)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok = torch.where(_member(spelling, ids, e))[0]
+            out = out.index_add(0, tok, x[tok] * (e + 1))
+        return out
+
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    applied = rules(canonicalize(gm))
+    assert applied.count("one_hot_count_to_any_hit") == E, applied
+    # then read as the rows of torch.where(ids == e), as expert_loop reads them
+    assert applied.count("any_hit_where_to_hit_where") == E, applied
+    assert "one_hot" not in ops(gm) and "any" not in ops(gm), ops(gm)
+    same_value(gm, fn, x, scores)
+
+
+def more_than_one_slot(x, scores):  # count > 1: a token holding e twice, never true of top-k ids
+    _, ids = torch.topk(scores, K)
+    return x[torch.where(F.one_hot(ids, E)[:, :, 1].sum(1) > 1)[0]]
+
+
+def ids_given(x, ids):  # ids from outside the graph: not provably in [0, E)
+    return x[torch.where(F.one_hot(ids, E)[:, :, 1].sum(1) > 0)[0]]
+
+
+@pytest.mark.parametrize("fn", [more_than_one_slot, ids_given])
+def test_other_counts_stay(fn):
+    x = torch.randn(T, d)
+    second = torch.randn(T, E) if fn is more_than_one_slot else torch.randint(0, E, (T, K))
+    gm = traced(fn, x, second)
+    assert "one_hot_count_to_any_hit" not in rules(canonicalize(gm))
+
+
+def _gates(kind, scores):
+    if kind == "softmax_neg_inf":
+        top, ids = scores.topk(K, dim=-1)
+        return torch.full_like(scores, float("-inf")).scatter(1, ids, top).softmax(dim=1), ids
+    w, ids = scores.softmax(-1).topk(K, dim=-1)
+    if kind == "one_hot":
+        return (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1), ids
+    return torch.zeros_like(scores).scatter(1, ids, w), ids
+
+
+@pytest.mark.parametrize("weight", ["rows_column", "column_rows", "index_select"])
+@pytest.mark.parametrize("kind", ["softmax_neg_inf", "one_hot", "scatter"])
+def test_an_experts_gate_column_nonzeros_become_its_any_hit(kind, weight):
+    def fn(x, scores):
+        gates, _ = _gates(kind, scores)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok = torch.nonzero(gates[:, e] != 0).view(-1)
+            if weight == "rows_column":
+                coef = gates[tok, e:e + 1]
+            elif weight == "column_rows":
+                coef = gates[:, e][tok].unsqueeze(-1)
+            else:
+                coef = torch.index_select(gates[:, e], 0, tok)[:, None]
+            out = torch.index_add(out, 0, tok, torch.index_select(x, 0, tok).exp() * coef)
+        return out
+
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    applied = rules(canonicalize(gm))
+    assert applied.count("gate_nonzero_to_any_hit") == E, applied
+    assert applied.count("gate_column_rows_to_weights") == E, applied  # w[tok, k]
+    assert "ne" not in ops(gm), ops(gm)
+    same_value(gm, fn, x, scores)
+
+
+def dense_probs(x, scores):  # every expert's column of a dense softmax: all tokens, not a top-k
+    gates = scores.softmax(-1)
+    out = torch.zeros_like(x)
+    for e in range(E):
+        tok = torch.where(gates[:, e] != 0)[0]
+        out = out.index_add(0, tok, x[tok] * gates[tok, e, None])
+    return out
+
+
+def rows_counted(x, scores):  # the rows also count the expert's load: a zero weight inside the top-k would change it
+    gates, _ = _gates("scatter", scores)
+    out, load = torch.zeros_like(x), []
+    for e in range(E):
+        tok = torch.where(gates[:, e] != 0)[0]
+        out = out.index_add(0, tok, x[tok] * gates[:, e][tok, None])
+        load.append(tok.float().mean())
+    return out, torch.stack(load)
+
+
+def weights_of_another_column(x, scores):  # rows of expert e, weights of expert e + 1: not proven to come with them
+    gates, _ = _gates("scatter", scores)
+    out = torch.zeros_like(x)
+    for e in range(E - 1):
+        tok = torch.where(gates[:, e] != 0)[0]
+        out = out.index_add(0, tok, x[tok] * gates[:, e + 1][tok, None])
+    return out
+
+
+@pytest.mark.parametrize("fn", [dense_probs, rows_counted, weights_of_another_column])
+def test_gate_nonzeros_stay_where_rows_may_differ(fn):
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    assert "gate_nonzero_to_any_hit" not in rules(canonicalize(gm))
+    same_value(gm, fn, x, scores)
+
+
+@pytest.mark.parametrize("write", ["mask", "where", "index_add_", "index_add"])
+@pytest.mark.parametrize("scale", ["view", "unsqueeze", "none"])
+def test_a_scale_after_the_row_writes_scales_each_write(write, scale):
+    def fn(x, scores):
+        p, ids = scores.softmax(-1).max(-1)
+        out = x.new_zeros(x.shape)
+        for e in range(E):
+            mask = ids == e
+            if write == "mask":
+                out[mask] = x[mask] * (e + 1)
+                continue
+            tok = torch.where(mask)[0]
+            if write == "where":
+                out[tok] = x[tok] * (e + 1)
+            elif write == "index_add_":
+                out.index_add_(0, tok, x[tok] * (e + 1))
+            else:
+                out = out.index_add(0, tok, x[tok] * (e + 1))
+        column = p.view(-1, 1) if scale == "view" else p.unsqueeze(-1) if scale == "unsqueeze" else p[:, None]
+        return out * column
+
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    assert rules(canonicalize(gm)).count("scale_after_row_writes_to_scaled_rows") == 1
+    assert ops(gm)[-1] != "mul", ops(gm)  # the output is the accumulator itself
+    same_value(gm, fn, x, scores)
+
+
+def read_before_the_scale(x, scores):  # the unscaled sum is read too: scaling each write would change that read
+    p, ids = scores.softmax(-1).max(-1)
+    out = torch.zeros_like(x)
+    for e in range(E):
+        tok = torch.where(ids == e)[0]
+        out[tok] = x[tok] * (e + 1)
+    return out * p[:, None], out.sum()
+
+
+def promoted(x, scores):  # a float64 scale promotes the product: not the accumulator's value scaled
+    p, ids = scores.double().softmax(-1).max(-1)
+    out = torch.zeros_like(x)
+    for e in range(E):
+        tok = torch.where(ids == e)[0]
+        out[tok] = x[tok] * (e + 1)
+    return out * p[:, None]
+
+
+def started_from_x(x, scores):  # the accumulator starts from x, not zeros: x's rows are scaled too
+    p, ids = scores.softmax(-1).max(-1)
+    out = x.clone()
+    for e in range(E):
+        tok = torch.where(ids == e)[0]
+        out.index_add_(0, tok, x[tok] * (e + 1))
+    return out * p[:, None]
+
+
+@pytest.mark.parametrize("fn", [read_before_the_scale, promoted, started_from_x])
+def test_a_scale_stays_where_the_accumulator_is_not_only_rows(fn):
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    assert "scale_after_row_writes_to_scaled_rows" not in rules(canonicalize(gm))
+    same_value(gm, fn, x, scores)
+
+
+def test_addmm_becomes_a_product_plus_bias():
+    def fn(x, W, b):
+        return torch.addmm(b[1], x, W[1]).relu() + b[0].addmm(x, W[0]) + torch.addmm(b[2], x, W[2], beta=0.5)
+
+    x, W, b = torch.randn(T, d), torch.randn(3, d, 5), torch.randn(3, 5)
+    gm = traced(fn, x, W, b)
+    applied = rules(canonicalize(gm))
+    assert applied.count("addmm_to_matmul_plus_bias") == 2, applied  # beta=0.5 stays
+    assert ops(gm).count("addmm") == 1, ops(gm)
+    same_value(gm, fn, x, W, b)
+
+
+class GateColumnLoop(torch.nn.Module):
+    """An expert loop over the nonzeros of each expert's gate column: a top-k MoE when the gates
+    are sparse ("top-k"), a dense mixture of every expert when they are the softmax itself
+    ("dense": every column nonzero, every token on every expert), and a layer whose expert e reads
+    its rows by column e but its weights from column e + 1 ("shifted")."""
+
+    def __init__(self, gates="top-k", d=16, n=8):
+        super().__init__()
+        self.router = torch.nn.Linear(d, E, bias=False)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(d, n) for _ in range(E))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(n, d) for _ in range(E))
+        self.gates = gates
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        if self.gates == "dense":
+            gates = probs
+        else:
+            w, ids = probs.topk(K, dim=-1)
+            gates = torch.zeros_like(probs).scatter(1, ids, w)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok = torch.where(gates[:, e] != 0)[0]
+            column = (e + 1) % E if self.gates == "shifted" else e
+            y = self.down[e](F.relu(self.up[e](x[tok])))
+            out = out.index_add(0, tok, y * gates[:, column][tok, None])
+        return out
+
+
+@pytest.mark.parametrize("gates, rewritten", [("top-k", 1), ("dense", 0), ("shifted", 0)])
+def test_a_gate_column_loop_is_rewritten_only_when_sparse_and_weighted_by_its_column(gates, rewritten):
+    import moe_compiler
+
+    from .helpers import assert_close_to_eager, compile_sonic
+
+    torch.manual_seed(0)
+    model, x = GateColumnLoop(gates), torch.randn(12, 16)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        eager = model(x)
+        with moe_compiler.capture() as report:
+            got = compile_sonic(model, compiler="aot_eager")(x)
+    assert len(report.rewritten) == rewritten, str(report)
+    assert_close_to_eager(got, eager, what="output")
+
+
+@pytest.mark.parametrize("read", ["floordiv", "div_floor", "index_select"])
+def test_slots_copied_by_position_become_a_masked_write_of_repeated_rows(read):
+    def fn(x, scores):
+        _, ids = torch.topk(scores, K)
+        flat = ids.reshape(-1)
+        y = x.new_zeros(x.shape[0] * K, x.shape[1])
+        for e in range(E):
+            pos = (flat == e).nonzero().flatten()
+            tok = pos // K if read == "floordiv" else torch.div(pos, K, rounding_mode="floor")
+            rows = x.index_select(0, tok) if read == "index_select" else x[tok]
+            y.index_copy_(0, pos, rows * (e + 1))
+        return y
+
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    applied = rules(canonicalize(gm))
+    assert applied.count("position_copy_to_mask_write") == E and applied.count("slot_token_rows_to_repeat") == E, applied
+    assert ops(gm).count("repeat_interleave") == 1 and "index_copy_" not in ops(gm), ops(gm)
+    same_value(gm, fn, x, scores)
+
+
+def other_divisor(x, scores):  # pos // 3 over T * 2 slots: not the slot's token
+    _, ids = torch.topk(scores, K)
+    pos = torch.where(ids.reshape(-1) == 1)[0]
+    return x[pos // 3]
+
+
+def copied_to_other_rows(x, scores):  # the positions of a [T] mask copied into a [2T, d] buffer: the sizes differ
+    _, ids = torch.topk(scores, 1)
+    pos = torch.where(ids.reshape(-1) == 1)[0]
+    y = torch.zeros(2 * x.shape[0], x.shape[1])
+    y.index_copy_(0, pos, x[pos])
+    return y
+
+
+@pytest.mark.parametrize("fn", [other_divisor, copied_to_other_rows])
+def test_slot_rules_stay_outside_their_condition(fn):
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    applied = rules(canonicalize(gm))
+    assert "position_copy_to_mask_write" not in applied and "slot_token_rows_to_repeat" not in applied, applied
+    same_value(gm, fn, x, scores)
