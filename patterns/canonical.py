@@ -361,18 +361,29 @@ _MUL = ("mul", "__mul__", "__rmul__")
 
 
 def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`(w * (ids == e)).sum(-1)` -> `G[:, e]` (keepdim: `G[:, e:e+1]`) with the [T, E] gate matrix
-    `G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1)`, built once per (ids, w): each G[t, e] sums
-    the very terms w[t, k] * (ids[t, k] == e), of which at most one is nonzero (top-k ids are
-    distinct), so the values are equal (up to the sign of a zero). The ids must be a top-k over E
-    scores (one_hot needs them in [0, E)), e a constant in [0, E)."""
-    if not is_call(node, "sum") or arg(node, 1, "dim") not in (-1, 1, (-1,), (1,), [-1], [1]):
+    """`(w * (ids == e)).sum(-1)` (or `torch.where(ids == e, w, 0).sum(-1)`) -> `G[:, e]` (keepdim:
+    `G[:, e:e+1]`) with the [T, E] gate matrix `G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1)`,
+    built once per (ids, w): each G[t, e] sums the very terms w[t, k] * (ids[t, k] == e), of which at
+    most one is nonzero (top-k ids are distinct), so the values are equal (up to the sign of a zero;
+    the where form also where another slot's weight is finite). The ids must be a top-k over E
+    scores (one_hot needs them in [0, E)), e a constant in [0, E). Ids with more leading token dims
+    ([B, S, K]) give a [B, S, E] G read as `G[..., e]`."""
+    if not is_call(node, "sum"):
         return None
     keepdim = arg(node, 2, "keepdim", False)
     mul = arg(node, 0, "input")
-    if node.kwargs.keys() - {"dim", "keepdim"} or not is_call(mul, *_MUL) or len(mul.args) != 2:
+    rank = len(shape_of(mul))
+    dim = arg(node, 1, "dim")
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    if node.kwargs.keys() - {"dim", "keepdim"} or not is_int(dim) or rank < 2 or dim % rank != rank - 1:
         return None
-    for w, mask in (mul.args, mul.args[::-1]):
+    if is_call(mul, *_MUL) and len(mul.args) == 2:
+        pairs = (mul.args, mul.args[::-1])
+    elif is_call(mul, "where") and len(mul.args) == 3 and not mul.kwargs and _zero_of(mul.args[2], mul.args[1]):
+        pairs = ((mul.args[1], mul.args[0]),)  # where(mask, w, 0): w where the mask holds, else 0
+    else:
+        return None
+    for w, mask in pairs:
         if isinstance(mask, fx.Node) and is_call(mask, "to", "float", "type_as") and dtype_of(mask.args[0]) == torch.bool:
             mask = mask.args[0]
         if not (is_call(mask, "eq", "__eq__") and len(mask.args) == 2 and isinstance(w, fx.Node)):
@@ -385,7 +396,7 @@ def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict)
             ids, w, rows = ids.args[0], w.args[0], ids.args[1]
         shape = shape_of(ids)
         E = _range_of(ids)
-        if E is None or len(shape) != 2 or shape_of(w) != shape or not 0 <= e < E:
+        if E is None or len(shape) < 2 or (rows is not None and len(shape) != 2) or shape_of(w) != shape or not 0 <= e < E:
             continue
         dtype = dtype_of(w)
         if dtype is None or not dtype.is_floating_point or dtype_of(mul) != dtype:
@@ -396,11 +407,20 @@ def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict)
             picked = insert_call(gm, node, operator.getitem, (picked, (rows, None) if keepdim else rows))
             node.replace_all_uses_with(picked)
             return f"{node.name} -> {gates.name}[:, {e}][{rows.name}{', None' if keepdim else ''}]"
-        column = (slice(None), slice(e, e + 1)) if keepdim else (slice(None), e)
+        lead = slice(None) if len(shape) == 2 else Ellipsis
+        column = (lead, slice(e, e + 1)) if keepdim else (lead, e)
         picked = insert_call(gm, node, operator.getitem, (gates, column))
         node.replace_all_uses_with(picked)
-        return f"{node.name} -> {gates.name}[:, {e}{':' + str(e + 1) if keepdim else ''}]"
+        return f"{node.name} -> {gates.name}[{':' if len(shape) == 2 else '...'}, {e}{':' + str(e + 1) if keepdim else ''}]"
     return None
+
+
+def _zero_of(value, like) -> bool:
+    """`value` is 0 (an int or float literal), or `torch.zeros_like(like)` / `like.new_zeros(like.shape)`
+    spelled as zeros_like of `like` itself."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    return is_call(value, "zeros_like") and len(value.args) == 1 and value.args[0] is like and not value.kwargs
 
 
 def _range_of(ids: fx.Node) -> int | None:
@@ -424,7 +444,7 @@ def _gate_matrix(gm: fx.GraphModule, ids: fx.Node, w: fx.Node, E: int, order: di
     one_hot = insert_call(gm, at, F.one_hot, (ids, E))
     weights = insert_call(gm, at, torch.unsqueeze, (w, -1))
     product = insert_call(gm, at, operator.mul, (one_hot, weights))
-    made[(ids, w)] = insert_call(gm, at, torch.sum, (product, 1))
+    made[(ids, w)] = insert_call(gm, at, torch.sum, (product, len(shape_of(ids)) - 1))  # over K
     return made[(ids, w)]
 
 

@@ -235,7 +235,8 @@ class DenseMoE(Router):
              (out = out + gates[:, e:e+1] * experts[e](x)), "builtin_sum" (sum(gates[:, e, None] * ...)),
              "shared_slices" (out = shared(x), then out = out + gates[..., e:e+1] * experts[e](x)),
              "zeros_slices" (the same from torch.zeros_like(x)), "two_extra_slices" (from shared(x) + x:
-             two terms that are no expert's, never rewritten)
+             two terms that are no expert's, never rewritten), "where_columns" (no gate matrix: out =
+             out + torch.where(ids == e, w, 0).sum(-1, keepdim=True) * experts[e](x), from the literal 0)
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", gates="scatter", combine="stack_sum", acts=None,
@@ -263,6 +264,11 @@ class DenseMoE(Router):
     def forward(self, x):
         probs, w, ids = self.route(x)
         gates = self._gates(probs, w, ids).to(x.dtype)
+        if self.combine == "where_columns":  # each expert's weight picked from the top-k slots holding it
+            out = 0
+            for e in range(self.E):
+                out = out + torch.where(ids == e, w, torch.zeros_like(w)).sum(-1, keepdim=True) * self.experts[e](x)
+            return out
         if self.combine == "builtin_sum":  # starts from the literal 0
             return sum(gates[:, e, None] * self.experts[e](x) for e in range(self.E))
         if self.combine in ("shared_slices", "zeros_slices", "two_extra_slices"):

@@ -302,3 +302,42 @@ def test_slot_rules_stay_outside_their_condition(fn):
     applied = rules(canonicalize(gm))
     assert "position_copy_to_mask_write" not in applied and "slot_token_rows_to_repeat" not in applied, applied
     same_value(gm, fn, x, scores)
+
+
+@pytest.mark.parametrize("lead", [(T,), (2, 5)])
+@pytest.mark.parametrize("spelling", ["where", "where_zeros_like", "mul"])
+def test_a_weight_picked_from_the_slots_holding_an_expert_is_a_gate_column(spelling, lead):
+    def fn(x, scores):
+        w, ids = torch.topk(scores.softmax(-1), K)
+        out = 0
+        for e in range(E):
+            if spelling == "mul":
+                g = (w * (ids == e)).sum(-1, keepdim=True)
+            else:
+                g = torch.where(ids == e, w, 0.0 if spelling == "where" else torch.zeros_like(w)).sum(-1, keepdim=True)
+            out = out + g * x.exp() * (e + 1)
+        return out
+
+    x, scores = torch.randn(*lead, d), torch.randn(*lead, E)
+    gm = traced(fn, x, scores)
+    assert rules(canonicalize(gm)).count("masked_weight_to_gate_column") == E
+    assert "where" not in ops(gm) and ops(gm).count("one_hot") == 1, ops(gm)
+    same_value(gm, fn, x, scores)
+
+
+def where_of_another_value(x, scores):  # where(ids == e, w, 1): the other slots hold 1, not 0
+    w, ids = torch.topk(scores.softmax(-1), K)
+    return torch.where(ids == 1, w, 1.0).sum(-1, keepdim=True) * x
+
+
+def where_of_other_zeros(x, scores):  # the zeros of another tensor of w's shape: allowed only as zeros_like(w) itself
+    w, ids = torch.topk(scores.softmax(-1), K)
+    return torch.where(ids == 1, w, torch.zeros_like(ids, dtype=w.dtype) + x[:, :K]).sum(-1, keepdim=True) * x
+
+
+@pytest.mark.parametrize("fn", [where_of_another_value, where_of_other_zeros])
+def test_a_where_with_another_fill_stays(fn):
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    assert "masked_weight_to_gate_column" not in rules(canonicalize(gm))
+    same_value(gm, fn, x, scores)

@@ -125,6 +125,7 @@ DENSE_VARIANTS = {
     "bias-fused-one_hot-slices": dict(experts="fused", gates="one_hot", combine="slices", bias=True),
     "shared-slices": dict(combine="shared_slices"),
     "zeros-slices": dict(combine="zeros_slices", gates="one_hot"),
+    "where_columns-fused-bias": dict(combine="where_columns", experts="fused", bias=True),
 }
 
 BMM_VARIANTS = {
@@ -964,7 +965,7 @@ def test_expert_loop_top1_keepdim_column_gpu_bf16(variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices", "softmax_neg_inf-stack_sum",
-                                     "bias-scatter-stack_sum", "shared-slices"])
+                                     "bias-scatter-stack_sum", "shared-slices", "where_columns-fused-bias"])
 def test_dense_experts_gpu_bf16(variant):
     _check_gpu_bf16(lambda: DenseMoE(**DENSE_VARIANTS[variant]), "dense_experts")
 
