@@ -484,9 +484,12 @@ def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk, colum
     flat = column is None and (_is_bool_mask(where) or len(example_value(where)) == 1)
 
     def picks_rows(node, extra=()):
-        if not _is_index(node):
+        read = _read_at(node)
+        if read is None:
             return False
-        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        base, index = read
+        if column == 0 and extra == (None,) and len(index) == 1 and shape_of(base)[1:] == (1,):
+            return _selects(index[0], where, 0)  # w[tok] of top-1 [T, 1] weights: w[tok, 0:1]
         if column is not None:  # w[tok, k] (then broadcast), w[tok, k, None] or w[tok, k:k+1], k the mask's column
             if (read := _column(node.args[0])) is not None and read[1] == column:  # w[:, k][tok, None]
                 return len(index) == 1 + len(extra) and _selects(index[0], where, 0) and tuple(index[1:]) == extra
@@ -515,15 +518,23 @@ def _routing_weight(scale, where: fx.Node, tok_pos: int, walk: RegionWalk, colum
         if not picks_rows(scale):
             return None
         nodes.append(scale)
-    w = scale.args[0]  # as the loop reads it, casts included
+    w, index = _read_at(scale)  # w as the loop reads it, casts included
     if column is not None and (whole := _column(w)) is not None:  # the column w[:, k] of [T, K] weights
         nodes.append(w)
         w = whole[0]
     if len(shape_of(w)) != (1 if flat else 2) or dtype_of(w) is None or not dtype_of(w).is_floating_point:
         return None
-    index = scale.args[1] if isinstance(scale.args[1], tuple) else (scale.args[1],)
     walk.mark(*nodes, *(i for i in index[:1 if flat or column is not None else 2] if i is not where))
     return w
+
+
+def _read_at(node) -> tuple[fx.Node, tuple] | None:
+    """(w, index) for `w[index]` (the index as a tuple) or `w.index_select(0, tok)` ((tok,))."""
+    if _is_index(node):
+        return node.args[0], node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if is_call(node, "index_select") and len(node.args) == 3 and node.args[1] == 0 and not node.kwargs:
+        return node.args[0], (node.args[2],)
+    return None
 
 
 def _size_asserts(where: fx.Node, walk: RegionWalk) -> list[fx.Node]:

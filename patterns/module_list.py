@@ -49,6 +49,7 @@ from .common import (
     expect,
     getitem_of,
     is_call,
+    is_int,
     is_getitem,
     module_path,
     shape_of,
@@ -206,9 +207,23 @@ def _slice_of(node, dims: int = 3) -> tuple[fx.Node, int, bool] | None:
         index, part = index[0], True  # W[e, a:b]
     elif _constant_range(index) and is_getitem(base):
         base, index, part = base.args[0], base.args[1], True  # W[e][a:b]
-    if not is_weight(base) or len(shape_of(base)) != dims or not isinstance(index, int) or isinstance(index, bool):
+    if not (is_weight(base) or _split_weight(base)) or len(shape_of(base)) != dims or not is_int(index):
         return None
     return base, index, part
+
+
+def _split_weight(node) -> bool:
+    """`P.view(E, a, b)` (or `reshape`, `unflatten(0, (E, a))`) of a graph input P [E * a, b]: each
+    expert's rows of one packed parameter (DBRX's experts), a view read in place."""
+    if not is_call(node, "view", "reshape", "unflatten") or node.kwargs or not node.args:
+        return False
+    P = node.args[0]
+    if not is_weight(P) or len(shape_of(P)) != 2 or len(shape_of(node)) != 3:
+        return False
+    if is_call(node, "unflatten") and node.args[1:2] not in ((0,), (-2,)):
+        return False
+    E, a, b = shape_of(node)
+    return all(is_int(v) for v in (E, a, b)) and shape_of(P) == (E * a, b)
 
 
 def _constant_range(index) -> bool:

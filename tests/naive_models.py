@@ -98,10 +98,12 @@ class Router(nn.Module):
         self.gate = nn.Linear(d, E, bias=False)
         self.E, self.K = E, K
 
+    renormalize = True  # False: the top-k probabilities as they are (a top-1's renormalised weight is 1)
+
     def route(self, x):
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
         w, ids = torch.topk(probs, self.K, dim=-1)
-        return probs, (w / w.sum(-1, keepdim=True)).to(x.dtype), ids
+        return probs, (w / w.sum(-1, keepdim=True) if self.renormalize else w).to(x.dtype), ids
 
 
 class LoopMoE(Router):
@@ -349,7 +351,8 @@ class PerKLoopMoE(Router):
     where:   "where" (tok = torch.where(ids[:, k] == e)[0]), "nonzero" (.nonzero(as_tuple=True)[0]),
              "mask" (the boolean mask itself: x[m], w[m, k, None]; with combine="setitem_iadd"),
              "nonzero_squeeze" (m.nonzero().squeeze(-1)), "nonzero_flatten" (m.nonzero().flatten())
-    scale:   "index_none" (w[tok, k, None]), "slice" (w[tok, k:k+1]), "unsqueeze" (w[tok, k].unsqueeze(-1))
+    scale:   "index_none" (w[tok, k, None]), "slice" (w[tok, k:k+1]), "unsqueeze" (w[tok, k].unsqueeze(-1)),
+             "rows" (K = 1: the [T, 1] weights' rows, w.index_select(0, tok))
     combine: "inplace" (out.index_add_), "setitem_iadd" (out[tok] += y) or "setitem_iadd_inline"
              (out[tok] += expert(x[tok]) * w[...], one statement: the rows of out are read first)
     columns: the columns k visited (default all K); weight_shift: scale by column (k + shift) % K;
@@ -365,6 +368,7 @@ class PerKLoopMoE(Router):
         self.order, self.where, self.scale, self.combine = order, where, scale, combine
         self.columns = list(range(K)) if columns is None else columns
         self.weight_shift, self.twin_for, self.whole_too = weight_shift, twin_for, whole_too
+        self.renormalize = K > 1
 
     def _add(self, out, x, w, ids, k, e):
         m = ids[:, k] == e
@@ -385,6 +389,8 @@ class PerKLoopMoE(Router):
             y = experts[e](x[tok])
             if self.scale == "slice":
                 return y * w[tok, c:c + 1]
+            if self.scale == "rows":
+                return y * w.index_select(0, tok)
             if self.scale == "unsqueeze":
                 return y * w[tok, c].unsqueeze(-1)
             return y * w[tok, c, None]
@@ -533,11 +539,14 @@ class StackedLoopMoE(Router):
     bias:    stacked [E, out] biases: F.linear(h, W[e], B[e]) (orient "linear"), else added, h @ W[e] + B[e];
              "next": B[(e + 1) % E]
     rows:    "getitem" (xe = x[tok]) or "index_select" (xe = x.index_select(0, tok))
+    packed:  each weight stored as one 2-D [E * out, in] parameter (DBRX's), viewed as [E, out, in]
+             (`W.view(E, -1, in)[e]`) where an expert reads it
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, orient="T", gate_up="separate", down_orient=None, index="own",
-                 experts_used=None, mutate=False, bias=False, rows="getitem"):
+                 experts_used=None, mutate=False, bias=False, rows="getitem", packed=False):
         super().__init__(d, E, K)
+        self.packed = packed
         self.orient, self.down_orient, self.gate_up, self.index = orient, down_orient or orient, gate_up, index
         self.experts_used = list(range(E)) if experts_used is None else experts_used
         self.mutate = mutate
@@ -548,6 +557,11 @@ class StackedLoopMoE(Router):
         if gate_up == "separate":
             self.w3 = stacked_param(E, n, d, orient)
         self.w2 = stacked_param(E, d, n, self.down_orient)
+        if packed:
+            for name in ("w1", "w3", "w2"):
+                if hasattr(self, name):
+                    W = getattr(self, name)
+                    setattr(self, name, nn.Parameter(W.detach().reshape(-1, W.shape[-1])))
         self.bias, self.rows = bias, rows
         if bias:
             for name in ("w1", "w3", "w2"):
@@ -556,7 +570,11 @@ class StackedLoopMoE(Router):
                     out = getattr(self, name).shape[2 if in_out else 1]
                     setattr(self, "b" + name[1], nn.Parameter(torch.randn(E, out) * 0.1))
 
+    def _stack(self, W):
+        return W.view(self.E, -1, W.shape[-1]) if self.packed else W
+
     def _slice(self, W, e):
+        W = self._stack(W)
         if self.index == "next":
             return W[(e + 1) % self.E]
         if self.index == "shuffled":
@@ -566,7 +584,7 @@ class StackedLoopMoE(Router):
     def _half(self, W, e, which):
         """Rows [:n] ("low") or [n:] ("high") of W[e]: one index (halves) or two (halves_swapped);
         for [E, in, out] the columns."""
-        n = self.n
+        n, W = self.n, self._stack(W)
         if self.orient == "in_out":
             return W[e, :, :n] if which == "low" else W[e, :, n:]
         if self.gate_up == "halves":

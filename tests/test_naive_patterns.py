@@ -167,6 +167,8 @@ PER_K_VARIANTS = {
     "non-gated-e_outer-where": dict(experts="plain", order="e_outer"),
     "nonzero_squeeze": dict(where="nonzero_squeeze"),
     "nonzero_flatten-e_outer-setitem_iadd": dict(where="nonzero_flatten", order="e_outer", combine="setitem_iadd"),
+    # a top-1 of topk: the [T, 1] weights read at the rows, w.index_select(0, tok) (= w[tok, 0:1])
+    "top1-rows-nonzero_squeeze": dict(K=1, scale="rows", where="nonzero_squeeze"),
 }
 
 
@@ -565,6 +567,10 @@ STACKED_VARIANTS = {
     "T-halves_swapped": (dict(gate_up="halves_swapped"), OP, "per-expert list, separate gate/up"),
     "linear-halves-bias": (dict(orient="linear", gate_up="halves", bias=True), OP,
                            "per-expert list, separate gate/up, bias"),
+    # one 2-D [E * out, in] parameter per projection viewed as [E, out, in] where an expert reads it (DBRX's)
+    "T-separate-packed": (dict(packed=True), OP, "per-expert list, separate gate/up"),
+    "in_out-fused-packed": (dict(orient="in_out", gate_up="fused", packed=True), "sonic::moe_experts",
+                            "concatenated, transposed"),
 }
 
 
