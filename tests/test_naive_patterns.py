@@ -938,7 +938,7 @@ def test_expert_loop_top1_max_gpu_bf16(variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["k_outer-where-index_none", "e_outer-nonzero-slice-setitem_iadd",
-                                     "mask-setitem_iadd-fused-bias", "nonzero_squeeze"])
+                                     "mask-setitem_iadd-fused-bias", "nonzero_squeeze", "top1-rows-nonzero_squeeze"])
 def test_expert_loop_per_column_gpu_bf16(variant):
     _check_gpu_bf16(lambda: PerKLoopMoE(**PER_K_VARIANTS[variant]), "expert_loop")
 
@@ -1011,7 +1011,7 @@ def test_autocast_gpu(case, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["T-separate", "in_out-fused", "linear-plain", "linear-fused-bias",
-                                     "linear-separate-bias", "linear-halves"])
+                                     "linear-separate-bias", "linear-halves", "T-separate-packed"])
 def test_expert_loop_stacked_gpu_bf16(variant):
     _check_gpu_bf16(lambda: StackedLoopMoE(**STACKED_VARIANTS[variant][0]), "expert_loop")
 
