@@ -15,7 +15,9 @@ Rules (eager spelling -> canonical form; ids [T, K] the indices of a top-k over 
         # logits scattered into -inf). Only where the rows the mask selects are read as rows
         # (`v[tok]`, `index_select`), among them the rows of G's column e, and added into rows
         # (`index_add`): a row whose top-k weight is exactly 0 (an underflowed softmax) is then
-        # added as 0 * y, the same sum wherever the expert's output is finite
+        # added as 0 * y, the same sum wherever the expert's output is finite (that weight's
+        # gradient is then <dy, y> where eager's skipped row gives it none: the same router gradient
+        # where the weight's own derivative is 0 at 0, as an underflowed softmax's or sigmoid's is)
     G[tok, e], G[tok, e:e+1]                        ->  G[:, e][tok], G[:, e:e+1][tok]
         # G such a gate matrix, tok 1-D integer rows: the same elements (`canonical`'s
         # gate_column_rows_to_weights then reads them as w[tok, k])
@@ -32,6 +34,11 @@ Rules (eager spelling -> canonical form; ids [T, K] the indices of a top-k over 
     x[torch.where(m)[0] // K]                      ->  x.repeat_interleave(K, 0)[m]
         # m over the T * K slots of flattened [T, K] ids, x [T, d]: slot p is token p // K (the
         # form `repeat_loop` reads: rows of x repeated K times, selected by `flat == e`)
+    zeros.masked_scatter(m[:, None].expand_as(zeros), y)  ->  zeros.index_add(0, torch.where(m)[0], y)
+        # m = (ids == e).any(-1), y with as many rows as a read x[m]: y's rows in order into the
+        # rows where m holds
+    a + zeros.index_add(0, tok, y)                 ->  a.index_add(0, tok, y)
+        # the zeros and the index_add read by nothing else: the same row sums
 """
 from __future__ import annotations
 
@@ -434,3 +441,62 @@ def slot_token_rows_to_repeat(gm: fx.GraphModule, node: fx.Node, order: dict) ->
     node.replace_all_uses_with(picked)
     order[picked] = order[node]
     return f"{node.name} -> {x.name}.repeat_interleave({K}, 0)[{m.name}]"
+
+
+# --- rows put back by masked_scatter, sums of row adds into zeros ---------------------------------
+
+def masked_scatter_rows_to_index_add(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`z.masked_scatter(m.unsqueeze(-1).expand_as(z), y)` (or `m[:, None].expand(-1, d)`, `.expand(T, d)`)
+    with z a fresh [T, d] zeros and m = `(ids == e).any(-1)` of top-k ids -> `z.index_add(0, tok, y)`,
+    tok = torch.where(m)[0] (then torch.where(ids == e)[0] by `any_hit_where_to_hit_where`): the
+    expanded mask takes y's elements row by row into the rows where m holds, in order, which is y's
+    row i added to zero row tok[i]. Only where y has exactly those rows (the count of a read `v[m]`)."""
+    from .canonical import _any_expert_hit, _where_before, _where_output_before
+
+    if not (is_call(node, "masked_scatter") and len(node.args) == 3 and not node.kwargs):
+        return None
+    z, wide, y = node.args
+    if not (is_call(z, *ZEROS) and len(shape_of(z)) == 2 and list(z.users) == [node]) or len(shape_of(y)) != 2:
+        return None
+    if not (is_call(wide, "expand", "expand_as") and isinstance(wide.args[0], fx.Node) and same_shape(shape_of(wide), shape_of(z))):
+        return None
+    column = wide.args[0]
+    m = None
+    if is_call(column, "unsqueeze") and arg(column, 1, "dim") in (-1, 1):
+        m = column.args[0]
+    elif is_getitem(column) and column.args[1] in ((slice(None), None), (Ellipsis, None)):
+        m = column.args[0]
+    hit = _any_expert_hit(m) if isinstance(m, fx.Node) else None
+    if hit is None or not same_size(shape_of(m)[0], shape_of(z)[0]) or not same_size(shape_of(y)[1], shape_of(z)[1]):
+        return None
+    # y's rows are as many as the mask's True rows: a read v[m] of the mask has y's row count (runs
+    # before `boolean_index_to_where`, which gives v[m] a torch.where's fresh count)
+    if not any(is_getitem(u) and u.args[1] is m and same_size(shape_of(u)[0], shape_of(y)[0]) for u in m.users):
+        return None
+    tok = _where_output_before(gm, _where_before(gm, m, node, order), 0, node, order)
+    added = insert_call(gm, node, torch.index_add, (z, 0, tok, y))
+    node.replace_all_uses_with(added)
+    order[added] = order[node]
+    return f"{node.name} -> {z.name}.index_add(0, {tok.name}, {y.name})"
+
+
+def add_of_rows_into_zeros_to_index_add(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`a + z.index_add(0, tok, y)` with z a fresh zeros read by that index_add alone, whose result
+    the add alone reads -> `a.index_add(0, tok, y)`: each row of a gets the same rows of y (a + (0 +
+    y) is a + y; rows of y at one token summed in another order where tok repeats)."""
+    if not is_call(node, "add", "__add__") or len(node.args) != 2 or node.kwargs:
+        return None
+    for a, added in (node.args, node.args[::-1]):
+        if not (isinstance(a, fx.Node) and is_call(added, "index_add") and len(added.args) == 4 and added.args[1] == 0
+                and not added.kwargs and list(added.users) == [node]):
+            continue
+        z = added.args[0]
+        if not (is_call(z, *ZEROS) and list(z.users) == [added]):
+            continue
+        if not same_shape(shape_of(a), shape_of(node)) or dtype_of(a) != dtype_of(node) or dtype_of(z) != dtype_of(node):
+            continue
+        twin = insert_call(gm, node, torch.index_add, (a, 0, added.args[2], added.args[3]))
+        node.replace_all_uses_with(twin)
+        order[twin] = order[node]
+        return f"{node.name} -> {a.name}.index_add(0, {added.args[2].name}, ...)"
+    return None

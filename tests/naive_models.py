@@ -427,6 +427,8 @@ class AnyHitLoopMoE(Router):
              (out.scatter_add_(0, tok[:, None].expand(-1, d), y))
     coef:    "whole" ((w * hit).sum(-1), read at the rows) or "rows" ((w[tok] * hit[tok]).sum(-1, keepdim=True):
              the rows first; with rows "where" and "where-scatter_add")
+    rows "masked_scatter": x[sel] scaled by w[hit] (the [T, K] mask's elements: one per token), put
+             back by `out + torch.zeros_like(x).masked_scatter(sel.unsqueeze(-1).expand_as(x), y)`
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, rows="mask", experts="gated", bias=False, coef="whole"):
@@ -443,6 +445,10 @@ class AnyHitLoopMoE(Router):
             coef = (w * hit).sum(-1)
             if self.rows == "mask":
                 out[sel] += coef[sel, None] * self.experts[e](x[sel])
+                continue
+            if self.rows == "masked_scatter":
+                y = self.experts[e](x[sel]) * w[hit].unsqueeze(-1)
+                out = out + torch.zeros_like(x).masked_scatter(sel.unsqueeze(-1).expand_as(x), y)
                 continue
             tok = sel.nonzero().squeeze(-1) if self.rows == "nonzero" else torch.where(sel)[0]
             if self.coef == "rows":

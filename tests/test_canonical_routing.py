@@ -341,3 +341,46 @@ def test_a_where_with_another_fill_stays(fn):
     gm = traced(fn, x, scores)
     assert "masked_weight_to_gate_column" not in rules(canonicalize(gm))
     same_value(gm, fn, x, scores)
+
+
+@pytest.mark.parametrize("expand", ["expand_as", "none_expand"])
+def test_rows_put_back_by_masked_scatter_become_row_adds(expand):
+    def fn(x, scores):
+        _, ids = torch.topk(scores, K)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            sel = (ids == e).any(-1)
+            y = x[sel].exp() * (e + 1)
+            wide = sel.unsqueeze(-1).expand_as(x) if expand == "expand_as" else sel[:, None].expand(-1, x.shape[1])
+            out = out + torch.zeros_like(x).masked_scatter(wide, y)
+        return out
+
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    applied = rules(canonicalize(gm))
+    assert applied.count("masked_scatter_rows_to_index_add") == E, applied
+    assert applied.count("add_of_rows_into_zeros_to_index_add") == E - 1, applied  # the first is zeros + v
+    assert "masked_scatter" not in ops(gm) and ops(gm).count("index_add") == E, ops(gm)
+    same_value(gm, fn, x, scores)
+
+
+def masked_scatter_of_other_rows(x, scores):  # y is not read at the mask's rows: its row count is unproven
+    _, ids = torch.topk(scores, K)
+    sel = (ids == 1).any(-1)
+    y = x[: int(sel.sum())]
+    return torch.zeros_like(x).masked_scatter(sel.unsqueeze(-1).expand_as(x), y)
+
+
+def masked_scatter_into_x(x, scores):  # into x's own rows, not zeros: the unselected rows keep x
+    _, ids = torch.topk(scores, K)
+    sel = (ids == 1).any(-1)
+    return x.masked_scatter(sel.unsqueeze(-1).expand_as(x), x[sel] * 2)
+
+
+@pytest.mark.parametrize("fn", [masked_scatter_of_other_rows, masked_scatter_into_x])
+def test_a_masked_scatter_stays_outside_its_condition(fn):
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        gm = traced(fn, x, scores)
+    assert "masked_scatter_rows_to_index_add" not in rules(canonicalize(gm))
+    same_value(gm, fn, x, scores)

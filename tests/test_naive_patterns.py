@@ -180,6 +180,7 @@ ANY_HIT_VARIANTS = {
     "where-scatter_add": dict(rows="where-scatter_add"),
     "where-scatter_add-rows_coef": dict(rows="where-scatter_add", coef="rows"),
     "where-rows_coef": dict(rows="where", coef="rows", experts="plain"),
+    "masked_scatter-fused-top3": dict(rows="masked_scatter", experts="fused", K=3),
 }
 
 
@@ -944,7 +945,7 @@ def test_expert_loop_per_column_gpu_bf16(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["mask", "nonzero-iadd-fused"])
+@pytest.mark.parametrize("variant", ["mask", "nonzero-iadd-fused", "masked_scatter-fused-top3"])
 def test_expert_loop_any_hit_gpu_bf16(variant):
     _check_gpu_bf16(lambda: AnyHitLoopMoE(**ANY_HIT_VARIANTS[variant]), "expert_loop")
 
