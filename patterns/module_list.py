@@ -500,8 +500,9 @@ def _stacked_params(experts: list[ExpertMLP], E: int) -> tuple[fx.Node, fx.Node 
 
 
 def _mutation_of(base: fx.Node) -> fx.Node | None:
-    """An in-place node on `base` or on a view of it, anywhere in the graph."""
-    seen, todo = set(), [base]
+    """An in-place node on `base` or on a view of it, anywhere in the graph (for a packed parameter
+    viewed per expert, `_split_weight`, on the parameter or any view of it)."""
+    seen, todo = set(), [base.args[0] if _split_weight(base) else base]
     while todo:
         node = todo.pop()
         for user in node.users:

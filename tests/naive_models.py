@@ -546,7 +546,7 @@ class StackedLoopMoE(Router):
              "next": B[(e + 1) % E]
     rows:    "getitem" (xe = x[tok]) or "index_select" (xe = x.index_select(0, tok))
     packed:  each weight stored as one 2-D [E * out, in] parameter (DBRX's), viewed as [E, out, in]
-             (`W.view(E, -1, in)[e]`) where an expert reads it
+             (`W.view(E, -1, in)[e]`) where an expert reads it; "once": viewed once before the loop
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, orient="T", gate_up="separate", down_orient=None, index="own",
@@ -577,6 +577,8 @@ class StackedLoopMoE(Router):
                     setattr(self, "b" + name[1], nn.Parameter(torch.randn(E, out) * 0.1))
 
     def _stack(self, W):
+        if self.packed == "once":
+            return self.views[id(W)]
         return W.view(self.E, -1, W.shape[-1]) if self.packed else W
 
     def _slice(self, W, e):
@@ -614,6 +616,9 @@ class StackedLoopMoE(Router):
 
     def forward(self, x):
         _, w, ids = self.route(x)
+        if self.packed == "once":
+            self.views = {id(W): W.view(self.E, -1, W.shape[-1]) for W in (self.w1, getattr(self, "w3", None), self.w2)
+                          if W is not None}
         out = torch.zeros_like(x)
         for e in self.experts_used:
             tok, k = torch.where(ids == e)
@@ -632,7 +637,7 @@ class StackedLoopMoE(Router):
                 h = F.gelu(self._project(xe, self.w1, e, self.orient, b1))
             if self.mutate:
                 with torch.no_grad():
-                    self.w2[e].clamp_(-0.5, 0.5)
+                    self._stack(self.w2)[e].clamp_(-0.5, 0.5)
             out.index_add_(0, tok, self._project(h, self.w2, e, self.down_orient, b2) * w[tok, k, None])
         return out
 

@@ -14,6 +14,7 @@ import operator
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import moe_compiler
@@ -570,6 +571,8 @@ STACKED_VARIANTS = {
                            "per-expert list, separate gate/up, bias"),
     # one 2-D [E * out, in] parameter per projection viewed as [E, out, in] where an expert reads it (DBRX's)
     "T-separate-packed": (dict(packed=True), OP, "per-expert list, separate gate/up"),
+    "linear-plain-packed-once": (dict(orient="linear", gate_up="plain", packed="once"), "sonic::moe_experts",
+                                 "concatenated"),
     "in_out-fused-packed": (dict(orient="in_out", gate_up="fused", packed=True), "sonic::moe_experts",
                             "concatenated, transposed"),
 }
@@ -672,6 +675,12 @@ NEGATIVE = {
     # d == n: the down weight has w1's [E, out, in] shape but is read as [in, out]; the shapes cannot tell
     "stacked-square-orientation-mismatch": (lambda: StackedLoopMoE(n=D, gate_up="plain", down_orient="in_out"), "read both as [out, in]"),
     "stacked-weight-modified-in-loop": (lambda: StackedLoopMoE(mutate=True), "is modified in the graph"),
+    # one packed [E * out, in] parameter viewed per expert and written in the loop: each expert's view
+    # is its own node (the write between them keeps them apart), so they are not one stacked weight
+    "stacked-packed-modified-in-loop": (lambda: StackedLoopMoE(packed=True, mutate=True),
+                                        "from different stacked parameters"),
+    # DBRX's layout: packed gate and up read as [out, in], the packed down as [in, out]
+    "stacked-packed-orientation-mixed": (lambda: StackedLoopMoE(packed=True, down_orient="in_out"), "read both as [out, in]"),
     # column ranges W[e, :, :n] of an [E, in, out] parameter are not taken
     "stacked-in_out-halves": (lambda: StackedLoopMoE(orient="in_out", gate_up="halves"), "nor a slice W[e] (or rows W[e, a:b])"),
     "dense-softmax-gates": (lambda: DenseMoE(gates="probs"), "not provably zero outside the top-k"),
@@ -695,6 +704,42 @@ NEGATIVE = {
     "repeat-sum-over-d": (lambda: RepeatLoopMoE(sum_dim=2), "not summed over each token's K experts"),
     "repeat-other-activation": (lambda: RepeatLoopMoE(acts=[F.silu, F.gelu, F.silu, F.silu]), "activation"),
 }
+
+
+class PackedViewedOnceMoE(nn.Module):
+    """Packed [E * out, in] parameters viewed once as [E, out, in] before the loop, the packed down
+    parameter scaled in place after expert 1 (`mutate`): the later experts read other weights."""
+
+    def __init__(self, mutate, d=16, n=8, E=4):
+        super().__init__()
+        self.E, self.mutate = E, mutate
+        self.gate = nn.Linear(d, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E * n, d) / d ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(E * d, n) / n ** 0.5)
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(2, dim=-1)
+        W1, W2 = self.w1.view(self.E, -1, x.shape[1]), self.w2.view(self.E, x.shape[1], -1)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            tok, k = torch.where(ids == e)
+            out.index_add_(0, tok, (F.gelu(x[tok] @ W1[e].T) @ W2[e].T) * w[tok, k, None])
+            if self.mutate and e == 1:
+                with torch.no_grad():
+                    self.w2.mul_(0.5)
+        return out
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_a_packed_parameter_written_through_another_view_is_not_read_once(mutate):
+    # the write is on the parameter, the experts read a view of it: found from the parameter itself
+    x = _inputs()[0]
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        report = moe_compiler.explain(PackedViewedOnceMoE(mutate), x)
+    if mutate:
+        assert not report.rewritten and any("is modified in the graph (by mul_)" in r.reason for r in report.rejected), str(report)
+    else:
+        assert [r.idiom for r in report.rewritten] == ["expert_loop"], str(report)
 
 
 def assert_left_alone(model, x, reason, caplog, **options):
