@@ -14,7 +14,7 @@ Rules (eager spelling -> canonical form; ids [T, K] the indices of a top-k over 
         # scattered into zeros, one_hot(ids) * w summed over K, a softmax / sigmoid / exp of top-k
         # logits scattered into -inf). Only where the rows the mask selects are read as rows
         # (`v[tok]`, `index_select`), among them the rows of G's column e, and added into rows
-        # (`index_add`): a row whose top-k weight is exactly 0 (an underflowed softmax) is then
+        # (`index_add`, `out[m] += y`; never assigned): a row whose top-k weight is exactly 0 (an underflowed softmax) is then
         # added as 0 * y, the same sum wherever the expert's output is finite (that weight's
         # gradient is then <dy, y> where eager's skipped row gives it none: the same router gradient
         # where the weight's own derivative is 0 at 0, as an underflowed softmax's or sigmoid's is)
@@ -205,8 +205,9 @@ def _rows_of(mask: fx.Node) -> list[fx.Node] | None:
                 if not flat:
                     return None
                 rows.append(u)
-        elif is_getitem(user) and user.args[1] is mask:
-            rows.append(mask)  # v[m]: m itself selects the rows
+        elif (is_getitem(user) and (user.args[1] is mask or (isinstance(user.args[1], tuple) and user.args[1]
+                                                            and user.args[1][0] is mask))) or _added_in_place(user, mask):
+            rows.append(mask)  # v[m], v[m, None], out[m] += y: m itself selects the rows
         else:
             return None
         if is_call(user, "nonzero", "argwhere"):
@@ -241,11 +242,23 @@ def _reads_only_rows(rows: list[fx.Node], mask: fx.Node, column: fx.Node) -> boo
                 continue
             if is_call(user, *_ROW_ADDS) and len(user.args) >= 3 and user.args[1] == 0 and user.args[2] is tok:
                 continue
-            if tok is mask and user.op == "call_function" and user.target is operator.setitem:
+            if tok is mask and _added_in_place(user, mask):
                 continue
             if not (tok is mask and (is_call(user, "where", "nonzero", "argwhere"))):
                 return False
     return weights_read
+
+
+def _added_in_place(node: fx.Node, mask: fx.Node) -> bool:
+    """`out[m] += y` (Dynamo: `out[m] = iadd(out[m], y)`) or `out[m] = out[m] + y`: rows added to,
+    where adding 0 leaves a row as it was (an assignment `out[m] = y` would overwrite it)."""
+    if not (node.op == "call_function" and node.target is operator.setitem and node.args[1] is mask):
+        return False
+    value = node.args[2]
+    if not (is_call(value, "iadd", "add", "__add__", "__iadd__") and len(value.args) == 2):
+        return False
+    read = value.args[0]
+    return is_getitem(read) and read.args[0] is node.args[0] and read.args[1] is mask
 
 
 def _same_column(read, column: fx.Node) -> bool:

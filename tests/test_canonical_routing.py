@@ -384,3 +384,29 @@ def test_a_masked_scatter_stays_outside_its_condition(fn):
         gm = traced(fn, x, scores)
     assert "masked_scatter_rows_to_index_add" not in rules(canonicalize(gm))
     same_value(gm, fn, x, scores)
+
+
+def gate_rows_added_by_mask(x, scores):  # out[m] += y: adding a zero-weight row's 0 leaves it as it was
+    gates, _ = _gates("scatter", scores)
+    out = torch.zeros_like(x)
+    for e in range(E):
+        m = gates[:, e] != 0
+        out[m] += x[m].exp() * gates[:, e][m, None]
+    return out
+
+
+def gate_rows_assigned(x, scores):  # out[m] = y over x's rows: a zero-weight row would be overwritten with 0
+    gates, _ = _gates("scatter", scores)
+    out = x.clone()
+    for e in range(E):
+        m = gates[:, e] != 0
+        out[m] = x[m].exp() * gates[:, e][m, None]
+    return out
+
+
+@pytest.mark.parametrize("fn, applied", [(gate_rows_added_by_mask, True), (gate_rows_assigned, False)])
+def test_gate_nonzero_rows_are_added_to_never_assigned(fn, applied):
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    assert ("gate_nonzero_to_any_hit" in rules(canonicalize(gm))) == applied
+    same_value(gm, fn, x, scores)
