@@ -88,8 +88,9 @@ from .canonical_routing import (add_of_rows_into_zeros_to_index_add, gate_nonzer
 from .canonical_products import (addmm_to_matmul_plus_bias, broadcast_matmul_to_bmm, einsum_outer_to_product, einsum_to_bmm,
                                  einsum_weighted_sum_to_product, gathered_product_to_einsum, split_loop_to_grouped_mm)
 from .canonical_views import reshape_chain_to_base, reshape_through_elementwise
-from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, getitem_of, insert_call, is_call, is_getitem,
-                     is_int, op_name, same_shape, same_size, shape_of, storage_of, writes_in_place)
+from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, flattens_indices, getitem_of, insert_call, is_call,
+                     is_getitem, is_int, op_name, same_shape, same_size, shape_of, storage_of, unit_slice,
+                     writes_in_place)
 
 
 def canonicalize(gm: fx.GraphModule) -> list[str]:
@@ -149,10 +150,7 @@ def nonzero_columns_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
         elif (is_call(user, "unbind") and arg(user, 1, "dim", 0) in (1, -1) and 1 <= len(user.args) <= 2
               and user.args[0] is node):
             columns.append((user, None))
-        elif ndim == 1 and user.args and user.args[0] is node and (
-                (is_call(user, "squeeze") and user.args[1:] in ((), (-1,), (1,)) and not user.kwargs)
-                or (is_call(user, "view", "reshape") and user.args[1:] in ((-1,), ((-1,),)))
-                or (is_call(user, "flatten") and len(user.args) == 1 and not user.kwargs)):
+        elif ndim == 1 and flattens_indices(user, node):
             columns.append((user, 0))  # the indices of a 1-D mask as one vector
         elif user.target is torch.ops.aten.sym_size.int and user.args[1:] == (0,):  # Dynamo's checks of the count
             columns.append((user, "count"))
@@ -417,8 +415,7 @@ def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict)
 
 
 def _zero_of(value, like) -> bool:
-    """`value` is 0 (an int or float literal), or `torch.zeros_like(like)` / `like.new_zeros(like.shape)`
-    spelled as zeros_like of `like` itself."""
+    """`value` is 0 (an int or float literal) or `torch.zeros_like(like)` of `like` itself."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value == 0
     return is_call(value, "zeros_like") and len(value.args) == 1 and value.args[0] is like and not value.kwargs
@@ -468,8 +465,8 @@ def gate_column_rows_to_weights(gm: fx.GraphModule, node: fx.Node, order: dict) 
     if not (isinstance(at, tuple) and len(at) == 2 and at[0] == slice(None)):
         return None
     e, rest = at[1], ()
-    if isinstance(e, slice) and is_int(e.start) and e.stop == e.start + 1 and e.step in (None, 1):
-        e, rest = e.start, (None,)  # G[:, e:e+1][tok]: the [N, 1] column
+    if unit_slice(e) is not None:
+        e, rest = unit_slice(e), (None,)  # G[:, e:e+1][tok]: the [N, 1] column
     if not is_int(e):
         return None
     ids_w = made.get(gates) or _scattered_support(gates) or _sparse_support(gates)

@@ -47,8 +47,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from .common import (ZEROS, NoMatch, RegionWalk, arg, dtype_of, example_value, insert_call, is_call, is_getitem, is_int,
-                     same_shape, same_size, shape_of, writes_in_place)
+from .common import (ZEROS, NoMatch, RegionWalk, arg, dtype_of, example_value, flattens_indices, insert_call, is_call,
+                     is_getitem, is_int, same_shape, same_size, shape_of, unit_slice, writes_in_place)
+from .dense_experts import sparse_gates, sums_dim
 
 _POSITIVE = {("gt", 0), ("ne", 0), ("ge", 1)}  # count > 0, count != 0, count >= 1: some slot holds e
 _FLIPPED = {"gt": "lt", "ne": "ne", "ge": "le"}  # 0 < count, 0 != count, 1 <= count
@@ -83,12 +84,12 @@ def _slot_count(count) -> tuple[fx.Node, int] | None:
     `F.one_hot(ids, E).sum(1)[:, e]` or `(ids == e).sum(-1)`."""
     if is_getitem(count) and isinstance(count.args[1], tuple) and len(count.args[1]) == 2:
         summed, (rows, e) = count.args[0], count.args[1]  # one_hot(ids, E).sum(1)[:, e]
-        if rows == slice(None) and is_int(e) and is_call(summed, "sum") and _sums(summed, 1):
+        if rows == slice(None) and is_int(e) and is_call(summed, "sum") and sums_dim(summed, (1, -2)):
             found = _one_hot_ids(summed.args[0])
             if found is not None and 0 <= e < found[1]:
                 return found[0], e
         return None
-    if not (is_call(count, "sum") and _sums(count, 1)):
+    if not (is_call(count, "sum") and sums_dim(count, (1, -1))):
         return None
     column = count.args[0]
     if is_call(column, "eq", "__eq__") and len(column.args) == 2 and not column.kwargs:  # (ids == e).sum(-1)
@@ -97,21 +98,17 @@ def _slot_count(count) -> tuple[fx.Node, int] | None:
         if E is not None and is_int(e) and 0 <= e < E and len(shape_of(ids)) == 2:
             return ids, e
         return None
-    if is_getitem(column) and isinstance(column.args[1], tuple) and column.args[1][:-1] in ((slice(None), slice(None)), (Ellipsis,)):
-        e = column.args[1][-1]
-        found = _one_hot_ids(column.args[0])
-        if found is not None and is_int(e) and 0 <= e < found[1]:
-            return found[0], e
-    return None
+    return _one_hot_column(column)
 
 
-def _sums(node: fx.Node, dim: int) -> bool:
-    """A plain sum over dim `dim` (or -1 of a 2-D input; dim=[d] too) without keepdim or dtype."""
-    d = arg(node, 1, "dim")
-    d = d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d
-    rank = len(shape_of(node.args[0]))
-    return (d == dim or (is_int(d) and d % max(rank, 1) == dim)) and not arg(node, 2, "keepdim", False) \
-        and arg(node, 3, "dtype") is None and len(node.args) <= 2
+def _one_hot_column(column) -> tuple[fx.Node, int] | None:
+    """(ids, e) when `column` is `F.one_hot(ids, E)[:, :, e]` (or `[..., e]`): the [T, K] slots
+    holding expert e, e a constant in [0, E)."""
+    if not (is_getitem(column) and isinstance(column.args[1], tuple)
+            and column.args[1][:-1] in ((slice(None), slice(None)), (Ellipsis,))):
+        return None
+    e, found = column.args[1][-1], _one_hot_ids(column.args[0])
+    return (found[0], e) if found is not None and is_int(e) and 0 <= e < found[1] else None
 
 
 def _one_hot_ids(one_hot) -> tuple[fx.Node, int] | None:
@@ -133,13 +130,8 @@ def one_hot_count_to_any_hit(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
     """`F.one_hot(ids, E)[:, :, e].sum(1) > 0` (the spellings `_slot_count` reads, compared by
     `_positive_test`, or the column's `.any(1)`) -> `(ids == e).any(-1)`: a token's count of slots
     holding e is positive exactly when one of its slots holds e. Exact for ids in [0, E)."""
-    found = None
     if is_call(node, "any") and len(node.args) + len(node.kwargs) == 2 and arg(node, 1, "dim") in (1, -1):
-        column = node.args[0]  # one_hot(ids, E)[:, :, e].any(1)
-        if is_getitem(column) and isinstance(column.args[1], tuple) and column.args[1][:-1] in ((slice(None), slice(None)), (Ellipsis,)):
-            oh, e = _one_hot_ids(column.args[0]), column.args[1][-1]
-            if oh is not None and is_int(e) and 0 <= e < oh[1]:
-                found = oh[0], e
+        found = _one_hot_column(node.args[0])  # one_hot(ids, E)[:, :, e].any(1)
     else:
         count = _positive_test(node)
         found = _slot_count(count) if count is not None else None
@@ -159,11 +151,9 @@ _ROW_ADDS = ("index_add", "index_add_")
 def _gate_support(gates) -> tuple[fx.Node, fx.Node | None] | None:
     """(ids, values or None) of a [T, E] gate matrix provably zero outside [T, K] top-k ids, with E
     the ids' range; else None."""
-    from .dense_experts import sparse_gates  # the finders' own proof of sparsity
-
     if not isinstance(gates, fx.Node) or len(shape_of(gates)) != 2:
         return None
-    try:
+    try:  # the finders' own proof of sparsity
         support = sparse_gates(gates, RegionWalk())
     except NoMatch:
         return None
@@ -198,11 +188,7 @@ def _rows_of(mask: fx.Node) -> list[fx.Node] | None:
                 if _only_asserted(u):
                     rows.append(u)
                     continue
-                flat = (is_call(u, "squeeze") and u.args[1:] in ((), (-1,), (1,)) and not u.kwargs) or (
-                    is_call(u, "view", "reshape") and u.args[1:] in ((-1,), ((-1,),))) or (
-                    is_call(u, "flatten") and len(u.args) == 1 and not u.kwargs) or (
-                    is_getitem(u) and u.args[1] == (slice(None), 0))
-                if not flat:
+                if not (flattens_indices(u, user) or (is_getitem(u) and u.args[1] == (slice(None), 0))):
                     return None
                 rows.append(u)
         elif (is_getitem(user) and (user.args[1] is mask or (isinstance(user.args[1], tuple) and user.args[1]
@@ -289,8 +275,7 @@ def gate_rows_column_to_column_rows(gm: fx.GraphModule, node: fx.Node, order: di
     if not (is_getitem(node) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2):
         return None
     gates, (tok, e) = node.args[0], node.args[1]
-    is_slice = isinstance(e, slice) and is_int(e.start) and e.stop == e.start + 1 and e.step in (None, 1)
-    if not (is_int(e) or is_slice) or not isinstance(tok, fx.Node) or len(shape_of(tok)) != 1:
+    if not (is_int(e) or unit_slice(e) is not None) or not isinstance(tok, fx.Node) or len(shape_of(tok)) != 1:
         return None
     dtype = dtype_of(tok)
     if dtype is None or dtype.is_floating_point or dtype == torch.bool or _gate_support(gates) is None:
@@ -342,8 +327,7 @@ def _top1_rows(index) -> bool:
     `torch.where(ids == e)[0]`, ids the [T] indices of a max (or top-1) over E scores. (Rows of
     other kinds, slots of flattened top-k ids, keep their scale where it is: `repeat_loop` reads it
     after the loop.)"""
-    if is_getitem(index) and index.args[1] == 0 and is_call(index.args[0], "where") and len(index.args[0].args) == 1:
-        index = index.args[0].args[0]
+    index = _where_rows(index) or index
     if not (is_call(index, "eq", "__eq__") and len(index.args) == 2 and not index.kwargs):
         return False
     ids, e = index.args if isinstance(index.args[0], fx.Node) else index.args[::-1]

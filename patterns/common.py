@@ -460,6 +460,23 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def flattens_indices(user: fx.Node, node: fx.Node) -> bool:
+    """`user` reads the [N, 1] nonzero indices `node` of a 1-D mask as one vector: `node.squeeze(-1)`
+    (or `()`, `1`), `node.view(-1)`, `node.reshape(-1)` or `node.flatten()`."""
+    if not (user.args and user.args[0] is node):
+        return False
+    return ((is_call(user, "squeeze") and user.args[1:] in ((), (-1,), (1,)) and not user.kwargs)
+            or (is_call(user, "view", "reshape") and user.args[1:] in ((-1,), ((-1,),)))
+            or (is_call(user, "flatten") and len(user.args) == 1 and not user.kwargs))
+
+
+def unit_slice(index: Any) -> int | None:
+    """e when `index` is the constant slice e:e+1 (no step, or 1): one column kept as a dim."""
+    if isinstance(index, slice) and is_int(index.start) and index.stop == index.start + 1 and index.step in (None, 1):
+        return index.start
+    return None
+
+
 def getitem_of(node: Any, index: Any) -> fx.Node | None:
     """If `node` is `src[index]` (operator.getitem), return src."""
     if is_getitem(node):

@@ -48,6 +48,7 @@ from .common import (
     same_shape,
     same_size,
     shape_of,
+    unit_slice,
     writes_in_place,
 )
 from .module_list import (
@@ -179,11 +180,9 @@ def _column(node, walk: RegionWalk | None = None):
     if not is_getitem(node) or not isinstance(node.args[1], tuple):
         return None
     index = node.args[1]
-    if len(index) == 2 and _all_tokens(index[0], node.args[0]) and isinstance(index[1], slice):
-        s = index[1]
-        if isinstance(s.start, int) and s.stop == s.start + 1 and s.step in (None, 1):
-            walk.mark(node)
-            return node.args[0], s.start
+    if len(index) == 2 and _all_tokens(index[0], node.args[0]) and unit_slice(index[1]) is not None:
+        walk.mark(node)
+        return node.args[0], unit_slice(index[1])
     if len(index) == 3 and _all_tokens(index[0], node.args[0]) and isinstance(index[1], int) and index[2] is None:
         walk.mark(node)
         return node.args[0], index[1]
