@@ -81,12 +81,14 @@ import torch.nn.functional as F
 from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, elementwise_of_transpose_to_transpose,
                                same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
-from .canonical_routing import (add_of_rows_into_zeros_to_index_add, gate_nonzero_to_any_hit,
+from .canonical_routing import (add_of_rows_into_zeros_to_index_add, gate_nonzero_to_any_hit, gathered_outputs_to_gate_matrix,
+                                sorted_prefix_to_topk,
                                 gate_rows_column_to_column_rows, masked_scatter_rows_to_index_add,
                                 one_hot_count_to_any_hit, position_copy_to_mask_write,
                                 scale_after_row_writes_to_scaled_rows, slot_token_rows_to_repeat)
 from .canonical_products import (addmm_to_matmul_plus_bias, broadcast_matmul_to_bmm, einsum_outer_to_product, einsum_to_bmm,
-                                 einsum_weighted_sum_to_product, gathered_product_to_einsum, split_loop_to_grouped_mm)
+                                 einsum_weighted_sum_to_product, gathered_product_to_einsum, packed_linear_view_to_einsum,
+                                 split_loop_to_grouped_mm)
 from .canonical_views import reshape_chain_to_base, reshape_through_elementwise
 from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, flattens_indices, getitem_of, insert_call, is_call,
                      is_getitem, is_int, op_name, same_shape, same_size, shape_of, storage_of, unit_slice,
@@ -946,7 +948,7 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 # the scatter rules before any_hit_where_to_hit_where: row_scatter_add_to_index_add compares the
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
-RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, one_hot_count_to_any_hit,
+RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, sorted_prefix_to_topk, one_hot_count_to_any_hit,
          gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, masked_scatter_rows_to_index_add,
          nonzero_columns_to_where,
          boolean_index_to_where, scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add,
@@ -957,5 +959,9 @@ RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, on
          add_of_rows_into_zeros_to_index_add,
          index_put_accumulate_to_index_add, mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, gathered_product_to_einsum, reshape_through_elementwise, reshape_chain_to_base,
-         einsum_to_bmm, einsum_weighted_sum_to_product, einsum_outer_to_product, broadcast_matmul_to_bmm,
+         packed_linear_view_to_einsum, einsum_to_bmm, einsum_weighted_sum_to_product, einsum_outer_to_product,
+         broadcast_matmul_to_bmm,
+         # token-major products laid out expert-major leave transposes: moved past elementwise code
+         # (one pass follows a chain), then collapsed in pairs
+         elementwise_of_transpose_to_transpose, transpose_pair_to_base, gathered_outputs_to_gate_matrix,
          split_loop_to_grouped_mm]

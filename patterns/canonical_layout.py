@@ -5,11 +5,19 @@ its dense experts this way; these rules bring it to the form v5 writes, which `d
 
 Rules (eager spelling -> canonical form):
 
-    a.transpose(0, 1).transpose(0, 1)               ->  a
-        # also .t(), transpose(1, 0), permute(1, 0) of a 2-D tensor: the same view of a
-    f(a.transpose(0, 1))                            ->  f(a).transpose(0, 1)
-        # f one-input elementwise code (a cast, sigmoid, exp, ...) of a 2-D a that the graph computes
-        # (not an input: weights stay as written): f runs on the same elements and keeps the layout
+    a.transpose(i, j).transpose(i, j)               ->  a
+        # also .t(), transpose(j, i), a permute that swaps two dims: the same view of a
+    f(a.transpose(i, j))                            ->  f(a).transpose(i, j)
+    g(a.transpose(i, j), b)                         ->  g(a, b').transpose(i, j)
+    a.transpose(i, j).chunk(n, dim)[k]              ->  a.chunk(n, dim)[k].transpose(i, j)
+        # f one-input elementwise code (a cast, sigmoid, exp, ...), g a product, sum, difference or
+        # quotient with b' its other operand laid out for a (a number; a tensor broadcast over both
+        # swapped dims; [E, f] beside [T, E, f] as b.unsqueeze(1); the same transpose of a tensor as
+        # its base), pieces cut along a dim neither swapped; a computed by the graph (an input, a
+        # weight, stays as written). The same elements from the same elements, applied only where
+        # the new form's strides are the old one's (so a view after it reads the same layout).
+        # Token-major einsums (`canonical_products.einsum_to_bmm`) leave such transposes; moved down
+        # and collapsed in pairs, the experts' code runs expert-major, the form `dense_bmm` reads
     t.to(device)                                    ->  t
         # device t's own and nothing else asked: `to` returns t itself
     torch.gather(x, 0, A.reshape(-1, 1).expand(-1, d))  ->  x.repeat(E, 1)
@@ -40,32 +48,38 @@ _CASTS = ("to", "float", "half", "bfloat16", "double", "type_as")
 _POINTWISE = ("sigmoid", "exp", "tanh", "relu", "neg", "abs", "sqrt", "rsqrt", "log", "silu", "gelu")
 
 
-def _transposed_2d(node) -> fx.Node | None:
-    """a for `a.transpose(0, 1)` (either order of dims, negative dims, `torch.transpose`), `a.t()`,
-    `a.permute(1, 0)` on a 2-D a; else None."""
+def swap_of(node) -> tuple[fx.Node, tuple[int, int]] | None:
+    """(a, (i, j)), i < j, for a view of a that exchanges its dims i and j: `a.transpose(i, j)` (negative
+    dims too, `torch.transpose`), `a.t()` of a 2-D a, `a.permute(...)` that swaps two dims; else None."""
     if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     a = node.args[0]
-    if len(shape_of(a)) != 2:
+    rank = len(shape_of(a) or ())
+    if rank < 2 or node.kwargs:
         return None
-    if is_call(node, "t") and len(node.args) == 1 and not node.kwargs:
-        return a
-    if is_call(node, "transpose") and len(node.args) == 3 and not node.kwargs:
-        dims = {d % 2 for d in node.args[1:] if is_int(d)}
-        return a if dims == {0, 1} else None
-    if is_call(node, "permute") and not node.kwargs:
+    if is_call(node, "t") and len(node.args) == 1:
+        return (a, (0, 1)) if rank == 2 else None
+    if is_call(node, "transpose") and len(node.args) == 3 and all(is_int(d) for d in node.args[1:]):
+        i, j = sorted(d % rank for d in node.args[1:])
+        return (a, (i, j)) if i != j else None
+    if is_call(node, "permute"):
         dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
-        return a if [d % 2 if is_int(d) else d for d in dims] == [1, 0] else None
+        if len(dims) != rank or not all(is_int(d) for d in dims):
+            return None
+        moved = [i for i, d in enumerate(dims) if d % rank != i]
+        if len(moved) == 2 and dims[moved[0]] % rank == moved[1]:
+            return a, (moved[0], moved[1])
     return None
 
 
 def transpose_pair_to_base(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`a.transpose(0, 1).transpose(0, 1)` (any spelling of `_transposed_2d`) -> `a`: the same view,
-    strides and storage."""
-    inner = _transposed_2d(node)
-    base = _transposed_2d(inner)
-    if base is None:
+    """`a.transpose(i, j).transpose(i, j)` (any spelling of `swap_of`, the same two dims) -> `a`: the
+    same view, strides and storage."""
+    outer = swap_of(node)
+    inner = swap_of(outer[0]) if outer is not None else None
+    if inner is None or inner[1] != outer[1]:
         return None
+    base = inner[0]
     node.replace_all_uses_with(base)
     return f"{node.name} -> {base.name}"
 
@@ -84,41 +98,133 @@ def _one_input_elementwise(node: fx.Node) -> bool:
     return False
 
 
+_BINARY = ("mul", "__mul__", "add", "__add__", "sub", "__sub__", "div", "truediv", "__truediv__")
+
+
+def _moved_operand(gm, before, other, rank: int, dims: tuple[int, int]):
+    """The operand of a binary op that reads `x.transpose(*dims)` (rank `rank`) laid out for x
+    itself, or None: a number as it is, a tensor of lower rank that broadcasts over both swapped
+    dims as it is, a 2-D one beside 3-D values swapped (0, 1) as `other.unsqueeze(1)`, the same swap
+    of a tensor as its base."""
+    if isinstance(other, (int, float)) and not isinstance(other, bool):
+        return other
+    if not isinstance(other, fx.Node):
+        return None
+    swapped = swap_of(other)
+    if swapped is not None and swapped[1] == dims and len(shape_of(swapped[0])) == rank:
+        return swapped[0]
+    r = len(shape_of(other) or (None,) * 99)
+    if r < rank - dims[1]:
+        return other  # both swapped dims are ones it is broadcast over
+    if rank == 3 and dims == (0, 1) and r == 2:
+        return insert_call(gm, before, torch.unsqueeze, (other, 1))  # [1, E, f] swapped: [E, 1, f]
+    return None
+
+
+def _fresh_value(node: fx.Node):
+    """node's value computed again from its inputs' current fake values (a rule upstream may have
+    changed their strides since Dynamo recorded node's), or None."""
+    args, kwargs = fx.node.map_arg(node.args, example_value), fx.node.map_arg(node.kwargs, example_value)
+    mode = next((v.fake_mode for v in args if hasattr(v, "fake_mode")), None)
+    if mode is None:
+        return None
+    try:
+        with mode:
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            return node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a value not computable here: the rule does not apply
+        return None
+
+
 def elementwise_of_transpose_to_transpose(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`f(a.transpose(0, 1))` -> `f(a).transpose(0, 1)` for f of `_one_input_elementwise` and a 2-D a
-    the graph computes (an input, a weight say, stays as written). f maps each element alone and
-    keeps a dense input's strides, so both give the same values in the same layout; `f(a)` is new."""
-    if not _one_input_elementwise(node):
+    """`f(a.transpose(i, j))` -> `f(a).transpose(i, j)` for f of `_one_input_elementwise`, and
+    `g(a.transpose(i, j), b)` -> `g(a, b').transpose(i, j)` for g a product, sum, difference or
+    quotient and b' the other operand laid out for a (`_moved_operand`), with a computed by the graph
+    (an input, a weight say, stays as written). Each element is computed from the same elements, so
+    the values agree; the rule applies only where the new form's strides are the old one's, so a view
+    that reads the result sees the layout it was traced with. `f(a)` is new. Pieces of a transposed
+    tensor cut along another dim (`a.transpose(i, j).chunk(2, -1)[k]`) are the same pieces of a,
+    transposed."""
+    if is_getitem(node) and is_int(node.args[1]) and is_call(node.args[0], "chunk", "split"):
+        return _piece_of_transpose(gm, node, order)
+    binary = is_call(node, *_BINARY) and len(node.args) == 2 and not node.kwargs
+    if not (binary or _one_input_elementwise(node)):
         return None
-    a = _transposed_2d(node.args[0])
-    if a is None or a.op == "placeholder":
+    which = 0 if swap_of(node.args[0]) is not None or not binary else 1
+    swapped = swap_of(node.args[which])
+    if swapped is None or swapped[0].op == "placeholder":
         return None
-    value = example_value(node.args[0])
-    if not isinstance(value, torch.Tensor) or not _dense(value):
-        return None
+    a, dims = swapped
+    before = dict.fromkeys(gm.graph.nodes)
+    args = list(node.args)
+    args[which] = a
+    if binary:
+        moved = _moved_operand(gm, node, node.args[1 - which], len(shape_of(a)), dims)
+        if moved is None:
+            return None
+        args[1 - which] = moved
     if node.op == "call_method":
         with gm.graph.inserting_before(node):
-            applied = gm.graph.call_method(node.target, (a, *node.args[1:]), dict(node.kwargs))
+            applied = gm.graph.call_method(node.target, tuple(args), dict(node.kwargs))
         applied.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
-        fake = example_value(node)
-        if isinstance(fake, torch.Tensor):
-            applied.meta["example_value"] = fake.t()
+        applied.meta["example_value"] = example_value(node)  # a placeholder until computed below
+        applied.meta["example_value"] = _fresh_value(applied)
     else:
-        applied = insert_call(gm, node, node.target, (a, *node.args[1:]), dict(node.kwargs))
-    order[applied] = order[node]
-    twin = insert_call(gm, node, torch.transpose, (applied, 0, 1))
-    order[twin] = order[node]
+        applied = insert_call(gm, node, node.target, tuple(args), dict(node.kwargs))
+    twin = insert_call(gm, node, torch.transpose, (applied, *dims))
+    was, now = _fresh_value(node), example_value(twin)
+    if not (isinstance(was, torch.Tensor) and isinstance(now, torch.Tensor) and was.dtype == now.dtype
+            and same_shape(was.shape, now.shape) and _same_strides(was, now)):
+        for new in reversed([n for n in gm.graph.nodes if n not in before]):
+            gm.graph.erase_node(new)
+        return None
+    for new in gm.graph.nodes:
+        if new not in before:
+            order[new] = order[node]
     node.replace_all_uses_with(twin)
-    return f"{node.name} -> {node.target if isinstance(node.target, str) else node.target.__name__}({a.name}).t()"
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    return f"{node.name} -> {name}({a.name}{', ...' if binary else ''}).transpose{dims}"
 
 
-def _dense(value: torch.Tensor) -> bool:
-    """A 2-D tensor whose elements fill its storage span without overlap (contiguous or transposed)."""
-    try:  # symbolic sizes: decided only where provable
-        s0, s1 = value.stride()
-        rows, cols = value.shape
-        return bool((s1 == 1 and s0 == cols) or (s0 == 1 and s1 == rows) or rows <= 1 or cols <= 1)
-    except Exception:
+def _piece_of_transpose(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`a.transpose(i, j).chunk(n, dim)[k]` (or `split(size, dim)`, `torch.chunk`) with dim neither i
+    nor j -> `a.chunk(n, dim)[k].transpose(i, j)`: the same elements, as long as the strides agree."""
+    cut = node.args[0]
+    swapped = swap_of(arg(cut, 0, "input"))
+    rank = len(shape_of(arg(cut, 0, "input")) or ())
+    dim = arg(cut, 2, "dim", 0)
+    if swapped is None or swapped[0].op == "placeholder" or not is_int(dim) or dim % rank in swapped[1]:
+        return None
+    size = arg(cut, 1, "chunks" if is_call(cut, "chunk") else "split_size_or_sections")
+    if set(cut.kwargs) - {"dim"} or len(cut.args) > 3 or not is_int(size):
+        return None
+    a, dims = swapped
+    target = torch.chunk if is_call(cut, "chunk") else torch.split
+    cut_args = (a, size, dim)
+    made = [u for u in a.users if u.target is target and u.args == cut_args and order.get(u, -1) <= order[node]]
+    pieces = made[0] if made else insert_call(gm, node, target, cut_args)  # one cut for all its pieces
+    piece = insert_call(gm, node, operator.getitem, (pieces, node.args[1]))
+    twin = insert_call(gm, node, torch.transpose, (piece, *dims))
+    fresh = _fresh_value(cut)
+    was, now = fresh[node.args[1]] if isinstance(fresh, (tuple, list)) else None, example_value(twin)
+    if not (isinstance(was, torch.Tensor) and isinstance(now, torch.Tensor) and same_shape(was.shape, now.shape)
+            and _same_strides(was, now)):
+        for new in (twin, piece, *([] if made else [pieces])):
+            gm.graph.erase_node(new)
+        return None
+    for new in (pieces, piece, twin):
+        order.setdefault(new, order[node])
+    node.replace_all_uses_with(twin)
+    return f"{node.name} -> {target.__name__}({a.name})[{node.args[1]}].transpose{dims}"
+
+
+def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal strides, where dims of size 1 (whose stride nothing reads) may differ; undecidable
+    symbolic strides count as different."""
+    try:
+        return all((is_int(size) and size == 1) or same_size(sa, sb) for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
+    except Exception:  # noqa: BLE001
         return False
 
 
@@ -166,7 +272,7 @@ def _arange_length(node) -> object | None:
     return example_value(args[0])  # a symbolic length (a node under dynamic shapes) as its SymInt
 
 
-def _arange_as(node, dim: int) -> object | None:
+def arange_as(node, dim: int) -> object | None:
     """T when `node` is arange(T) made a [1, T] row (dim 0: `.view(1, -1)`, `[None]`, `.unsqueeze(0)`)
     or a [T, 1] column (dim 1: `.view(-1, 1)`, `[:, None]`, `.unsqueeze(1)`)."""
     if not isinstance(node, fx.Node) or not node.args:
@@ -211,11 +317,11 @@ def arange_copies(node) -> Copies | None:
     if not is_call(node, "expand", "repeat"):
         return None
     reps = call_sizes(node)
-    if (T := _arange_as(src, 0)) is not None:  # [1, T] -> [E, T]
+    if (T := arange_as(src, 0)) is not None:  # [1, T] -> [E, T]
         if is_call(node, "repeat") and reps[1:] != (1,):
             return None
         return Copies(False, shape[0], T) if is_int(shape[0]) and same_size(shape[1], T) else None
-    if (T := _arange_as(src, 1)) is not None:  # [T, 1] -> [T, K]
+    if (T := arange_as(src, 1)) is not None:  # [T, 1] -> [T, K]
         if is_call(node, "repeat") and reps[:1] != (1,):
             return None
         return Copies(True, shape[1], T) if is_int(shape[1]) and same_size(shape[0], T) else None

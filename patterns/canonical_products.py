@@ -6,9 +6,13 @@ Rules (eager spelling -> canonical form):
 
     torch.einsum("td,edn->etn", x, W)             ->  torch.bmm(x.unsqueeze(0).expand(E, -1, -1), W)
     torch.einsum("etn,edn->etd", a, W)            ->  torch.bmm(a, W.transpose(1, 2))
-        # an einsum of two operands that is a batched matrix product: output [b, m, n], one
-        # contracted letter, b and n on one operand (b may be missing from the other: broadcast by
-        # expand, no copy); the operands laid out [b, m, i] and [b, i, n] by transpose/permute;
+    torch.einsum("td,edf->tef", x, W)             ->  torch.bmm(x.unsqueeze(0).expand(E, -1, -1), W).transpose(0, 1)
+        # an einsum of two operands that is a batched matrix product: one contracted letter, the
+        # batch letter b and n on one operand (b may be missing from the other: broadcast by
+        # expand, no copy); the operands laid out [b, m, i] and [b, i, n] by transpose/permute, the
+        # [b, m, n] product laid out as the output asks (token-major [m, b, n]: a transpose, which
+        # `canonical_layout` moves past the elementwise code after it). A product laid out other
+        # than the einsum's own result only where no reader depends on its strides (a view does);
         # under autocast (float32 operands, a bf16/fp16 result) the bmm is lowered as the einsum was
     x @ W, x[None] @ W  (W [E, i, n], x [T, i])   ->  torch.bmm(x.unsqueeze(0).expand(E, -1, -1), W)
     a @ W  (a [E, T, i])                          ->  torch.bmm(a, W)
@@ -21,6 +25,9 @@ Rules (eager spelling -> canonical form):
     torch.einsum("te,tm->etm", g, x)              ->  g.t().unsqueeze(-1) * x.unsqueeze(0)
         # an einsum that contracts no letter (GShard-style dispatch of tokens to experts): each
         # element one product, as the broadcast product of the operands laid out as the output
+    F.linear(x, W, b).view(T, E, f)               ->  torch.einsum("td,efd->tef", x, W.view(E, f, d)) + b.view(E, f)
+        # every expert's first projection packed in one Linear(d, E * f) (`packed_linear_view_to_einsum`),
+        # where the [T, E, f] value reaches a product with a stacked [E, ., .] operand
     torch.addmm(b, a, W)                          ->  a @ W + b
         # 2-D a and W, beta = alpha = 1: the product and the bias added as two ops (the form
         # `module_list.biased_matmul` reads: an expert `addmm(B[e], rows, W[e])`), up to rounding
@@ -109,18 +116,29 @@ def einsum_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     ok, autocast = _autocast_dtype(node, a, b)  # under autocast the bmm is lowered as the einsum was
     if not ok:
         return None
-    batch, m, n = out
     contracted = (set(la) & set(lb)) - set(out)
     if len(contracted) != 1 or not set(la + lb) <= set(out) | contracted:
         return None
     (i,) = contracted
-    if n in la and m in lb:  # the operand holding n (and the batch letter) goes right
+    if _goes_right(la, lb, out, i):
         la, lb, a, b = lb, la, b, a
-    if not (m in la and m not in lb and n in lb and n not in la and batch in lb and len(lb) == 3):
+    if len(lb) != 3:
         return None
+    shared = (set(la) & set(lb)) - {i}
+    batch = shared.pop() if len(shared) == 1 and len(la) == 3 else next(c for c in lb if c != i) if len(la) == 2 else None
+    if batch is None or shared:
+        return None
+    (n,) = set(lb) - {batch, i}
+    rest = set(la) - {batch, i}
+    if len(rest) != 1 or n in la:
+        return None
+    (m,) = rest
     E = shape_of(b)[lb.index(batch)]
     if not isinstance(E, int):
         return None
+    canonical = batch + m + n
+    if out != canonical and not _layout_free(node):
+        return None  # a view reads the einsum's own (contiguous) layout, which the permuted product lacks
     right = _laid_out(gm, node, b, lb, batch + i + n)
     if batch in la:
         left = _laid_out(gm, node, a, la, batch + m + i)
@@ -128,8 +146,112 @@ def einsum_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
         rows = _laid_out(gm, node, a, la, m + i)
         left = insert_call(gm, node, torch.Tensor.expand, (insert_call(gm, node, torch.unsqueeze, (rows, 0)), E, -1, -1))
     product = insert_call(gm, node, torch.bmm, (left, right), autocast=autocast)
-    node.replace_all_uses_with(product)
-    return f"{node.name} ({node.args[0]!r}) -> bmm"
+    result = _laid_out(gm, node, product, canonical, out)
+    node.replace_all_uses_with(result)
+    return f"{node.name} ({node.args[0]!r}) -> bmm" + ("" if result is product else f", laid out {out}")
+
+
+def _feeds_expert_product(node: fx.Node, E: int, f) -> bool:
+    """Whether `node` [T, E, f] reaches, through elementwise code and its pieces, a product (einsum,
+    bmm, matmul) with a 3-D [E, ., .] weight (an input of the graph) that holds an f-wide dim: the
+    experts' next projection (attention's keys, split into heads too, are computed: not weights)."""
+    seen, todo = set(), list(node.users)
+    while todo and len(seen) < 64:
+        user = todo.pop()
+        if user in seen or user.op not in ("call_function", "call_method"):
+            continue
+        seen.add(user)
+        name = op_name(user.target)
+        if name in ("einsum", "bmm", "matmul", "__matmul__"):
+            others = [a for a in user.all_input_nodes if a not in seen and a is not node]
+            if any(len(shape_of(o) or ()) == 3 and shape_of(o)[0] == E and f in shape_of(o)[1:] and _a_weight(o) for o in others):
+                return True
+            continue
+        if name in _ELEMENTWISE and name not in ("sum", "mean", "gather", "index_select", "reshape", "flatten"):
+            todo.extend(user.users)
+    return False
+
+
+def _a_weight(node: fx.Node) -> bool:
+    """An input of the graph (a parameter), read as it is or through transposes and views."""
+    while is_call(node, "transpose", "permute", "view", "reshape", "t") and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.op in ("placeholder", "get_attr")
+
+
+def packed_linear_view_to_einsum(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`F.linear(x, W, b).view(T, E, f)` (x [T, d], W [E*f, d]; `reshape`, `unflatten(-1, (E, f))`) ->
+    `torch.einsum("td,efd->tef", x, W.view(E, f, d)) + b.view(E, f)`: every expert's first projection
+    packed in one Linear (column block e of its output is expert e's), the same dot products per
+    element. Only where the [T, E, f] value reaches a product with a stacked [E, ., .] operand (the
+    experts' next projection), so a projection split into heads stays one matmul."""
+    if not is_call(node, "view", "reshape", "unflatten") or len(shape_of(node) or ()) != 3:
+        return None
+    lin = node.args[0]
+    if not is_call(lin, "linear") or len(lin.users) != 1 or lin.kwargs.keys() - {"bias"}:
+        return None
+    x, W = lin.args[0], lin.args[1]
+    b = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
+    T, E, f = shape_of(node)
+    if not (isinstance(x, fx.Node) and isinstance(W, fx.Node) and len(shape_of(x)) == 2 and len(shape_of(W)) == 2):
+        return None
+    d = shape_of(W)[1]
+    if not (is_int(E) and is_int(f) and is_int(d) and shape_of(W)[0] == E * f and same_size(shape_of(x)[0], T)):
+        return None
+    if is_call(node, "unflatten") and not (node.args[1] in (-1, 1) and tuple(node.args[2]) == (E, f)):
+        return None
+    dtypes = {dtype_of(x), dtype_of(W), dtype_of(lin)} | ({dtype_of(b)} if isinstance(b, fx.Node) else set())
+    if len(dtypes) != 1 or not _feeds_expert_product(node, E, f):
+        return None
+    stacked = insert_call(gm, node, torch.Tensor.view, (W, E, f, d))
+    product = insert_call(gm, node, torch.einsum, ("td,efd->tef", x, stacked))
+    result = product
+    if isinstance(b, fx.Node):
+        result = insert_call(gm, node, operator.add, (product, insert_call(gm, node, torch.Tensor.view, (b, E, f))))
+    node.replace_all_uses_with(result)
+    return f"{node.name}: {lin.name} packs E={E} experts -> einsum over {W.name}.view({E}, {f}, {d})"
+
+
+def _goes_right(la: str, lb: str, out: str, i: str) -> bool:
+    """Whether operand a (letters la) is the weights' side of the product, the bmm's right operand:
+    the 3-D one of a 3-D and a 2-D operand; of two 3-D ones, the one holding the output's last
+    letter alone, else the one led by the shared batch letter."""
+    if len(la) != len(lb):
+        return len(la) == 3
+    if (out[-1] in la) != (out[-1] in lb):
+        return out[-1] in la
+    batch = (set(la) & set(lb)) - {i}
+    return len(batch) == 1 and la[0] in batch and lb[0] not in batch
+
+
+# readers whose values do not depend on their input's strides (views, `view_as` and `unflatten` need
+# the strides they were traced with; reshape and flatten copy where they must, but may return a view)
+_ELEMENTWISE = ("mul", "__mul__", "add", "__add__", "sub", "__sub__", "truediv", "div", "__truediv__", "neg",
+                "sigmoid", "silu", "gelu", "relu", "tanh", "exp", "to", "float", "half", "bfloat16", "type_as", "clamp",
+                "getitem", "chunk", "split", "unbind", "transpose", "permute", "sum", "mean", "reshape", "flatten",
+                "einsum", "bmm", "matmul", "__matmul__", "unsqueeze", "squeeze", "silu_", "mul_", "gather", "index_select",
+                "softmax", "pow", "__pow__", "square", "sqrt", "rsqrt", "gelu_", "relu_", "sigmoid_")
+_LAYOUT_READERS = ("view", "view_as", "unflatten", "as_strided", "data_ptr", "stride", "is_contiguous")
+
+
+def _layout_free(node: fx.Node) -> bool:
+    """Whether no reader of `node`, followed through code that reads values rather than strides
+    (elementwise, slices, reductions, products), depends on its strides: True when only such code
+    reads it and none of it reaches a stride-dependent view."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        user = todo.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.op == "output":
+            return False  # the graph's own output keeps the strides it was traced with
+        name = op_name(user.target)
+        if name in _LAYOUT_READERS or name not in _ELEMENTWISE:
+            return False
+        if name not in ("sum", "mean", "einsum", "bmm", "matmul", "__matmul__", "gather", "index_select"):
+            todo.extend(user.users)  # a reduction, product or copy makes a fresh tensor of its own layout
+    return True
 
 
 def einsum_weighted_sum_to_product(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:

@@ -1,6 +1,6 @@
 """Canonical forms of routing: which rows an expert gets and what scales them, spelled as a count of
 one_hot slots, as the nonzeros of a gate matrix, as a gate matrix read at (rows, column), or as one
-scale applied to the sum of every expert's rows. Rules of `patterns.canonical` (which runs them with
+scale applied to the sum of every expert's rows; and every expert's outputs read at the top-k ids. Rules of `patterns.canonical` (which runs them with
 the others and states what a rule must keep); each brings a spelling to the form `expert_loop`
 reads: `tok, k = torch.where(ids == e)`, `w[tok, k, None]`, the product before the add.
 
@@ -39,6 +39,11 @@ Rules (eager spelling -> canonical form; ids [T, K] the indices of a top-k over 
         # rows where m holds
     a + zeros.index_add(0, tok, y)                 ->  a.index_add(0, tok, y)
         # the zeros and the index_add read by nothing else: the same row sums
+    (Y[arange(T)[:, None], ids] * w[..., None]).sum(1)  ->  (Y * G[..., None]).sum(1),
+                                                       G = zeros_like(scores, dtype=w.dtype).scatter(1, ids, w)
+        # Y [T, E, d] every expert's output for every token (token-major), read at each token's
+        # top-k ids (`torch.gather(Y, 1, ids[..., None].expand(-1, -1, d))` too) and weighted: the
+        # same terms plus zeros, as a gate matrix the dense finders read (they then compute sparsely)
 """
 from __future__ import annotations
 
@@ -47,8 +52,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from .common import (ZEROS, NoMatch, RegionWalk, arg, dtype_of, example_value, flattens_indices, insert_call, is_call,
-                     is_getitem, is_int, same_shape, same_size, shape_of, unit_slice, writes_in_place)
+from .canonical_layout import arange_as
+from .common import (ZEROS, NoMatch, RegionWalk, arg, dtype_of, example_value, flattens_indices, getitem_of, insert_call,
+                     is_call, is_getitem, is_int, same_shape, same_size, shape_of, unit_slice, writes_in_place)
 from .dense_experts import sparse_gates, sums_dim
 
 _POSITIVE = {("gt", 0), ("ne", 0), ("ge", 1)}  # count > 0, count != 0, count >= 1: some slot holds e
@@ -497,3 +503,141 @@ def add_of_rows_into_zeros_to_index_add(gm: fx.GraphModule, node: fx.Node, order
         order[twin] = order[node]
         return f"{node.name} -> {a.name}.index_add(0, {added.args[2].name}, ...)"
     return None
+
+
+def _token_rows_at(sel) -> tuple[fx.Node, fx.Node] | None:
+    """(Y [T, E, d], ids [T, K]) when sel [T, K, d] holds each token's outputs at its top-k ids:
+    `Y[arange(T)[:, None], ids]` (any [T, 1] spelling of the arange, a trailing `:` too) or
+    `torch.gather(Y, 1, ids[..., None].expand(-1, -1, d))` (`unsqueeze(-1)`, `expand(T, K, d)`)."""
+    if not isinstance(sel, fx.Node) or len(shape_of(sel)) != 3:
+        return None
+    if is_getitem(sel) and isinstance(sel.args[1], tuple) and len(sel.args[1]) in (2, 3):
+        Y, (col, ids, *rest) = sel.args[0], sel.args[1]
+        if rest not in ([], [slice(None)]) or not isinstance(ids, fx.Node) or len(shape_of(ids)) != 2:
+            return None
+        T = arange_as(col, 1)
+        ok = T is not None and len(shape_of(Y)) == 3 and same_size(shape_of(Y)[0], T) and same_size(shape_of(ids)[0], T)
+        return (Y, ids) if ok else None
+    if is_call(sel, "gather") and arg(sel, 1, "dim") in (1, -2) and not arg(sel, 3, "sparse_grad", False):
+        Y, idx = arg(sel, 0, "input"), arg(sel, 2, "index")
+        if not (is_call(idx, "expand") and isinstance(Y, fx.Node) and len(shape_of(Y)) == 3):
+            return None
+        column = idx.args[0]
+        if not (is_call(column, "unsqueeze") and arg(column, 1, "dim") in (-1, 2)
+                or is_getitem(column) and column.args[1] in ((Ellipsis, None), (slice(None), slice(None), None))):
+            return None
+        ids = column.args[0]
+        shape = shape_of(sel)
+        ok = len(shape_of(ids)) == 2 and same_size(shape[-1], shape_of(Y)[-1]) and same_size(shape_of(Y)[0], shape[0])
+        return (Y, ids) if ok else None
+    return None
+
+
+def _slot_weights(col) -> fx.Node | None:
+    """w [T, K] of its [T, K, 1] column: `w.unsqueeze(-1)`, `w[..., None]`, `w[:, :, None]`."""
+    if is_call(col, "unsqueeze") and arg(col, 1, "dim") in (-1, 2):
+        return col.args[0]
+    if is_getitem(col) and col.args[1] in ((Ellipsis, None), (slice(None), slice(None), None)):
+        return col.args[0]
+    return None
+
+
+def gathered_outputs_to_gate_matrix(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`(Y[arange(T)[:, None], ids] * w[..., None]).sum(1)` -> `(Y * G[..., None]).sum(1)` with
+    `G = torch.zeros_like(scores, dtype=w.dtype).scatter(1, ids, w)`: each token's outputs of every
+    expert (Y [T, E, d], computed token-major), weighted at its top-k ids. ids are a top-k over the E
+    experts' scores, distinct in a row, so G holds each weight once, at its expert, and 0 elsewhere:
+    the same terms plus zeros (in another order; an unchosen expert's inf or nan output becomes nan,
+    as in every dense gate form, and the finders then compute it sparsely). The product and its sum
+    keep their dtype and shape; `torch.gather(Y, 1, ids[..., None].expand(-1, -1, d))` too."""
+    if not (is_call(node, "sum") and sums_dim(node, (1, -2))) or node.kwargs.get("keepdim") or len(node.args) > 2:
+        return None
+    product = node.args[0]
+    if not (is_call(product, "mul", "__mul__") and len(product.args) == 2 and len(product.users) == 1):
+        return None
+    for sel, col in (product.args, product.args[::-1]):
+        found, w = _token_rows_at(sel), _slot_weights(col)
+        if found is not None and w is not None and len(sel.users) == 1:
+            break
+    else:
+        return None
+    Y, ids = found
+    topk = getitem_of(ids, 1)
+    scores = arg(topk, 0, "input") if is_call(topk, "topk") else None
+    if scores is None or len(shape_of(scores)) != 2 or arg(topk, 2, "dim", -1) not in (-1, 1):
+        return None
+    if not (shape_of(scores)[1] == shape_of(Y)[1] and same_shape(shape_of(w), shape_of(ids)) and dtype_of(w).is_floating_point):
+        return None
+    zeros = insert_call(gm, node, torch.zeros_like, (scores,), {"dtype": dtype_of(w)})
+    gates = insert_call(gm, node, torch.scatter, (zeros, 1, ids, w))
+    weighted = insert_call(gm, node, torch.mul, (Y, insert_call(gm, node, torch.unsqueeze, (gates, -1))))
+    total = insert_call(gm, node, torch.sum, (weighted, 1))
+    if not same_shape(shape_of(total), shape_of(node)) or dtype_of(total) != dtype_of(node):
+        for new in (total, weighted, weighted.args[1], gates, zeros):
+            gm.graph.erase_node(new)
+        return None
+    for new in (zeros, gates, weighted, total):
+        order[new] = order[node]
+    node.replace_all_uses_with(total)
+    return f"{node.name} -> ({Y.name} * scatter({ids.name}, {w.name})[..., None]).sum(1)"
+
+
+def _prefix_width(node) -> int | None:
+    """K when `node` reads the first K entries of its input's last dim: `v[..., :K]`, `v[:, :K]` of a
+    2-D v, `v.narrow(-1, 0, K)`; else None."""
+    src = node.args[0] if isinstance(node, fx.Node) and node.args else None
+    rank = len(shape_of(src) or ())
+    if is_getitem(node) and isinstance(node.args[1], tuple) and rank:
+        index = node.args[1]
+        lead = (Ellipsis,) if len(index) == 2 and index[0] is Ellipsis else tuple(index[:-1])
+        last = index[-1]
+        if lead not in ((Ellipsis,), (slice(None),) * (rank - 1)) or not isinstance(last, slice):
+            return None
+        if last.start not in (None, 0) or last.step not in (None, 1) or not is_int(last.stop) or last.stop <= 0:
+            return None
+        return last.stop
+    if is_call(node, "narrow") and len(node.args) == 4 and not node.kwargs and node.args[1] in (-1, rank - 1) and node.args[2] == 0:
+        return node.args[3] if is_int(node.args[3]) and node.args[3] > 0 else None
+    return None
+
+
+def sorted_prefix_to_topk(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`v, i = torch.sort(s, dim=-1, descending=True); v[..., :K], i[..., :K]` (and
+    `torch.argsort(s, dim=-1, descending=True)[..., :K]`) -> `torch.topk(s, K, dim=-1)`: the K largest
+    scores of each row, largest first, and their indices. Every reader of the sort must take the
+    same first K (K below the row's width); where scores tie at the K-th place the two may pick
+    different ones of the tied experts, which torch.topk leaves unspecified as well."""
+    if not is_call(node, "sort", "argsort") or len(node.args) > 3 or node.kwargs.keys() - {"dim", "descending", "stable"}:
+        return None
+    s = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    descending = node.args[2] if len(node.args) > 2 else node.kwargs.get("descending", False)
+    rank = len(shape_of(s) or ())
+    if not isinstance(s, fx.Node) or rank < 2 or dim not in (-1, rank - 1) or descending is not True:
+        return None
+    if is_call(node, "argsort"):
+        outputs = {1: list(node.users)}
+    else:
+        if not all(is_getitem(u) and u.args[1] in (0, 1) for u in node.users):
+            return None
+        outputs = {u.args[1]: list(u.users) for u in node.users}
+    slices = [(i, reader) for i, readers in outputs.items() for reader in readers]
+    widths = {_prefix_width(reader) for _, reader in slices}
+    if not slices or len(widths) != 1 or None in widths:
+        return None
+    (K,) = widths
+    if not (is_int(shape_of(s)[-1]) and K < shape_of(s)[-1]):
+        return None
+    topk = insert_call(gm, node, torch.topk, (s, K), {"dim": -1})
+    parts = {i: insert_call(gm, node, operator.getitem, (topk, i)) for i in sorted(outputs)}
+    for i, reader in slices:
+        order[parts[i]] = order[node]
+        reader.replace_all_uses_with(parts[i])
+        order.pop(reader, None)
+        gm.graph.erase_node(reader)
+    if not is_call(node, "argsort"):
+        for user in list(node.users):
+            order.pop(user, None)
+            gm.graph.erase_node(user)
+    order[topk] = order[node]
+    return f"{node.name} -> topk({s.name}, {K})"

@@ -45,6 +45,10 @@ class MoEMatch:
     activation: str = "swiglu"
     interleaved: bool = False
     transposed: bool = False
+    # w2 stored in the other orientation than w1 (DBRX's [E, f, d] down weights beside [E, f, d] gate
+    # and up ones): the rewrite hands the op `w2.transpose(1, 2)`, a view the kernels read through
+    # its strides (no copy)
+    w2_swapped: bool = False
     alpha: float = 1.702
     limit: float = 7.0
     shape: dict = dataclasses.field(default_factory=dict)  # T, d, n, E, K (T may be symbolic)
@@ -104,6 +108,8 @@ class MoEMatch:
             layout = "per-expert list" + (", separate gate/up" if w_up else f", fused gate/up {layout}" if gated else "")
         elif self.w_up is not None:
             layout = "separate gate/up (two stacked parameters" + (", transposed)" if self.transposed else ")")
+        if self.w2_swapped:
+            layout += ", down weights in the other orientation"
         if self.b1 is not None or self.b2 is not None or self.expert_bias_lists is not None:
             layout += ", bias"
         if self.input_scaled:
@@ -705,11 +711,12 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
                          (match.router_probs, ids, weights, M_TILE, token_rounding, True))
         ids, weights, slot_token = (insert(operator.getitem, (rounded, i)) for i in range(3))
 
+    down = insert(torch.transpose, (match.w2, 1, 2)) if match.w2_swapped else match.w2
     if match.w_up is not None:  # two stacked parameters: the split op (the list form on their per-expert views)
-        stacked = tuple(cast(t) for t in (match.w1, match.w_up, match.w2))
+        stacked = tuple(cast(t) for t in (match.w1, match.w_up, down))
         call = experts("moe_experts_split", _split_call_args(match, stacked, x, ids, weights, slot_token))
     elif match.expert_lists is None:
-        w1, w2, b1, b2 = (cast(t) for t in (match.w1, match.w2, match.b1, match.b2))
+        w1, w2, b1, b2 = (cast(t) for t in (match.w1, down, match.b1, match.b2))
         fakes = [example_value(a) for a in (x, ids, weights, w1, w2, b1, b2)]
         validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed,
                             slot_token=example_value(slot_token))

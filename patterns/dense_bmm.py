@@ -19,6 +19,10 @@ training path, with its interleaved clamped SwiGLU). Gated on both sides (GShard
 combine without capacity: the rows masked by `F.one_hot(ids, E).sum(1)`, the outputs weighted by the
 combine matrix, `einsum("etd,te->td", y, combine)` too) it is gated on the outputs, where the mask is
 the indicator of the combine's own top-k ids: a chosen expert reads x * 1.
+Computed token-major (`einsum("td,edf->tef", x, W)`, outputs [T, E, d] weighted by `gates[..., None]`
+and summed over dim 1, or read at each token's top-k ids) it reaches this finder expert-major, the
+outputs read through one transpose (`canonical_products.einsum_to_bmm`, `canonical_layout`,
+`canonical_routing.gathered_outputs_to_gate_matrix`).
 The same code written with einsum (`einsum("td,edn->etn", x, W)`, `einsum("te,etd->td", gates, y)`)
 or with matmuls that broadcast x over the weights (`x @ W`) reaches this finder as these bmm and
 product forms (`canonical.einsum_to_bmm`, `canonical.einsum_weighted_sum_to_product`,
@@ -70,6 +74,7 @@ from .common import (
     same_size,
     shape_of,
 )
+from .canonical_layout import swap_of
 from .dense_experts import sparse_gates, sums_dim
 from .module_list import projections_before, through_float_casts, topk_routing
 
@@ -188,6 +193,29 @@ def _stacked_weight(node, what: str, walk: RegionWalk) -> tuple[fx.Node, bool]:
     return node, transposed
 
 
+def _one_orientation(w1, w_up, w2, up_read, down_read, transposed: bool):
+    """(w1, w_up, w2, transposed) in one orientation when the up and down weights are stored in two
+    (a packed Linear's [E, f, d] beside [E, f, d]-read down weights, DBRX's storage): the weight the
+    graph reads through `W.transpose(1, 2)` is handed to the op as that view ([E, in, out], strides
+    only: the kernels address weights through their strides, nothing is copied)."""
+    down_view = _transposed_view(down_read)  # the down weights stored [E, out, in], read transposed
+    if down_view is not None:
+        return w1, w_up, down_view, transposed
+    up_view = _transposed_view(up_read) if up_read is not None else None
+    expect(up_view is not None, "the two projections' weights are laid out differently, and neither is read "
+                                "through a transpose of its own (separate gate and up weights)")
+    return up_view, w_up, w2, not transposed
+
+
+def _transposed_view(read) -> fx.Node | None:
+    """`W.transpose(1, 2)` (or `W.mT`) of a 3-D W: the view itself; else None."""
+    if is_call(read, "transpose") and sorted(read.args[1:3]) in ([1, 2], [-2, -1]) and len(shape_of(read)) == 3:
+        return read
+    if isinstance(read, fx.Node) and getattr(read.target, "__name__", "") == "getattr" and read.args[1] == "mT":
+        return read
+    return None
+
+
 def _check(up: fx.Node, rows: fx.Node, factor: fx.Node | None) -> MoEMatch:
     """`rows`, `factor`: the up projection's broadcast hidden states and their gate factor or None
     (`_rows_source`)."""
@@ -237,7 +265,8 @@ def _check(up: fx.Node, rows: fx.Node, factor: fx.Node | None) -> MoEMatch:
         walk.mark(*backward_slice([a], stop={h}), down)
     w1_out = shape_of(up)[-1] * (1 if w_up is None else 2)
     w2, transposed2 = _stacked_weight(down.args[1], "down", walk)
-    expect(transposed2 == transposed, "the two projections' weights are laid out differently")
+    if transposed2 != transposed:  # one orientation for the op: one weight handed over as the view the bmm reads
+        w1, w_up, w2, transposed = _one_orientation(w1, w_up, w2, rhs if w_up is None else None, down.args[1], transposed)
     y, b2 = _biased(down, E, walk)
 
     anchor, out_gates = _summed_over_experts(y, walk, E, T, d)
@@ -267,19 +296,19 @@ def _check(up: fx.Node, rows: fx.Node, factor: fx.Node | None) -> MoEMatch:
     return match
 
 
-def _einsum_gated_sum(einsum: fx.Node, y: fx.Node, E, T, d) -> fx.Node | None:
-    """The [T, E] gates of `einsum("etd,te->td", y, gates)` (any letters, either order) on y [E, T, d];
-    else None."""
+def _einsum_gated_sum(einsum: fx.Node, y: fx.Node, E, T, d, token_major: bool = False) -> fx.Node | None:
+    """The [T, E] gates of `einsum("etd,te->td", y, gates)` (any letters, either order) on y [E, T, d]
+    (token-major: `einsum("ted,te->td", y, gates)` on y [T, E, d]); else None."""
     parts = einsum_parts(einsum)
     if parts is None or y not in parts[1]:
         return None
     ins, operands, out = parts
     i = operands.index(y)
     g = operands[1 - i]
-    if len(ins[i]) != 3 or not (len(shape_of(y)) == 3 and shape_of(y)[0] == E and same_size(shape_of(y)[1], T)
-                                and shape_of(y)[2] == d):
+    want = (T, E, d) if token_major else (E, T, d)
+    if len(ins[i]) != 3 or not (len(shape_of(y)) == 3 and all(same_size(a, b) for a, b in zip(shape_of(y), want))):
         return None
-    e, t, dd = ins[i]
+    t, e, dd = ins[i] if token_major else (ins[i][1], ins[i][0], ins[i][2])
     return g if isinstance(g, fx.Node) and ins[1 - i] == t + e and out == t + dd else None
 
 
@@ -360,30 +389,56 @@ def _down_projection(up: fx.Node) -> fx.Node:
 def _summed_over_experts(y: fx.Node, walk: RegionWalk, E, T, d) -> tuple[fx.Node, fx.Node | None]:
     """(the sum over the expert dim of the expert outputs y [E, T, d], [T, d]; the gate matrix
     applied to them on the way, or None): views and reshapes, at most one product with a gate
-    column, then `.sum(0)` of an [E, T, d] tensor."""
-    node, gates = y, None
+    column, then `.sum(0)` of an [E, T, d] tensor. Read token-major (`y.transpose(0, 1)`, [T, E, d],
+    the form a token-major einsum takes: `canonical_products.einsum_to_bmm`), the gate column is
+    `gates.unsqueeze(-1)` ([T, E, 1]) and the sum is over dim 1."""
+    node, gates, token_major = y, None, False
     while True:
         reader = walk.only_reader(node)
         expect(reader is not None, f"the expert outputs ({node.name}) are read more than once")
-        if is_call(reader, *_VIEWS):
+        swap = swap_of(reader)
+        if swap is not None and swap[1] == (0, 1) and len(shape_of(node)) == 3 and not token_major:
+            token_major = True  # [T, E, d]: each token's outputs of every expert
+        elif is_call(reader, *_VIEWS) and not token_major:
             shape = shape_of(reader)
             ok = (len(shape) == 2 and shape[1] == d) or (len(shape) == 3 and shape[0] == E and same_size(shape[1], T) and shape[2] == d)
             expect(ok, f"the expert outputs are viewed as {shape}, not [E*T, d] or [E={E}, T, d]")
         elif is_call(reader, *_MUL) and gates is None and len(reader.args) == 2:
             factor = reader.args[1] if reader.args[0] is node else reader.args[0]
-            gates, rank = _gate_column(factor, walk)
-            expect(len(shape_of(node)) == rank, "the gate column and the expert outputs differ in rank")
-        elif is_call(reader, "einsum") and gates is None and (found := _einsum_gated_sum(reader, node, E, T, d)) is not None:
+            if token_major:
+                gates = _token_gate_column(factor, walk)
+                expect(len(shape_of(node)) == 3, "the gate column and the expert outputs differ in rank")
+            else:
+                gates, rank = _gate_column(factor, walk)
+                expect(len(shape_of(node)) == rank, "the gate column and the expert outputs differ in rank")
+        elif is_call(reader, "einsum") and gates is None and (found := _einsum_gated_sum(reader, node, E, T, d, token_major)) is not None:
             walk.mark(reader)  # einsum("etd,te->td", y, gates): left as written in bf16 (canonical_products)
             return reader, found
         elif is_call(reader, "sum"):
             shape = shape_of(node)
-            ok = len(shape) == 3 and shape[0] == E and same_size(shape[1], T) and shape[2] == d
-            expect(ok and sums_dim(reader, (0,)),
-                   f"the expert outputs {shape} are not summed over the experts (dim 0 of [E={E}, T, d])")
+            e_dim = 1 if token_major else 0
+            ok = len(shape) == 3 and shape[e_dim] == E and same_size(shape[1 - e_dim], T) and shape[2] == d
+            expect(ok and sums_dim(reader, (e_dim,)),
+                   f"the expert outputs {shape} are not summed over the experts (dim {e_dim} of "
+                   f"{'[T, E=' + str(E) + ', d]' if token_major else '[E=' + str(E) + ', T, d]'})")
             walk.mark(reader)
             return reader, gates
         else:
             raise NoMatch(f"the expert outputs reach {reader.name}, not a sum over the experts")
         walk.mark(reader)
         node = reader
+
+
+def _token_gate_column(node, walk: RegionWalk) -> fx.Node:
+    """gates [T, E] given a trailing unit dim ([T, E, 1]: `gates.unsqueeze(-1)`, `gates[..., None]`,
+    `gates[:, :, None]`), through float casts."""
+    node = through_float_casts(node, walk)
+    expect(len(shape_of(node)) == 3 and shape_of(node)[-1] == 1, f"{getattr(node, 'name', node)} is not a [T, E, 1] gate column")
+    expect(is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-1, 2)
+           or getitem_of(node, (slice(None), slice(None), None)) is not None
+           or getitem_of(node, (Ellipsis, None)) is not None,
+           "the gate column is not the gate matrix unsqueezed last")
+    walk.mark(node)
+    gates = through_float_casts(node.args[0], walk)
+    expect(len(shape_of(gates)) == 2, "the token-major gate column is not taken from a [T, E] gate matrix")
+    return gates

@@ -422,12 +422,12 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     expect(len(experts) == E, f"{len(experts)} experts for E={E}")
     parts = (any(one is not None and one.part for ex in experts for one in ex.slices)
              or any(b is not None and _slice_of(b, dims=2)[2] for ex in experts for b in ex.biases))
-    w1, w_up, w2, transposed = _stacked_params(experts, E)
+    w1, w_up, w2, transposed, swapped = _stacked_params(experts, E)
     b1, b2 = _stacked_biases(experts, E)
     if parts:  # ranges of W[e]: the list op on those views (never on W itself, whose other rows they leave out)
-        expect(not transposed, "ranges of stacked [E, in, out] weight slices are not supported")
+        expect(not transposed and not swapped, "ranges of stacked [E, in, out] weight slices are not supported")
         return finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts, **kw)
-    if w_up is not None and not transposed:
+    if w_up is not None and not transposed and not swapped:
         # the list op on the slices W[e] themselves: views of the stacked parameters, read where they are
         # (bias slices B[e], if any, are stacked by the rewrite as Linear biases are)
         return finish_list_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts, **kw)
@@ -437,7 +437,7 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     expect(x_dtype == dtype_of(w1) == dtype_of(w2), f"hidden states ({x_dtype}) and expert weights ({dtype_of(w1)}, {dtype_of(w2)}) differ in dtype")
     s1, s2 = shape_of(w1), shape_of(w2)
     w1_in, w1_out = (s1[1], s1[2]) if transposed else (s1[2], s1[1])
-    n, w2_out = (s2[1], s2[2]) if transposed else (s2[2], s2[1])
+    n, w2_out = (s2[1], s2[2]) if transposed != swapped else (s2[2], s2[1])
     expect(w1_in == d and w2_out == d, f"stacked expert weights {s1} / {s2} do not map d={d}")
     if w_up is not None:  # [E, in, out] gate and up: the rewrite hands the list op each W[e].t() (views)
         expect(experts[0].biases[0] is None and experts[0].biases[1] is None,
@@ -450,7 +450,7 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
     region = _closed_region(walk, anchors, inputs, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
                          shape={"T": T, "d": d, "n": n, "E": E, "K": K}, w1=w1, w2=w2, b1=b1, b2=b2,
-                         transposed=transposed, w_up=w_up)
+                         transposed=transposed, w_up=w_up, w2_swapped=swapped)
 
 
 def _stacked_biases(experts: list[ExpertMLP], E: int) -> tuple[fx.Node | None, fx.Node | None]:
@@ -474,10 +474,12 @@ def _stacked_biases(experts: list[ExpertMLP], E: int) -> tuple[fx.Node | None, f
     return found[0], found[1]
 
 
-def _stacked_params(experts: list[ExpertMLP], E: int) -> tuple[fx.Node, fx.Node | None, fx.Node, bool]:
-    """(gate W, up W or None, down W, transposed): expert e reads slice e of one [E, ., .] parameter
-    per projection, every slice in one orientation, and no parameter is modified in the graph."""
-    bases, orientations = [], set()
+def _stacked_params(experts: list[ExpertMLP], E: int) -> tuple[fx.Node, fx.Node | None, fx.Node, bool, bool]:
+    """(gate W, up W or None, down W, transposed, down swapped): expert e reads slice e of one
+    [E, ., .] parameter per projection, the gate and up slices in one orientation (`transposed`),
+    the down slices in one (the other: `down swapped`, DBRX's storage), and no parameter is
+    modified in the graph."""
+    bases, orientations = [], []
     for role, name in enumerate(("gate", "up", "down")):
         found = [ex.slices[role] for ex in experts]
         if found[0] is None:  # no separate up projection (same_experts: none has one)
@@ -488,15 +490,19 @@ def _stacked_params(experts: list[ExpertMLP], E: int) -> tuple[fx.Node, fx.Node 
         base = {one.base for one in found}
         expect(len(base) == 1, f"experts read their {name} projections from different stacked parameters")
         bases.append(base.pop())
-        orientations |= {one.transposed for one in found}
+        orientations.append({one.transposed for one in found})
+        expect(len(orientations[-1]) == 1, f"the {name} slices are read both as [out, in] (F.linear(x, W[e]), x @ W[e].T) "
+               "and as [in, out] (x @ W[e])")
         expect(shape_of(bases[-1])[0] == E, f"stacked {name} weight {bases[-1].name} {shape_of(bases[-1])} does not hold the router's E={E} experts")
-    expect(len(orientations) == 1, "stacked weights are read both as [out, in] (F.linear(x, W[e]), x @ W[e].T) and as "
-           "[in, out] (x @ W[e]): the op takes one layout for w1 and w2")
+    up_side = set().union(*orientations[:-1])
+    expect(len(up_side) == 1, "stacked gate and up weights are read both as [out, in] (F.linear(x, W[e]), x @ W[e].T) "
+           "and as [in, out] (x @ W[e]): the op takes one layout for them")
     for base in dict.fromkeys(b for b in bases if b is not None):
         mutation = _mutation_of(base)
         expect(mutation is None, f"stacked weight {base.name} is modified in the graph (by {getattr(mutation, 'name', '')}): the op would read it once")
     gate, up, down = bases
-    return gate, up, down, orientations.pop()
+    transposed = up_side.pop()
+    return gate, up, down, transposed, orientations[-1] != {transposed}
 
 
 def _mutation_of(base: fx.Node) -> fx.Node | None:

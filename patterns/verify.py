@@ -233,6 +233,8 @@ class _Region:
         if m.gates:
             weights = torch.gather(weights, 1, ids)
         w1, w2, b1, b2 = (at.get(n) for n in (m.w1, m.w2, m.b1, m.b2))
+        if m.w2_swapped:
+            w2 = w2.transpose(1, 2)
         if m.expert_lists is not None:
             gate, up, down = ([at[n] for n in group] for group in m.expert_lists)
             w1 = torch.stack([torch.cat(pair, 0) for pair in zip(gate, up)] if up else gate)

@@ -99,10 +99,18 @@ class Router(nn.Module):
         self.E, self.K = E, K
 
     renormalize = True  # False: the top-k probabilities as they are (a top-1's renormalised weight is 1)
+    selection = "topk"  # "sort": the first K of a descending sort; "argsort": its indices, the weights gathered
 
     def route(self, x):
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
-        w, ids = torch.topk(probs, self.K, dim=-1)
+        if self.selection == "sort":
+            ranked, order = torch.sort(probs, dim=-1, descending=True)
+            w, ids = ranked[..., :self.K], order[..., :self.K]
+        elif self.selection == "argsort":
+            ids = probs.argsort(dim=-1, descending=True)[:, :self.K]
+            w = probs.gather(-1, ids)
+        else:
+            w, ids = torch.topk(probs, self.K, dim=-1)
         return probs, (w / w.sum(-1, keepdim=True) if self.renormalize else w).to(x.dtype), ids
 
 
@@ -1441,3 +1449,61 @@ class ScaledAfterLoopMoE(Router):
                 out = out.index_add(0, tok, self.experts[e](x[tok]))
         column = {"view": lambda: p.view(-1, 1), "unsqueeze": lambda: p.unsqueeze(-1), "none": lambda: p[:, None]}
         return out * column[self.scale]()
+
+
+class TokenMajorMoE(Router):
+    """Every expert on every token computed token-major ([T, E, .]: `einsum("td,edf->tef", x, W)`),
+    then weighted by a gate matrix or read at each token's top-k ids.
+
+    gate_up: "separate" (silu(x Wg) * (x Wu), two stacked parameters), "fused" (one [E, d, 2f],
+             chunked), "plain" (gelu(x W1)) or "packed" (relu(x W1)^2 with every expert's W1 packed
+             in one biased `nn.Linear(d, E * f)`, its output viewed [T, E, f])
+    orient:  "in_out" (W [E, in, out]: "td,edf->tef") or "out_in" (W [E, out, in]: "td,efd->tef")
+    combine: "gates_einsum" (`einsum("te,ted->td", G, y)`, G the top-k weights scattered into zeros),
+             "gates_product" (`(y * G[..., None]).sum(1)`), "gather_index" (`y[arange(T)[:, None], ids]`
+             weighted and summed over K), "gather" (`torch.gather(y, 1, ids[..., None].expand(...))`),
+             "gather_other" (the outputs read at the ids of the next token: not the op)
+    view:    view the up projection's [T, E, 2f] output as [T, E * 2f] and back (a reader of the
+             einsum's own contiguous layout, which the expert-major bmm's transpose lacks)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, gate_up="separate", orient="in_out", combine="gates_einsum", view=False):
+        super().__init__(d, E, K)
+        self.gate_up, self.orient, self.combine, self.view = gate_up, orient, combine, view
+        up = 2 * n if gate_up == "fused" else n
+        self.w1 = stacked_param(E, up, d, orient) if gate_up != "packed" else nn.Linear(d, E * n)
+        self.w3 = stacked_param(E, n, d, orient) if gate_up == "separate" else None
+        self.w2 = stacked_param(E, d, n, orient)
+
+    def _product(self, a, W):
+        """a [T, i] or [T, E, i] times each expert's W: [T, E, o]."""
+        w = "eio" if self.orient == "in_out" else "eoi"
+        return torch.einsum(f"{'ti' if a.dim() == 2 else 'tei'},{w}->teo", a, W)
+
+    def forward(self, x):
+        T = x.shape[0]
+        probs, w, ids = self.route(x)
+        h = self.w1(x).view(T, self.E, -1) if self.gate_up == "packed" else self._product(x, self.w1)
+        if self.view:
+            h = h.view(T, -1).view(T, self.E, -1)
+        if self.gate_up == "separate":
+            a = F.silu(h) * self._product(x, self.w3)
+        elif self.gate_up == "fused":
+            g, u = h.chunk(2, dim=-1)
+            a = F.silu(g) * u
+        elif self.gate_up == "packed":
+            a = relu2(h)
+        else:
+            a = F.gelu(h)
+        y = self._product(a, self.w2)  # [T, E, d]
+        if self.combine.startswith("gates"):
+            G = torch.zeros_like(probs, dtype=w.dtype).scatter(1, ids, w)
+            if self.combine == "gates_einsum":
+                return torch.einsum("te,ted->td", G, y)
+            return (y * G[..., None]).sum(1)
+        if self.combine == "gather":
+            picked = torch.gather(y, 1, ids.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+        else:
+            rows = torch.arange(T, device=x.device)[:, None]
+            picked = y[rows, ids.roll(1, 0) if self.combine == "gather_other" else ids]
+        return (picked * w.unsqueeze(-1)).sum(dim=1)

@@ -1321,3 +1321,16 @@ def test_rows_of_a_scattered_combine_matrix_gpu_bf16():
         got = compiled(x.to(torch.bfloat16))
     assert [r.idiom for r in report.rewritten] == ["expert_loop"], str(report)
     assert_close_to_eager(got, eager.detach(), truth.detach(), torch.bfloat16, "output")
+
+
+def _heads(x, w, wk):
+    q = F.linear(x, w).view(x.shape[0], 4, -1)  # split into heads, read by a product with the keys
+    k = F.linear(x, wk).view(x.shape[0], 4, -1).transpose(0, 1)  # [H, T, hd]: computed, not a weight
+    return torch.einsum("thf,hsf->hts", q, k)
+
+
+def test_a_linear_split_into_heads_stays_one_matmul():
+    x, w, wk = torch.randn(T, d), torch.randn(4 * 3, d), torch.randn(4 * 3, d)
+    gm = traced(_heads, x, w, wk)
+    assert not any(line.startswith("packed_linear_view_to_einsum") for line in canonicalize(gm))
+    assert "linear" in ops(gm)

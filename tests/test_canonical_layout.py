@@ -148,3 +148,73 @@ def test_other_tiled_reads_and_adds_stay(fn, shapes):
     applied = rules(canonicalize(gm))
     assert not {"copied_rows_to_repeat", "copies_added_back_to_sum"} & set(applied), applied
     same_value(gm, fn, *args)
+
+
+# --- token-major products: an einsum laid out [T, E, .], then transposes moved and collapsed ----
+
+
+def token_major(x, w1, w2, b):
+    h = torch.einsum("td,edf->tef", x, w1)  # [T, E, f]: a bmm over E, transposed
+    g, u = h.chunk(2, dim=-1)
+    a = torch.nn.functional.silu(g) * (u + b)  # b [E, f // 2]: broadcast over the tokens
+    return torch.einsum("tef,efd->ted", a * 0.5, w2)  # [T, E, d]
+
+
+def test_a_token_major_chain_is_computed_expert_major():
+    f = 6
+    x, w1, w2, b = torch.randn(T, d), torch.randn(E, d, 2 * f), torch.randn(E, f, d), torch.randn(E, f)
+
+    def fn(x, w1, w2, b):
+        return token_major(x, w1, w2, b).sum(1)  # a reduction reads the values, not their strides
+
+    gm = traced(fn, x, w1, w2, b)
+    applied = rules(canonicalize(gm))
+    assert applied.count("einsum_to_bmm") == 2, applied
+    order = ops(gm)
+    # one transpose left, at the end: chunk, silu, the bias add, the products all run on [E, T, .]
+    assert order.count("bmm") == 2 and order.count("transpose") == 1, order
+    assert order.index("transpose") > max(i for i, o in enumerate(order) if o == "bmm"), order
+    assert "unsqueeze" in order  # b read as b.unsqueeze(1), [E, 1, f]
+    same_value(gm, fn, x, w1, w2, b)
+
+
+def test_a_token_major_einsum_read_by_a_view_stays():
+    # the einsum's [T, E, f] output is contiguous; a bmm's transpose is not, and .view needs its strides
+    x, w = torch.randn(T, d), torch.randn(E, d, 5)
+
+    def fn(x, w):
+        return torch.relu(torch.einsum("td,edf->tef", x, w)).view(T, -1)
+
+    gm = traced(fn, x, w)
+    assert "einsum_to_bmm" not in rules(canonicalize(gm))
+    assert ops(gm).count("einsum") == 1
+    same_value(gm, fn, x, w)
+
+
+@pytest.mark.parametrize("other", ["same_swap", "scalar", "row", "stacked_rows"])
+def test_binary_code_of_a_transposed_3d_value_runs_before_it(other):
+    a_in, c_in = torch.randn(E, T, d), torch.randn(E, T, d)
+    extra = {"same_swap": c_in, "scalar": 2.0, "row": torch.randn(d), "stacked_rows": torch.randn(E, d)}[other]
+
+    def fn(a, c):
+        v = (a * 2).transpose(0, 1)  # computed [T, E, d]
+        o = c.transpose(0, 1) if other == "same_swap" else extra
+        return ((v + o) * v).sum(1)
+
+    gm = traced(fn, a_in, c_in)
+    applied = rules(canonicalize(gm))
+    assert applied.count("elementwise_of_transpose_to_transpose") == 2, applied
+    same_value(gm, fn, a_in, c_in)
+
+
+def test_binary_code_that_would_change_the_layout_stays():
+    # v [T, E, d] transposed times a [T, E, 1] tensor: its own layout is no transpose of a's, so the
+    # product is left as written
+    a_in, g = torch.randn(E, T, d), torch.randn(T, E, 1)
+
+    def fn(a, g):
+        return ((a * 2).transpose(0, 1) * g).sum(1)
+
+    gm = traced(fn, a_in, g)
+    assert "elementwise_of_transpose_to_transpose" not in rules(canonicalize(gm))
+    same_value(gm, fn, a_in, g)

@@ -410,3 +410,112 @@ def test_gate_nonzero_rows_are_added_to_never_assigned(fn, applied):
     gm = traced(fn, x, scores)
     assert ("gate_nonzero_to_any_hit" in rules(canonicalize(gm))) == applied
     same_value(gm, fn, x, scores)
+
+
+# --- every expert's outputs read at each token's top-k ids --------------------------------------
+
+
+def _picked(spelling, y, ids):
+    if spelling == "gather":
+        return torch.gather(y, 1, ids.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+    rows = torch.arange(y.shape[0])
+    rows = {"index_none": rows[:, None], "unsqueeze": rows.unsqueeze(1), "view": rows.view(-1, 1)}[spelling]
+    return y[rows, ids]
+
+
+@pytest.mark.parametrize("spelling", ["gather", "index_none", "unsqueeze", "view"])
+@pytest.mark.parametrize("weights", ["unsqueeze", "index_none"])
+def test_outputs_read_at_the_top_k_ids_become_a_gate_matrix_product(spelling, weights):
+    def fn(y, scores):
+        w, ids = torch.topk(scores.softmax(-1), K)
+        col = w.unsqueeze(-1) if weights == "unsqueeze" else w[..., None]
+        return (_picked(spelling, y, ids) * col).sum(1)
+
+    y, scores = torch.randn(T, E, d), torch.randn(T, E)
+    gm = traced(fn, y, scores)
+    assert rules(canonicalize(gm)) == ["gathered_outputs_to_gate_matrix"]
+    assert "scatter" in ops(gm) and "gather" not in ops(gm), ops(gm)
+    same_value(gm, fn, y, scores)
+
+
+def _ids_of_another_token(y, scores):
+    w, ids = torch.topk(scores, K)
+    return (y[torch.arange(T)[:, None], ids.roll(1, 0)] * w[..., None]).sum(1)
+
+
+def _ids_not_a_top_k(y, scores):
+    ids = torch.randint(0, E, (T, K))  # duplicates possible: a scatter would write one of them
+    return (y[torch.arange(T)[:, None], ids] * scores[:, :K, None]).sum(1)
+
+
+def _summed_over_the_features(y, scores):
+    w, ids = torch.topk(scores, K)
+    return (y[torch.arange(T)[:, None], ids] * w[..., None]).sum(-1)
+
+
+def _rows_of_other_tokens(y, scores):
+    w, ids = torch.topk(scores, K)
+    return (y[torch.arange(T).flip(0)[:, None], ids] * w[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("fn", [_ids_of_another_token, _ids_not_a_top_k, _summed_over_the_features, _rows_of_other_tokens])
+def test_outputs_read_elsewhere_stay(fn):
+    y, scores = torch.randn(T, E, d), torch.randn(T, E)
+    torch.manual_seed(0)
+    gm = traced(fn, y, scores)
+    assert "gathered_outputs_to_gate_matrix" not in rules(canonicalize(gm))
+
+
+# --- the first K of a descending sort ---------------------------------------------------------
+
+
+def _sort_prefix(scores):
+    ranked, order = torch.sort(scores, dim=-1, descending=True)
+    return ranked[..., :K] * 2, order[:, :K]
+
+
+def _argsort_prefix(scores):
+    ids = scores.argsort(dim=-1, descending=True)[..., :K]
+    return scores.gather(-1, ids), ids
+
+
+def _narrow_prefix(scores):
+    ranked, order = scores.sort(-1, True)
+    return ranked.narrow(-1, 0, K), order.narrow(-1, 0, K)
+
+
+@pytest.mark.parametrize("fn", [_sort_prefix, _argsort_prefix, _narrow_prefix])
+def test_the_first_k_of_a_descending_sort_become_a_top_k(fn):
+    scores = torch.randn(T, E)
+    gm = traced(fn, scores)
+    assert rules(canonicalize(gm)) == ["sorted_prefix_to_topk"]
+    assert "topk" in ops(gm) and "sort" not in ops(gm) and "argsort" not in ops(gm), ops(gm)
+    same_value(gm, fn, scores)
+
+
+def _ascending_suffix(scores):
+    ranked, order = torch.sort(scores, dim=-1)
+    return ranked[..., -K:], order[..., -K:]  # the top K, smallest first: another slot order
+
+
+def _widths_differ(scores):
+    ranked, order = torch.sort(scores, dim=-1, descending=True)
+    return ranked[..., :K + 1], order[..., :K]
+
+
+def _top_p(scores):
+    ranked, order = torch.sort(scores.softmax(-1), dim=-1, descending=True)
+    keep = ranked.cumsum(-1) < 0.7  # every sorted value read: a variable number of experts
+    return ranked * keep, order[..., :K]
+
+
+def _over_the_tokens(scores):
+    ranked, order = torch.sort(scores, dim=0, descending=True)
+    return ranked[:K], order[:K]
+
+
+@pytest.mark.parametrize("fn", [_ascending_suffix, _widths_differ, _top_p, _over_the_tokens])
+def test_other_sorts_stay(fn):
+    scores = torch.randn(T, E)
+    gm = traced(fn, scores)
+    assert "sorted_prefix_to_topk" not in rules(canonicalize(gm))

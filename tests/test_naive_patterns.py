@@ -24,7 +24,7 @@ from moe_compiler.testing import FP32_RTOL
 from .helpers import assert_close_to_eager, profiled_op_names
 from .naive_models import (AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
                            DispatchCombineMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
-                           StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE)
+                           StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE, TokenMajorMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -377,6 +377,46 @@ def test_dense_bmm_rows_of_other_tokens_stay(caplog):
     with torch._dynamo.config.patch(**{FLAG: True}):
         assert_left_alone(TiledBmmMoE(tile="shifted"), _inputs()[0], "none found its first projection", caplog)
 
+# every expert computed token-major ([T, E, .] einsums), weighted by a gate matrix or read at the top-k
+TOKEN_MAJOR_VARIANTS = {
+    "separate-gates_einsum": dict(),
+    "separate-gates_product-out_in": dict(combine="gates_product", orient="out_in"),
+    "fused-gather_index": dict(gate_up="fused", combine="gather_index"),
+    "plain-gather-out_in": dict(gate_up="plain", combine="gather", orient="out_in"),
+    # nn.Linear(d, E * f) packs the first projections [E, f, d]; the down weights in the same
+    # orientation, or in the other ([E, f, d] read as [E, in, out]: the packed view handed over transposed)
+    "packed-gather_index-out_in": dict(gate_up="packed", combine="gather_index", orient="out_in"),
+    "packed-gates_product-mixed": dict(gate_up="packed", combine="gates_product"),
+}
+
+
+@pytest.mark.parametrize("variant", TOKEN_MAJOR_VARIANTS)
+def test_dense_bmm_token_major_matches_eager(variant):
+    separate = TOKEN_MAJOR_VARIANTS[variant].get("gate_up", "separate") == "separate"
+    _check_rewrite(TokenMajorMoE(**TOKEN_MAJOR_VARIANTS[variant]), "dense_bmm",
+                   op="sonic::moe_experts_split" if separate else "sonic::moe_experts")
+
+
+@pytest.mark.parametrize("selection", ["sort", "argsort"])
+@pytest.mark.parametrize("model,idiom", [(LoopMoE, "expert_loop"), (TokenMajorMoE, "dense_bmm")])
+def test_top_k_taken_from_a_descending_sort_matches_eager(selection, model, idiom):
+    layer = model(K=2) if model is TokenMajorMoE else model(d=16, n=8, E=4, K=2)
+    layer.selection = selection  # the first K of sort(descending=True), or of argsort with the weights gathered
+    _check_rewrite(layer, idiom, op="sonic::moe_experts_split" if model is TokenMajorMoE else OP)
+
+
+def test_dense_bmm_token_major_outputs_of_other_tokens_stay(caplog):
+    """The outputs read at the next token's ids: no gate matrix, no sum over the experts."""
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(TokenMajorMoE(combine="gather_other"), _inputs()[0], "not a sum over the experts", caplog)
+
+
+def test_dense_bmm_token_major_up_projection_read_by_a_view_stays(caplog):
+    """A view of the up projection's own [T, E, f] layout keeps that einsum as written: no bmm pair."""
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(TokenMajorMoE(view=True), _inputs()[0], "not only the up-projection output", caplog)
+
+
 def test_dense_bmm_is_sparse():
     """The rewrite runs each expert on its top-k rows only: the op sees T*K rows, not E*T."""
     model = BmmMoE(E=8, K=1)
@@ -571,6 +611,13 @@ STACKED_VARIANTS = {
                            "per-expert list, separate gate/up, bias"),
     # one 2-D [E * out, in] parameter per projection viewed as [E, out, in] where an expert reads it (DBRX's)
     "T-separate-packed": (dict(packed=True), OP, "per-expert list, separate gate/up"),
+    # the down weights in the other orientation (DBRX's storage): the op reads w2.transpose(1, 2), a view
+    "T-separate-packed-down-in_out": (dict(packed=True, down_orient="in_out"), "sonic::moe_experts_split",
+                                      "separate gate/up (two stacked parameters), down weights in the other orientation"),
+    "in_out-plain-square-down-T": (dict(n=D, orient="in_out", gate_up="plain", down_orient="T"), "sonic::moe_experts",
+                                   "concatenated, transposed, down weights in the other orientation"),
+    "linear-fused-bias-down-in_out": (dict(orient="linear", gate_up="fused", bias=True, down_orient="in_out"),
+                                      "sonic::moe_experts", "concatenated, down weights in the other orientation, bias"),
     "linear-plain-packed-once": (dict(orient="linear", gate_up="plain", packed="once"), "sonic::moe_experts",
                                  "concatenated"),
     "in_out-fused-packed": (dict(orient="in_out", gate_up="fused", packed=True), "sonic::moe_experts",
@@ -673,14 +720,12 @@ NEGATIVE = {
     "stacked-expert-visited-twice": (lambda: StackedLoopMoE(experts_used=[0, 1, 2, 3, 1]), "added twice"),
     "stacked-subset": (lambda: StackedLoopMoE(experts_used=[0, 1, 3]), "not every expert"),
     # d == n: the down weight has w1's [E, out, in] shape but is read as [in, out]; the shapes cannot tell
-    "stacked-square-orientation-mismatch": (lambda: StackedLoopMoE(n=D, gate_up="plain", down_orient="in_out"), "read both as [out, in]"),
     "stacked-weight-modified-in-loop": (lambda: StackedLoopMoE(mutate=True), "is modified in the graph"),
     # one packed [E * out, in] parameter viewed per expert and written in the loop: each expert's view
     # is its own node (the write between them keeps them apart), so they are not one stacked weight
     "stacked-packed-modified-in-loop": (lambda: StackedLoopMoE(packed=True, mutate=True),
                                         "from different stacked parameters"),
     # DBRX's layout: packed gate and up read as [out, in], the packed down as [in, out]
-    "stacked-packed-orientation-mixed": (lambda: StackedLoopMoE(packed=True, down_orient="in_out"), "read both as [out, in]"),
     # column ranges W[e, :, :n] of an [E, in, out] parameter are not taken
     "stacked-in_out-halves": (lambda: StackedLoopMoE(orient="in_out", gate_up="halves"), "nor a slice W[e] (or rows W[e, a:b])"),
     "dense-softmax-gates": (lambda: DenseMoE(gates="probs"), "not provably zero outside the top-k"),
@@ -1030,6 +1075,23 @@ def test_dense_bmm_gpu_bf16(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", TOKEN_MAJOR_VARIANTS)
+def test_dense_bmm_token_major_gpu_bf16(variant):
+    _check_gpu_bf16(lambda: TokenMajorMoE(**TOKEN_MAJOR_VARIANTS[variant]), "dense_bmm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selection", ["sort", "argsort"])
+def test_top_k_taken_from_a_descending_sort_gpu_bf16(selection):
+    def make():
+        layer = LoopMoE(d=16, n=8, E=4, K=2)
+        layer.selection = selection
+        return layer
+
+    _check_gpu_bf16(make, "expert_loop")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["llama4-4.5x", "top2-index_select-index_add_"])
 def test_dense_bmm_tiled_rows_gpu_bf16(variant):
     _check_gpu_bf16(lambda: TiledBmmMoE(**TILED_VARIANTS[variant]), "dense_bmm")
@@ -1057,7 +1119,9 @@ def test_autocast_gpu(case, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["T-separate", "in_out-fused", "linear-plain", "linear-fused-bias",
-                                     "linear-separate-bias", "linear-halves", "T-separate-packed"])
+                                     "linear-separate-bias", "linear-halves", "T-separate-packed",
+                                     "T-separate-packed-down-in_out", "in_out-plain-square-down-T",
+                                     "linear-fused-bias-down-in_out"])
 def test_expert_loop_stacked_gpu_bf16(variant):
     _check_gpu_bf16(lambda: StackedLoopMoE(**STACKED_VARIANTS[variant][0]), "expert_loop")
 
