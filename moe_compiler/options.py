@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any, Mapping
 
 PATTERNS = ("hf_grouped_mm", "sorted_grouped_mm", "grouped_rows", "hf_batched_mm", "hf_eager_loop", "expert_loop",
-            "dense_experts", "dense_bmm", "repeat_loop", "gathered_weights")  # every idiom the pass driver knows, in the order it runs them
+            "dense_experts", "dense_bmm", "repeat_loop", "gathered_weights", "evaluated")  # every idiom the pass driver knows, in the order it runs them
 # The idioms run unless `sonic.patterns` names others. `grouped_rows` (experts over rows grouped
 # upstream) is opt-in: its rewrite is exact, but there the op has no gather or scatter to fuse, and
 # torch's grouped GEMMs are faster (docs/PATTERNS.md, grouped rows).

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from moe_compiler.patterns import (
     dense_bmm,
+    evaluated,
     dense_experts,
     expert_loop,
     gathered_weights,
@@ -43,6 +44,7 @@ FINDERS = {
     "dense_bmm": dense_bmm.find,  # stacked experts all run as bmm (Llama 4), gated by a [T, E] matrix
     "repeat_loop": repeat_loop.find,  # ModuleList experts over x.repeat_interleave(K) rows (DeepSeek-MoE)
     "gathered_weights": gathered_weights.find,  # einsums on W[ids], stacked weights gathered per token (gpt-fast)
+    "evaluated": evaluated.find,  # stacked experts no finder read, found by evaluating hypotheses (last)
 }
 
 _graph_ids = itertools.count()
@@ -222,9 +224,18 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
         if "grouped_rows" not in options.patterns:  # say where the opt-in idiom would take experts left here
             records += [RegionRecord(graph_id, grouped_rows.IDIOM, m.module, "rejected", GROUPED_ROWS_HINT, hint=True)
                         for g in graphs for m in _found_only(grouped_rows.find, g)]
-        if not records:  # no idiom found a candidate: say why of each router that reaches expert weights
-            records = [RegionRecord(graph_id, r.idiom, r.module, "rejected", r.reason)
-                       for g in graphs for r in explain_unmatched(g)]
+        # where a finder of its own rejected a region, its reason is the one to read: the evaluated
+        # finder's (no hypothesis equal) is dropped there
+        named = {r.module for r in records if r.idiom != evaluated.IDIOM}
+        records = [r for r in records if not (r.idiom == evaluated.IDIOM and r.status == "rejected" and r.module in named)]
+        if all(r.idiom == evaluated.IDIOM and r.status == "rejected" for r in records):
+            # no idiom found a candidate (the evaluated finder's hypotheses are none): say why of each
+            # router that reaches expert weights, with what the evaluation found
+            tried = {r.module: r.reason for r in records}
+            unmatched = [RegionRecord(graph_id, r.idiom, r.module, "rejected",
+                                      r.reason + (f"; {evaluated.IDIOM}: {tried[r.module]}" if r.module in tried else ""))
+                         for g in graphs for r in explain_unmatched(g)]
+            records = unmatched or records
         if any(canonical) and not any(r.status == "rewritten" for r in records):
             _restore(graphs, backups)  # no MoE rewritten: the graph leaves as Dynamo traced it
         else:

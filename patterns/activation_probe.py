@@ -134,7 +134,8 @@ def name_activation(fn, w1_out: int, n: int, constants=(), tol: float = 1e-10, o
         gen = torch.Generator().manual_seed(0)
         probe = torch.randn(_PROBE_ROWS, w1_out, generator=gen, dtype=torch.float64) * 6.0
         probe[_PROBE_ROWS // 2:] *= max(1.0, big / 3.0)  # past every constant, in float64 range
-        got = fn(probe)
+        # a GraphModule's forward itself: its __call__ prints a failing line's traceback to stderr
+        got = (fn.forward if isinstance(fn, fx.GraphModule) else fn)(probe)
     except Exception as exc:  # an op that cannot run on a probe is not an activation we know
         return f"activation could not be evaluated on a probe ({type(exc).__name__}: {exc})"
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != (_PROBE_ROWS, n):

@@ -82,7 +82,7 @@ from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, 
                                same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
 from .canonical_routing import (add_of_rows_into_zeros_to_index_add, gate_nonzero_to_any_hit, gathered_outputs_to_gate_matrix,
-                                sorted_prefix_to_topk,
+                                sorted_prefix_to_topk, copies_at_slots_to_floor_div,
                                 gate_rows_column_to_column_rows, masked_scatter_rows_to_index_add,
                                 one_hot_count_to_any_hit, position_copy_to_mask_write,
                                 scale_after_row_writes_to_scaled_rows, slot_token_rows_to_repeat)
@@ -953,7 +953,7 @@ RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, so
          nonzero_columns_to_where,
          boolean_index_to_where, scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add,
          addmm_to_matmul_plus_bias, transpose_pair_to_base, elementwise_of_transpose_to_transpose, copied_rows_to_repeat, copies_added_back_to_sum,
-         any_hit_where_to_hit_where, position_copy_to_mask_write, slot_token_rows_to_repeat,
+         any_hit_where_to_hit_where, position_copy_to_mask_write, copies_at_slots_to_floor_div, slot_token_rows_to_repeat,
          arange_mask_to_one_hot, masked_weight_to_gate_column, gate_rows_column_to_column_rows, gate_column_rows_to_weights,
          keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,
          add_of_rows_into_zeros_to_index_add,

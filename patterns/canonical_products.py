@@ -122,29 +122,26 @@ def einsum_to_bmm(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     (i,) = contracted
     if _goes_right(la, lb, out, i):
         la, lb, a, b = lb, la, b, a
-    if len(lb) != 3:
+    letters = _bmm_letters(la, lb, i)
+    if letters != out and _bmm_letters(lb, la, i) == out:  # the other order needs no transpose after
+        la, lb, a, b, letters = lb, la, b, a, out
+    if letters is None:
         return None
-    shared = (set(la) & set(lb)) - {i}
-    batch = shared.pop() if len(shared) == 1 and len(la) == 3 else next(c for c in lb if c != i) if len(la) == 2 else None
-    if batch is None or shared:
-        return None
-    (n,) = set(lb) - {batch, i}
-    rest = set(la) - {batch, i}
-    if len(rest) != 1 or n in la:
-        return None
-    (m,) = rest
-    E = shape_of(b)[lb.index(batch)]
+    batch, m, n = letters
+    E = shape_of(b)[lb.index(batch)] if batch in lb else shape_of(a)[la.index(batch)]
     if not isinstance(E, int):
         return None
     canonical = batch + m + n
     if out != canonical and not _layout_free(node):
         return None  # a view reads the einsum's own (contiguous) layout, which the permuted product lacks
-    right = _laid_out(gm, node, b, lb, batch + i + n)
-    if batch in la:
-        left = _laid_out(gm, node, a, la, batch + m + i)
-    else:
-        rows = _laid_out(gm, node, a, la, m + i)
-        left = insert_call(gm, node, torch.Tensor.expand, (insert_call(gm, node, torch.unsqueeze, (rows, 0)), E, -1, -1))
+
+    def side(t, letters: str, order: str):  # t laid out as `order`; broadcast over E where it lacks the batch
+        if batch in letters:
+            return _laid_out(gm, node, t, letters, order)
+        rows = _laid_out(gm, node, t, letters, order.replace(batch, ""))
+        return insert_call(gm, node, torch.Tensor.expand, (insert_call(gm, node, torch.unsqueeze, (rows, 0)), E, -1, -1))
+
+    left, right = side(a, la, batch + m + i), side(b, lb, batch + i + n)
     product = insert_call(gm, node, torch.bmm, (left, right), autocast=autocast)
     result = _laid_out(gm, node, product, canonical, out)
     node.replace_all_uses_with(result)
@@ -210,6 +207,25 @@ def packed_linear_view_to_einsum(gm: fx.GraphModule, node: fx.Node, order: dict)
         result = insert_call(gm, node, operator.add, (product, insert_call(gm, node, torch.Tensor.view, (b, E, f))))
     node.replace_all_uses_with(result)
     return f"{node.name}: {lin.name} packs E={E} experts -> einsum over {W.name}.view({E}, {f}, {d})"
+
+
+def _bmm_letters(la: str, lb: str, i: str) -> str | None:
+    """(batch, m, n) of `bmm(a laid out [batch, m, i], b laid out [batch, i, n])` for operands with
+    letters la and lb contracting i (one of them may lack the batch letter: broadcast), or None. The
+    batch letter is the one both share, or the first of the 3-D operand's other letters."""
+    if sorted((len(la), len(lb))) not in ([2, 3], [3, 3]):
+        return None
+    shared = (set(la) & set(lb)) - {i}
+    if len(la) == len(lb):
+        batch = shared.pop() if len(shared) == 1 else None
+    else:
+        batch = None if shared else next(c for c in (la if len(la) == 3 else lb) if c != i)
+    if batch is None:
+        return None
+    rest_a, rest_b = set(la) - {batch, i}, set(lb) - {batch, i}
+    if len(rest_a) != 1 or len(rest_b) != 1 or rest_a == rest_b:
+        return None
+    return batch + rest_a.pop() + rest_b.pop()
 
 
 def _goes_right(la: str, lb: str, out: str, i: str) -> bool:

@@ -31,6 +31,8 @@ Rules (eager spelling -> canonical form; ids [T, K] the indices of a top-k over 
         # 0 either way (for a finite scale); the product keeps out's dtype and shape
     buf.index_copy_(0, torch.where(m)[0], y)       ->  buf[m] = y
         # m a 1-D boolean mask over buf's rows: the same rows written with the same values
+    arange(T).repeat_interleave(K)[torch.where(m)[0]]  ->  torch.where(m)[0] // K
+        # each slot's token read from copies of arange(T) (m over the T * K slots): slot p's is p // K
     x[torch.where(m)[0] // K]                      ->  x.repeat_interleave(K, 0)[m]
         # m over the T * K slots of flattened [T, K] ids, x [T, d]: slot p is token p // K (the
         # form `repeat_loop` reads: rows of x repeated K times, selected by `flat == e`)
@@ -52,7 +54,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .canonical_layout import arange_as
+from .canonical_layout import arange_as, arange_copies
 from .common import (ZEROS, NoMatch, RegionWalk, arg, dtype_of, example_value, flattens_indices, getitem_of, insert_call,
                      is_call, is_getitem, is_int, same_shape, same_size, shape_of, unit_slice, writes_in_place)
 from .dense_experts import sparse_gates, sums_dim
@@ -444,6 +446,30 @@ def slot_token_rows_to_repeat(gm: fx.GraphModule, node: fx.Node, order: dict) ->
     node.replace_all_uses_with(picked)
     order[picked] = order[node]
     return f"{node.name} -> {x.name}.repeat_interleave({K}, 0)[{m.name}]"
+
+
+def copies_at_slots_to_floor_div(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`arange(T).repeat_interleave(K)[torch.where(m)[0]]` (any `arange_copies` spelling of each
+    slot's token, read by `index_select` too) with m [T * K] -> `torch.where(m)[0] // K`: entry p of
+    the copies is p // K, and the positions of m lie in [0, T * K)."""
+    if is_getitem(node) and len(node.args) == 2:
+        copies_node, positions = node.args
+    elif is_call(node, "index_select") and len(node.args) == 3 and node.args[1] in (0, -1) and not node.kwargs:
+        copies_node, positions = node.args[0], node.args[2]
+    else:
+        return None
+    if not isinstance(copies_node, fx.Node) or len(shape_of(copies_node)) != 1 or not isinstance(positions, fx.Node):
+        return None
+    copies = arange_copies(copies_node)
+    m = _where_rows(positions)
+    if copies is None or not copies.interleaved or m is None or dtype_of(copies_node) != dtype_of(positions):
+        return None
+    if not (is_int(copies.copies) and same_size(shape_of(m)[0], shape_of(copies_node)[0])):
+        return None
+    token = insert_call(gm, node, operator.floordiv, (positions, copies.copies))
+    order[token] = order[node]
+    node.replace_all_uses_with(token)
+    return f"{node.name} -> {positions.name} // {copies.copies}"
 
 
 # --- rows put back by masked_scatter, sums of row adds into zeros ---------------------------------

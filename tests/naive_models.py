@@ -1507,3 +1507,68 @@ class TokenMajorMoE(Router):
             rows = torch.arange(T, device=x.device)[:, None]
             picked = y[rows, ids.roll(1, 0) if self.combine == "gather_other" else ids]
         return (picked * w.unsqueeze(-1)).sum(dim=1)
+
+
+class CapacityDispatchMoE(Router):
+    """Switch/GShard-style dispatch through [T, E, C] one-hot slot tensors: each token's position
+    among its expert's tokens (a running count over the tokens), buffers [E, C, d] filled by an
+    einsum, stacked experts on the buffers, and a combine einsum weighted by the top-1 gate.
+
+    capacity: "tokens" (C = T: no token can be dropped, so this is the op's computation) or "half"
+              (C = T // 2, positions past it dropped by a mask: not the op)
+    bias:     stacked [E, f] and [E, d] biases on the projections (an empty slot maps to them; its
+              combine weight is 0)
+    """
+
+    def __init__(self, d=16, n=8, E=4, capacity="tokens", bias=True):
+        super().__init__(d, E, 1)
+        self.capacity = capacity
+        self.wi = stacked_param(E, n, d, "in_out")
+        self.wo = stacked_param(E, d, n, "in_out")
+        self.bi = nn.Parameter(torch.randn(E, n) * 0.1) if bias else None
+        self.bo = nn.Parameter(torch.randn(E, d) * 0.1) if bias else None
+
+    def forward(self, x):
+        T = x.shape[0]
+        probs = F.softmax(self.gate(x), dim=-1)
+        top = torch.argmax(probs, dim=-1)
+        gate = probs.gather(-1, top[:, None]).squeeze(-1)
+        mask = F.one_hot(top, self.E).to(x.dtype)  # [T, E]
+        C = T if self.capacity == "tokens" else T // 2
+        position = ((torch.cumsum(mask, dim=0) - 1.0) * mask).sum(-1).long()  # [T]
+        kept = (position < C).to(x.dtype)
+        slot = F.one_hot(position.clamp(max=C - 1), C).to(x.dtype) * kept[:, None]
+        dispatch = mask[:, :, None] * slot[:, None, :]  # [T, E, C]
+        combine = dispatch * gate[:, None, None]
+        buffers = torch.einsum("tec,td->ecd", dispatch, x)
+        h = torch.einsum("ecd,edf->ecf", buffers, self.wi)
+        h = F.gelu(h + self.bi[:, None] if self.bi is not None else h)
+        y = torch.einsum("ecf,efd->ecd", h, self.wo)
+        y = y + self.bo[:, None] if self.bo is not None else y
+        return torch.einsum("tec,ecd->td", combine, y)
+
+
+class SlotGatherMoE(Router):
+    """A loop over the K routing slots, each gathering every token's expert weights (`W[ids[:, k]]`,
+    [T, ., .]) into batched products, summed over the slots with the slot's weight.
+
+    weights: "own" (slot k's weight) or "swapped" (slot k's output weighted by another slot's
+             weight: not the op)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, weights="own"):
+        super().__init__(d, E, K)
+        self.weights = weights
+        self.w13 = stacked_param(E, 2 * n, d, "in_out")  # [E, d, 2n]
+        self.w2 = stacked_param(E, d, n, "in_out")  # [E, n, d]
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        out = x.new_zeros(x.shape)
+        for k in range(self.K):
+            e = ids[:, k]
+            g, u = torch.einsum("td,tdf->tf", x, self.w13[e]).chunk(2, dim=-1)
+            y = torch.einsum("tf,tfd->td", F.silu(g) * u, self.w2[e])
+            slot = (k + 1) % self.K if self.weights == "swapped" else k
+            out = out + w[:, slot, None] * y
+        return out

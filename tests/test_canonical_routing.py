@@ -519,3 +519,36 @@ def test_other_sorts_stay(fn):
     scores = torch.randn(T, E)
     gm = traced(fn, scores)
     assert "sorted_prefix_to_topk" not in rules(canonicalize(gm))
+
+
+# --- each slot's token read from copies of arange(T) --------------------------------------------
+
+
+@pytest.mark.parametrize("read", ["getitem", "index_select"])
+def test_a_slots_token_from_arange_copies_becomes_its_position_floor_k(read):
+    def fn(x, scores):
+        _, ids = torch.topk(scores, K)
+        tokens = torch.arange(x.shape[0]).repeat_interleave(K)
+        sel = torch.where(ids.reshape(-1) == 1)[0]
+        tok = tokens[sel] if read == "getitem" else tokens.index_select(0, sel)
+        return x[tok] * 2
+
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        gm = traced(fn, x, scores)
+    applied = rules(canonicalize(gm))
+    assert "copies_at_slots_to_floor_div" in applied and "slot_token_rows_to_repeat" in applied, applied
+    same_value(gm, fn, x, scores)
+
+
+def test_a_tiled_arange_read_at_slots_stays():
+    def fn(x, scores):
+        _, ids = torch.topk(scores, K)
+        tokens = torch.arange(x.shape[0]).repeat(K)  # tiled: entry p is p mod T, not p // K
+        return x[tokens[torch.where(ids.reshape(-1) == 1)[0]]]
+
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        gm = traced(fn, x, scores)
+    assert "copies_at_slots_to_floor_div" not in rules(canonicalize(gm))
+    same_value(gm, fn, x, scores)

@@ -35,7 +35,7 @@ class CapacityTop1(nn.Module):
 
 class ConcatenatedLinearExperts(nn.Module):
     """Every expert on every token, the up projections as one Linear over all experts' weights
-    (`F.linear(x, W.reshape(E * n, d)).view(T, E, n)`), which no finder takes."""
+    (`F.linear(x, W.reshape(E * n, d)).view(T, E, n)`): a packed first projection, token-major."""
 
     def __init__(self):
         super().__init__()
@@ -52,6 +52,23 @@ class ConcatenatedLinearExperts(nn.Module):
         return (gates.unsqueeze(-1) * y).sum(1)
 
 
+class NormedTensordotExperts(nn.Module):
+    """Every expert on every token through `torch.tensordot`, a layer norm between its projections:
+    no finder reads tensordot, and no activation the op computes is a normalisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(d, E, bias=False)
+        self.w1, self.w2 = nn.Parameter(torch.randn(E, n, d)), nn.Parameter(torch.randn(E, d, n))
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), K)
+        gates = torch.zeros(x.shape[0], E).scatter(1, ids, w)
+        h = F.layer_norm(torch.tensordot(x, self.w1, dims=([1], [2])), (n,))  # [T, E, n]
+        y = torch.einsum("ten,edn->ted", h, self.w2)
+        return (gates.unsqueeze(-1) * y).sum(1)
+
+
 def _explain(model):
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         return moe_compiler.explain(model, torch.randn(T, d))
@@ -65,9 +82,23 @@ def test_a_capacity_limited_router_is_left_alone_with_its_reason():
 
 
 def test_an_unrecognised_experts_layer_names_the_closest_idioms():
-    (record,) = _explain(ConcatenatedLinearExperts()).records
+    (record,) = _explain(NormedTensordotExperts()).records
     assert record.idiom == "unmatched" and "E=4 experts" in record.reason, record.reason
-    assert "w1" in record.reason and "reshape" in record.reason and "dense_bmm" in record.reason, record.reason
+    assert "w1" in record.reason and "tensordot" in record.reason and "dense_bmm" in record.reason, record.reason
+    # the evaluated finder's hypotheses, none equal, are named with it
+    assert "evaluated: no hypothesis evaluated equal" in record.reason, record.reason
+
+
+def test_a_packed_token_major_layer_is_rewritten():
+    """`ConcatenatedLinearExperts` reaches dense_bmm through the canonical forms: the packed Linear
+    as an einsum over the stacked weights, the token-major products as bmms over E."""
+    model = ConcatenatedLinearExperts()
+    x = torch.randn(T, d)
+    report = _explain(model)
+    assert [(r.idiom, r.status) for r in report.records] == [("dense_bmm", "rewritten")], report.records
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        got = torch.compile(model, backend="sonic")(x)
+    torch.testing.assert_close(got, model(x))
 
 
 def test_a_top_k_that_feeds_no_experts_is_not_reported():

@@ -1,0 +1,227 @@
+"""MoE code that no finder reads, found by what it computes: the last finder, and the one that
+reads no spelling at all.
+
+For each top-k (or max) over [T, E] router scores whose ids reach two or three stacked [E, ., .]
+weights and that no finder took, it forms hypotheses of what the code computes and keeps the
+first that evaluation confirms:
+
+    x        the [T, d] hidden states the router reads, which the expert code reads as well
+    weights  a [T, K] float tensor computed from the router's values ([T] for a top-1)
+    experts  which stacked weight is the first projection (gate and up: two of one shape), which
+             the down projection, in which orientation, with [E, width] biases where their widths fit
+    act      every activation the op computes of that width (the gated ones both concatenated and
+             interleaved; gpt-oss's with the region's own numbers as alpha and limit)
+    anchor   a node of x's shape that depends on every stacked weight: the first whose value the op
+             computes
+
+The region is everything between those inputs and the anchor. It must write nothing in place, read
+nothing else, and keep what the experts compute to itself (a value read elsewhere would stay and be
+computed twice), and `verify` must evaluate it (float64, random and adversarial routings: an idle
+expert, every token on one expert, tied weights) equal to the op's reference for one hypothesis.
+Nothing structural is trusted: a hypothesis is only a guess at the op's arguments, and the
+evaluation decides. A region too large to evaluate is left alone. Capacity-limited routing that
+really drops tokens differs from the op on the crowded routing and stays as written.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx as fx
+
+from moe_compiler.codegen.activations import GATED
+
+from .common import (MoEMatch, NoMatch, RegionWalk, Rejection, backward_slice, dtype_of, expect, finish_match,
+                     module_path, same_size, shape_of, writes_in_place)
+from .unmatched import _feeding, _forward, _routers
+
+IDIOM = "evaluated"
+_MAX_CANDIDATES = 4  # of x, of the weights, of the anchors: hypotheses stay in the hundreds
+
+
+def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
+    results: list[MoEMatch | Rejection] = []
+    for ids, E, router in _routers(gm):
+        reached = _forward(ids)
+        if any(str(n.target).startswith("sonic.") for n in reached):
+            continue  # another finder rewrote these experts
+        scoring = set(_feeding([router])) | {router}
+        products = reached + [n for n in _feeding(reached) if n not in reached and n not in scoring]
+        params = _params(products, E)
+        if len([p for p in params if len(shape_of(p)) == 3]) not in (2, 3):
+            continue  # not stacked experts (a ModuleList's Linears, or no experts at all): other finders' business
+        try:
+            results.append(_search(router, ids, E, reached, scoring, params))
+        except NoMatch as exc:
+            results.append(Rejection(IDIOM, module_path(router), str(exc)))
+    return results
+
+
+def _params(nodes: list[fx.Node], E: int) -> list[fx.Node]:
+    """Graph inputs of shape [E, ., .] or [E, .] that the nodes read, in graph order."""
+    found = []
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            shape = shape_of(inp)
+            if inp.op in ("placeholder", "get_attr") and len(shape) in (2, 3) and shape[0] == E and inp not in found:
+                found.append(inp)
+    return found
+
+
+def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scoring: set[fx.Node],
+            params: list[fx.Node]) -> MoEMatch:
+    from .verify import verify
+
+    top1 = len(shape_of(ids)) == 1
+    expect(len(shape_of(ids)) in (1, 2) and dtype_of(ids) in (torch.int32, torch.int64), "the ids are not [T, K] or [T]")
+    T, K = shape_of(ids)[0], 1 if top1 else shape_of(ids)[1]
+    stacked = [p for p in params if len(shape_of(p)) == 3]
+    biases = [p for p in params if len(shape_of(p)) == 2]
+    xs = _hidden_states(scoring, reached, T)
+    expect(xs, "no [T, d] hidden states read by both the router and the experts")
+    weights = _weights(router, ids, stacked, T, K, top1)
+    expect(weights, f"no [T, {K}] float weights computed from the router's values")
+    tried, unevaluated = 0, None
+    for x in xs:
+        d = shape_of(x)[1]
+        anchors = _anchors(reached, x, stacked)
+        for w, anchor, (w1, w_up, w2, transposed) in itertools.product(weights, anchors, _roles(stacked, d)):
+            for act, b1, b2 in _hypotheses(w1, w_up, w2, transposed, d, biases, anchor):
+                tried += 1
+                match = _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, act, E=E, K=K, T=T, d=d,
+                               top1=top1)
+                if match is None:
+                    continue
+                try:
+                    outcome = verify(match)  # raises NoMatch where the region differs from the op
+                except NoMatch:
+                    continue
+                if outcome.startswith("evaluated equal"):
+                    match.verified = f"found by evaluation: {outcome}, hypothesis {tried}"
+                    return match
+                unevaluated = outcome  # too large to evaluate: no structural proof to fall back on here
+    if unevaluated is not None:
+        raise NoMatch(f"the region is too large to evaluate ({unevaluated}), and this finder has no structural "
+                      f"proof to rest on: left alone")
+    raise NoMatch(f"no hypothesis evaluated equal to the op ({tried} tried: hidden states, routing weights, expert "
+                  f"weights' roles and orientations, activations, outputs)")
+
+
+def _hidden_states(scoring: set[fx.Node], reached: list[fx.Node], T) -> list[fx.Node]:
+    """[T, d] float tensors the router's scores are computed from (graph inputs too) that the expert
+    side (what the ids reach, and what that reads, less the router) reads as well."""
+    expert_side = (set(reached) | set(_feeding(reached))) - scoring
+    read = {i for n in expert_side for i in n.all_input_nodes}
+    routed = scoring | {i for n in scoring for i in n.all_input_nodes}
+    graph = next(iter(scoring)).graph
+    found = [n for n in graph.nodes if n in read and n in routed and len(shape_of(n)) == 2
+             and same_size(shape_of(n)[0], T) and dtype_of(n) is not None and dtype_of(n).is_floating_point]
+    return found[:_MAX_CANDIDATES]
+
+
+def _weights(router: fx.Node, ids: fx.Node, stacked: list[fx.Node], T, K: int, top1: bool) -> list[fx.Node]:
+    """[T, K] (top-1: [T]) float nodes computed from the router's outputs and from no expert weight,
+    the latest first (renormalised weights come after the raw top-k values)."""
+    expert_side = set(_forward_all(stacked))
+    want = [(T,)] if top1 else [(T, K)]
+    found = [n for n in _forward(router) if n not in expert_side and n is not ids
+             and any(len(shape_of(n)) == len(s) and all(same_size(a, b) for a, b in zip(shape_of(n), s)) for s in want)
+             and dtype_of(n) is not None and dtype_of(n).is_floating_point]
+    return found[::-1][:_MAX_CANDIDATES]
+
+
+def _forward_all(starts: list[fx.Node]) -> list[fx.Node]:
+    return [n for s in starts for n in _forward(s)]
+
+
+def _anchors(reached: list[fx.Node], x: fx.Node, stacked: list[fx.Node]) -> list[fx.Node]:
+    """Nodes of x's shape computed from every stacked weight, the latest first (a sum built up over
+    slots or experts is complete at its last step; a node past the MoE, a residual add, fails the
+    evaluation and costs one try)."""
+    on_all = set.intersection(*(set(_forward(w)) for w in stacked))
+    sx = shape_of(x)
+    found = []
+    for node in reached:
+        shape = shape_of(node)
+        if node not in on_all or not shape or dtype_of(node) is None or not dtype_of(node).is_floating_point:
+            continue
+        if len(shape) == 2 and same_size(shape[0], sx[0]) and shape[1] == sx[1]:
+            found.append(node)
+    return found[::-1][:2 * _MAX_CANDIDATES]
+
+
+def _roles(stacked: list[fx.Node], d: int):
+    """(w1, w_up or None, w2, transposed) of the stacked weights: w1 [E, w1_out, d] (transposed:
+    [E, d, w1_out]) and w2 [E, d, n] ([E, n, d]) in one orientation."""
+    for order in itertools.permutations(stacked):
+        if len(order) == 2:
+            (w1, w2), w_up = order, None
+        else:
+            w1, w_up, w2 = order
+            if shape_of(w1) != shape_of(w_up):
+                continue
+        s1, s2 = shape_of(w1), shape_of(w2)
+        for transposed in (False, True):
+            w1_in, w2_out = (s1[1], s2[2]) if transposed else (s1[2], s2[1])
+            if w1_in == d and w2_out == d:
+                yield w1, w_up, w2, transposed
+
+
+def _hypotheses(w1, w_up, w2, transposed: bool, d: int, biases: list[fx.Node], anchor: fx.Node):
+    """(activation dict, b1, b2) for the weights' widths: gated activations where the first
+    projection is twice the down projection's input, the others where they are equal."""
+    s1, s2 = shape_of(w1), shape_of(w2)
+    w1_out = (s1[2] if transposed else s1[1]) * (2 if w_up is not None else 1)
+    n = s2[1] if transposed else s2[2]
+    if w1_out == 2 * n:
+        acts = [(a, inter) for a in GATED if GATED[a] and a not in ("swiglu_clamp", "swiglu_softcap")
+                for inter in ((False,) if w_up is not None else (False, True))]
+    elif w1_out == n and w_up is None:
+        acts = [(a, False) for a in GATED if not GATED[a]]
+    else:
+        return
+    up_biases = [None] + [b for b in biases if shape_of(b)[1] == w1_out and w_up is None]
+    down_biases = [None] + [b for b in biases if shape_of(b)[1] == d]
+    numbers = _numbers(anchor)
+    for (activation, interleaved), b1, b2 in itertools.product(acts, up_biases, down_biases):
+        pairs = [(1.702, 7.0)]
+        if activation == "swiglu_oai":
+            pairs += [(a, lim) for a in numbers for lim in numbers if a != lim][:8]
+        for alpha, limit in pairs:
+            yield dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit), b1, b2
+
+
+def _numbers(anchor: fx.Node) -> list[float]:
+    """Float literals the code before the anchor uses (gpt-oss's alpha and clamp limit among them)."""
+    found = []
+    for node in anchor.graph.nodes:
+        for a in (*node.args, *node.kwargs.values()):
+            if isinstance(a, float) and a > 0 and a not in found:
+                found.append(a)
+        if node is anchor:
+            break
+    return found[:6]
+
+
+def _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, act, *, E, K, T, d, top1) -> MoEMatch | None:
+    """The MoEMatch of one hypothesis, or None where it is not even well formed (shapes, dtypes, a
+    region that writes in place or reads past its inputs is settled by the evaluation)."""
+    inputs = {x, ids, w, w1, w2} | {b for b in (b1, b2, w_up) if b is not None}
+    region = backward_slice([anchor], stop=inputs)
+    if not region or any(writes_in_place(n) for n in region | {anchor}) or not inputs - {x} <= {
+            i for n in region | {anchor} for i in n.all_input_nodes}:
+        return None  # a hypothesis whose inputs the region does not all read is not the op's
+    # what the experts compute must be read by the region alone: else it stays in the graph for its
+    # other reader, and the op would compute the experts a second time
+    computed = set(_forward_all([p for p in (w1, w_up, w2) if p is not None]))
+    if any(u not in region for n in (region & computed) - {anchor} for u in n.users):
+        return None
+    walk = RegionWalk()
+    walk.mark(*region, anchor)
+    try:
+        match = finish_match(IDIOM, router, walk, anchor, x, ids, w, w1, w2, b1, b2, transposed, act, E=E, K=K, T=T,
+                             d=d, w_up=w_up)
+    except NoMatch:
+        return None
+    match.flat_top1 = top1
+    return match
