@@ -81,7 +81,9 @@ def _find(name: str, gm: fx.GraphModule, graph_id: int, options: SonicOptions):
         try:
             check_inputs_unmutated(m)
             settle_autocast(m)
-            m.verified = verify(m) if options.verify else "off"
+            # the evaluated finder's match is its own evaluation's outcome: checked on the CPU, as it was found
+            found_by_evaluation = m.idiom == evaluated.IDIOM
+            m.verified = verify(m, on_cpu=found_by_evaluation) if options.verify or found_by_evaluation else "off"
             matches.append(m)
         except NoMatch as why:
             rejections.append(Rejection(m.idiom, m.module, str(why)))

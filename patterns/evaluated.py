@@ -19,7 +19,9 @@ nothing else, and keep what the experts compute to itself (a value read elsewher
 computed twice), and `verify` must evaluate it (float64, random and adversarial routings: an idle
 expert, every token on one expert, tied weights) equal to the op's reference for one hypothesis.
 Nothing structural is trusted: a hypothesis is only a guess at the op's arguments, and the
-evaluation decides. A region too large to evaluate is left alone. Capacity-limited routing that
+evaluation decides. It runs on the CPU whatever the graph's device: a wrong guess may index out of
+range, which the CPU reports as an error and a CUDA kernel as a device-side assert that ends the
+process's use of the GPU. A region too large to evaluate is left alone. Capacity-limited routing that
 really drops tokens differs from the op on the crowded routing and stays as written.
 """
 from __future__ import annotations
@@ -93,7 +95,7 @@ def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scori
                 if match is None:
                     continue
                 try:
-                    outcome = verify(match)  # raises NoMatch where the region differs from the op
+                    outcome = verify(match, on_cpu=True)  # raises NoMatch where the region differs from the op
                 except NoMatch:
                     continue
                 if outcome.startswith("evaluated equal"):

@@ -50,9 +50,12 @@ _CACHE_SIZE = 256  # region structures remembered; a model has a handful
 _cache: dict[str, str] = {}
 
 
-def verify(match: MoEMatch) -> str:
-    """Raise NoMatch unless the region computes the op's value; what the report says of the check."""
-    region = _Region(match)
+def verify(match: MoEMatch, on_cpu: bool = False) -> str:
+    """Raise NoMatch unless the region computes the op's value; what the report says of the check.
+    `on_cpu`: evaluate on the CPU whatever device the graph runs on, every device the region names
+    read as the CPU (a region that is only a guess may index out of range: on the CPU that raises,
+    where a CUDA kernel's device-side assert would end the process's use of the GPU)."""
+    region = _Region(match, on_cpu)
     cost, size = region.estimate()
     device = region.device.type if region.device.type in MAX_FLOPS else "cuda"
     room = MAX_BYTES[device]
@@ -102,8 +105,8 @@ def _nondeterministic_allowed():
 class _Region:
     """The region's nodes as a graph of their own, inputs first in a fixed order."""
 
-    def __init__(self, match: MoEMatch):
-        self.match = match
+    def __init__(self, match: MoEMatch, on_cpu: bool = False):
+        self.match, self.on_cpu = match, on_cpu
         named = [*match.op_inputs(), *([match.added_to] if match.added_to is not None else [])]
         self.inputs: list[fx.Node] = list(dict.fromkeys(named))
         ours = len(self.inputs)
@@ -129,7 +132,7 @@ class _Region:
         graph.output(env[match.accumulator if match.accumulator is not None else match.anchor])
         self.module = fx.GraphModule(match.anchor.graph.owning_module or torch.nn.Module(), graph)
         value = example_value(match.x)
-        self.device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+        self.device = value.device if isinstance(value, torch.Tensor) and not on_cpu else torch.device("cpu")
 
     def signature(self) -> str:
         fields = {k: str(getattr(self.match, k)) for k in ("activation", "interleaved", "transposed", "alpha",
@@ -170,7 +173,7 @@ class _Region:
         for routing in _routings(self.match):
             try:
                 values = self._inputs(routing, generator, fixed)
-                got = _Float64(self.module).run(*values)
+                got = _Float64(self.module, self.on_cpu).run(*values)
                 want = self._reference(values)
             except (NoMatch, torch.OutOfMemoryError):
                 raise
@@ -386,11 +389,20 @@ def _numel(node: fx.Node, unknown: int = 1) -> int:
 
 
 class _Float64(fx.Interpreter):
-    """Runs a region with every float dtype read as float64, and `_grouped_mm` as per-group matmuls."""
+    """Runs a region with every float dtype read as float64, and `_grouped_mm` as per-group matmuls;
+    `on_cpu`: every device it names read as the CPU, and a move to CUDA refused."""
+
+    def __init__(self, module, on_cpu: bool = False):
+        super().__init__(module)
+        self.on_cpu = on_cpu
 
     def run_node(self, n: fx.Node):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         args, kwargs = _as_float64((args, kwargs))
+        if self.on_cpu:
+            if n.op == "call_method" and n.target == "cuda":
+                raise RuntimeError("the region moves a tensor to CUDA")
+            args, kwargs = _to_cpu_devices((args, kwargs))
         if n.op == "call_function" and is_call(n, "_grouped_mm", "aten::_grouped_mm", "transformers::grouped_mm_fallback"):
             return _grouped_mm(*args, **kwargs)
         if n.op == "call_method" and n.target in _FLOAT_CASTS and isinstance(args[0], torch.Tensor) \
@@ -400,6 +412,19 @@ class _Float64(fx.Interpreter):
             with self._set_current_node(n):
                 return getattr(self, n.op)(n.target, args, kwargs)
         return super().run_node(n)
+
+
+def _to_cpu_devices(tree):
+    """Every device among call arguments (a torch.device, or a string naming one) as the CPU."""
+    if isinstance(tree, torch.device):
+        return torch.device("cpu")
+    if isinstance(tree, str) and tree.split(":")[0] in ("cuda", "cpu", "meta", "xpu", "mps"):
+        return "cpu"
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_cpu_devices(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _to_cpu_devices(v) for k, v in tree.items()}
+    return tree
 
 
 def _as_float64(tree):
