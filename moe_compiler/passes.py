@@ -226,10 +226,10 @@ def run_passes(gm: fx.GraphModule, options: SonicOptions) -> list[RegionRecord]:
         if "grouped_rows" not in options.patterns:  # say where the opt-in idiom would take experts left here
             records += [RegionRecord(graph_id, grouped_rows.IDIOM, m.module, "rejected", GROUPED_ROWS_HINT, hint=True)
                         for g in graphs for m in _found_only(grouped_rows.find, g)]
-        # where a finder of its own rejected a region, its reason is the one to read: the evaluated
-        # finder's (no hypothesis equal) is dropped there
-        named = {r.module for r in records if r.idiom != evaluated.IDIOM}
-        records = [r for r in records if not (r.idiom == evaluated.IDIOM and r.status == "rejected" and r.module in named)]
+        # where a finder of its own spoke of the graph, its reasons are the ones to read: the
+        # evaluated finder's rejections (no hypothesis equal) are dropped
+        if any(r.idiom != evaluated.IDIOM for r in records):
+            records = [r for r in records if not (r.idiom == evaluated.IDIOM and r.status == "rejected")]
         if all(r.idiom == evaluated.IDIOM and r.status == "rejected" for r in records):
             # no idiom found a candidate (the evaluated finder's hypotheses are none): say why of each
             # router that reaches expert weights, with what the evaluation found

@@ -105,6 +105,8 @@ def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scori
     if unevaluated is not None:
         raise NoMatch(f"the region is too large to evaluate ({unevaluated}), and this finder has no structural "
                       f"proof to rest on: left alone")
+    expect(tried, "no hypothesis fits the shapes: no x-shaped node computed from every stacked weight with "
+                  "weights' widths the op takes")
     raise NoMatch(f"no hypothesis evaluated equal to the op ({tried} tried: hidden states, routing weights, expert "
                   f"weights' roles and orientations, activations, outputs)")
 
