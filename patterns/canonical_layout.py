@@ -153,7 +153,8 @@ def elementwise_of_transpose_to_transpose(gm: fx.GraphModule, node: fx.Node, ord
         return None
     which = 0 if swap_of(node.args[0]) is not None or not binary else 1
     swapped = swap_of(node.args[which])
-    if swapped is None or swapped[0].op == "placeholder":
+    # [T, E, f] expert values and [E, T] scores: 2-D and 3-D (attention's 4-D heads are left as written)
+    if swapped is None or swapped[0].op == "placeholder" or len(shape_of(swapped[0])) > 3:
         return None
     a, dims = swapped
     before = dict.fromkeys(gm.graph.nodes)
@@ -194,7 +195,7 @@ def _piece_of_transpose(gm: fx.GraphModule, node: fx.Node, order: dict) -> str |
     swapped = swap_of(arg(cut, 0, "input"))
     rank = len(shape_of(arg(cut, 0, "input")) or ())
     dim = arg(cut, 2, "dim", 0)
-    if swapped is None or swapped[0].op == "placeholder" or not is_int(dim) or dim % rank in swapped[1]:
+    if swapped is None or swapped[0].op == "placeholder" or rank > 3 or not is_int(dim) or dim % rank in swapped[1]:
         return None
     size = arg(cut, 1, "chunks" if is_call(cut, "chunk") else "split_size_or_sections")
     if set(cut.kwargs) - {"dim"} or len(cut.args) > 3 or not is_int(size):

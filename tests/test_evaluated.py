@@ -7,8 +7,11 @@ import torch
 
 import moe_compiler.patterns.verify as verify
 
-from .naive_models import CapacityDispatchMoE, SlotGatherMoE
-from .test_naive_patterns import FLAG, _check_gpu_bf16, _check_rewrite, _inputs, assert_left_alone
+import moe_compiler
+
+from .helpers import assert_close_to_eager
+from .naive_models import CapacityDispatchMoE, SlotGatherMoE, TokenMajorMoE
+from .test_naive_patterns import FLAG, _check_gpu_bf16, _check_rewrite, _compile, _inputs, _out_and_grads, assert_left_alone
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -20,6 +23,23 @@ def test_switch_dispatch_that_cannot_drop_is_found_by_evaluation(bias):
 
 def test_slot_loop_over_gathered_weights_is_found_by_evaluation():
     _check_rewrite(SlotGatherMoE(), "evaluated", op="sonic::moe_experts")
+
+
+def test_a_layer_a_finder_refuses_is_found_by_evaluation():
+    """A view of the up projection's own [T, E, f] layout keeps that einsum as written, so dense_bmm
+    finds no bmm pair and says so; evaluated on its own the region is the op's, and is rewritten."""
+    model = TokenMajorMoE(view=True)
+    x, cotangent = _inputs()
+    params = dict(model.named_parameters())
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        eager = _out_and_grads(model, x, cotangent, params)
+        with moe_compiler.capture() as report:
+            got = _out_and_grads(_compile(model, "aot_eager"), x, cotangent, params)
+    assert [r.idiom for r in report.rewritten] == ["evaluated"], str(report)
+    assert [r.idiom for r in report.rejected] == ["dense_bmm"], str(report)
+    assert_close_to_eager(got[0], eager[0], what="output")
+    for name in eager[1]:
+        assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
 
 
 @pytest.mark.parametrize("make,reason", [

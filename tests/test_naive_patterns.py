@@ -411,12 +411,6 @@ def test_dense_bmm_token_major_outputs_of_other_tokens_stay(caplog):
         assert_left_alone(TokenMajorMoE(combine="gather_other"), _inputs()[0], "not a sum over the experts", caplog)
 
 
-def test_dense_bmm_token_major_up_projection_read_by_a_view_stays(caplog):
-    """A view of the up projection's own [T, E, f] layout keeps that einsum as written: no bmm pair."""
-    with torch._dynamo.config.patch(**{FLAG: True}):
-        assert_left_alone(TokenMajorMoE(view=True), _inputs()[0], "not only the up-projection output", caplog)
-
-
 def test_dense_bmm_is_sparse():
     """The rewrite runs each expert on its top-k rows only: the op sees T*K rows, not E*T."""
     model = BmmMoE(E=8, K=1)
