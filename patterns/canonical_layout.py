@@ -165,16 +165,20 @@ def elementwise_of_transpose_to_transpose(gm: fx.GraphModule, node: fx.Node, ord
         if moved is None:
             return None
         args[1 - which] = moved
-    if node.op == "call_method":
-        with gm.graph.inserting_before(node):
-            applied = gm.graph.call_method(node.target, tuple(args), dict(node.kwargs))
-        applied.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
-        applied.meta["example_value"] = example_value(node)  # a placeholder until computed below
-        applied.meta["example_value"] = _fresh_value(applied)
-    else:
-        applied = insert_call(gm, node, node.target, tuple(args), dict(node.kwargs))
-    twin = insert_call(gm, node, torch.transpose, (applied, *dims))
-    was, now = _fresh_value(node), example_value(twin)
+    try:
+        if node.op == "call_method":
+            with gm.graph.inserting_before(node):
+                applied = gm.graph.call_method(node.target, tuple(args), dict(node.kwargs))
+            applied.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            applied.meta["example_value"] = example_value(node)  # a placeholder until computed below
+            applied.meta["example_value"] = _fresh_value(applied)
+        else:
+            applied = insert_call(gm, node, node.target, tuple(args), dict(node.kwargs))
+        twin = insert_call(gm, node, torch.transpose, (applied, *dims)) \
+            if isinstance(example_value(applied), torch.Tensor) else None
+    except Exception:  # noqa: BLE001 - a form whose value cannot be computed is not taken
+        twin = None
+    was, now = _fresh_value(node), example_value(twin) if twin is not None else None
     if not (isinstance(was, torch.Tensor) and isinstance(now, torch.Tensor) and was.dtype == now.dtype
             and same_shape(was.shape, now.shape) and _same_strides(was, now)):
         for new in reversed([n for n in gm.graph.nodes if n not in before]):
