@@ -72,7 +72,7 @@ def _params(nodes: list[fx.Node], E: int) -> list[fx.Node]:
 
 def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scoring: set[fx.Node],
             params: list[fx.Node]) -> MoEMatch:
-    from .verify import verify
+    from .verify import first_equal, verify
 
     top1 = len(shape_of(ids)) == 1
     expect(len(shape_of(ids)) in (1, 2) and dtype_of(ids) in (torch.int32, torch.int64), "the ids are not [T, K] or [T]")
@@ -88,27 +88,32 @@ def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scori
         d = shape_of(x)[1]
         anchors = _anchors(reached, x, stacked)
         for w, anchor, (w1, w_up, w2, transposed) in itertools.product(weights, anchors, _roles(stacked, d)):
-            for act, b1, b2 in _hypotheses(w1, w_up, w2, transposed, d, biases, anchor):
-                tried += 1
-                match = _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, act, E=E, K=K, T=T, d=d,
-                               top1=top1)
+            for (b1, b2), acts in _hypotheses(w1, w_up, w2, transposed, d, biases, anchor):
+                tried += len(acts)
+                match = _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, acts[0], E=E, K=K, T=T,
+                               d=d, top1=top1)
                 if match is None:
                     continue
-                try:
-                    outcome = verify(match, on_cpu=True)  # raises NoMatch where the region differs from the op
-                except NoMatch:
-                    continue
-                if outcome.startswith("evaluated equal"):
-                    match.verified = f"found by evaluation: {outcome}, hypothesis {tried}"
+                # the region runs once; each activation's op is compared with it (on the CPU: see above)
+                found = first_equal(match, [_fields(act) for act in acts], on_cpu=True)
+                if isinstance(found, dict):
+                    outcome = verify(match, on_cpu=True)  # the winner's record, as every finder's
+                    match.verified = f"found by evaluation: {outcome}"
                     return match
-                unevaluated = outcome  # too large to evaluate: no structural proof to fall back on here
+                if found.startswith("too large"):
+                    unevaluated = found
     if unevaluated is not None:
-        raise NoMatch(f"the region is too large to evaluate ({unevaluated}), and this finder has no structural "
-                      f"proof to rest on: left alone")
+        raise NoMatch(f"the region is {unevaluated}, and this finder has no structural proof to rest on: left alone")
     expect(tried, "no hypothesis fits the shapes: no x-shaped node computed from every stacked weight with "
                   "weights' widths the op takes")
     raise NoMatch(f"no hypothesis evaluated equal to the op ({tried} tried: hidden states, routing weights, expert "
                   f"weights' roles and orientations, activations, outputs)")
+
+
+def _fields(act: dict) -> dict:
+    """The MoEMatch fields of an activation hypothesis."""
+    return {"activation": act["activation"], "interleaved": act["interleaved"], "alpha": act["alpha"],
+            "limit": act["limit"]}
 
 
 def _hidden_states(scoring: set[fx.Node], reached: list[fx.Node], T) -> list[fx.Node]:
@@ -172,27 +177,29 @@ def _roles(stacked: list[fx.Node], d: int):
 
 
 def _hypotheses(w1, w_up, w2, transposed: bool, d: int, biases: list[fx.Node], anchor: fx.Node):
-    """(activation dict, b1, b2) for the weights' widths: gated activations where the first
+    """((b1, b2), [activation dicts]) for the weights' widths: gated activations where the first
     projection is twice the down projection's input, the others where they are equal."""
     s1, s2 = shape_of(w1), shape_of(w2)
     w1_out = (s1[2] if transposed else s1[1]) * (2 if w_up is not None else 1)
     n = s2[1] if transposed else s2[2]
     if w1_out == 2 * n:
-        acts = [(a, inter) for a in GATED if GATED[a] and a not in ("swiglu_clamp", "swiglu_softcap")
-                for inter in ((False,) if w_up is not None else (False, True))]
+        names = [(a, inter) for a in GATED if GATED[a] and a not in ("swiglu_clamp", "swiglu_softcap")
+                 for inter in ((False,) if w_up is not None else (False, True))]
     elif w1_out == n and w_up is None:
-        acts = [(a, False) for a in GATED if not GATED[a]]
+        names = [(a, False) for a in GATED if not GATED[a]]
     else:
         return
-    up_biases = [None] + [b for b in biases if shape_of(b)[1] == w1_out and w_up is None]
-    down_biases = [None] + [b for b in biases if shape_of(b)[1] == d]
     numbers = _numbers(anchor)
-    for (activation, interleaved), b1, b2 in itertools.product(acts, up_biases, down_biases):
+    acts = []
+    for activation, interleaved in names:
         pairs = [(1.702, 7.0)]
         if activation == "swiglu_oai":
             pairs += [(a, lim) for a in numbers for lim in numbers if a != lim][:8]
-        for alpha, limit in pairs:
-            yield dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit), b1, b2
+        acts += [dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit) for alpha, limit in pairs]
+    up_biases = [None] + [b for b in biases if shape_of(b)[1] == w1_out and w_up is None]
+    down_biases = [None] + [b for b in biases if shape_of(b)[1] == d]
+    for b1, b2 in itertools.product(up_biases, down_biases):
+        yield (b1, b2), acts
 
 
 def _numbers(anchor: fx.Node) -> list[float]:

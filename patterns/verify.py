@@ -82,6 +82,31 @@ def verify(match: MoEMatch, on_cpu: bool = False) -> str:
     return f"evaluated equal on {len(_routings(match))} routings"
 
 
+def first_equal(match: MoEMatch, variants: list[dict], on_cpu: bool = False) -> dict | str:
+    """The first of `variants` (fields of the match that change only the op's reference: the
+    activation and its parameters) whose op the region evaluates equal to, set on the match; or
+    why none is. The region runs once, on the routings `verify` uses; a region too large to
+    evaluate says so."""
+    region = _Region(match, on_cpu)
+    cost, size = region.estimate()
+    device = region.device.type if region.device.type in MAX_FLOPS else "cuda"
+    room = MAX_BYTES[device]
+    if region.device.type == "cuda":
+        room = min(room, torch.cuda.mem_get_info(region.device)[0] // 2)
+    if cost > MAX_FLOPS[device] or size > room:
+        return f"too large to evaluate ({cost / 1e9:.3g} GFLOP)"
+    with _nondeterministic_allowed():
+        runs = region.run()
+        if isinstance(runs, str):
+            return runs
+        for variant in variants:
+            for field, value in variant.items():
+                setattr(match, field, value)
+            if region.compare(runs) == "equal":
+                return variant
+    return "no variant equal"
+
+
 def _routings(match: MoEMatch) -> tuple[str, ...]:
     """The routings a region is evaluated on: the sentinel one too where it drops ids >= E."""
     return ROUTINGS + (("sentinel",) if match.sentinels is not None else ())
@@ -161,6 +186,13 @@ class _Region:
 
     def evaluate(self) -> str:
         """'equal', or the first routing on which the region and the op differ, with the error."""
+        runs = self.run()
+        if isinstance(runs, str):
+            return runs
+        return self.compare(runs)
+
+    def run(self) -> list | str:
+        """[(routing, the inputs, the region's result)] on every routing, or why it cannot run."""
         if self.foreign:
             return f"it reads {self.foreign[0].name}, which is not one of the op's inputs"
         generator = torch.Generator().manual_seed(0)
@@ -170,15 +202,27 @@ class _Region:
                      if node is not self.match.topk_ids and node is not self.match.topk_weights}
         except Exception as exc:
             return f"its inputs cannot be made ({type(exc).__name__}: {str(exc)[:200]})"
+        runs = []
         for routing in _routings(self.match):
             try:
                 values = self._inputs(routing, generator, fixed)
-                got = _Float64(self.module, self.on_cpu).run(*values)
-                want = self._reference(values)
+                runs.append((routing, values, _Float64(self.module, self.on_cpu).run(*values)))
             except (NoMatch, torch.OutOfMemoryError):
                 raise
             except Exception as exc:  # a region that cannot run on its own is not one we can vouch for
                 return f"it cannot be evaluated on its own ({type(exc).__name__}: {str(exc)[:200]})"
+        return runs
+
+    def compare(self, runs: list) -> str:
+        """'equal', or the first routing of `run`'s results on which the op (as the match now says)
+        differs, with the error."""
+        for routing, values, got in runs:
+            try:
+                want = self._reference(values)
+            except (NoMatch, torch.OutOfMemoryError):
+                raise
+            except Exception as exc:
+                return f"the op's reference cannot be computed ({type(exc).__name__}: {str(exc)[:200]})"
             if not isinstance(got, torch.Tensor) or got.shape != want.shape:
                 return f"{routing} routing: result {getattr(got, 'shape', type(got))} is not {tuple(want.shape)}"
             scale = want.abs().max().item() if want.numel() else 0.0
