@@ -57,11 +57,7 @@ def verify(match: MoEMatch, on_cpu: bool = False) -> str:
     where a CUDA kernel's device-side assert would end the process's use of the GPU)."""
     region = _Region(match, on_cpu)
     cost, size = region.estimate()
-    device = region.device.type if region.device.type in MAX_FLOPS else "cuda"
-    room = MAX_BYTES[device]
-    if region.device.type == "cuda":
-        room = min(room, torch.cuda.mem_get_info(region.device)[0] // 2)
-    if cost > MAX_FLOPS[device] or size > room:
+    if not region.fits(cost, size):
         log.info("sonic.verify: %s not evaluated (%.3g GFLOP, %.3g GB of float64 inputs): structural checks only",
                  match.module, cost / 1e9, size / 1e9)
         return f"structural only (evaluation would take {cost / 1e9:.3g} GFLOP)"
@@ -89,11 +85,7 @@ def first_equal(match: MoEMatch, variants: list[dict], on_cpu: bool = False) -> 
     evaluate says so."""
     region = _Region(match, on_cpu)
     cost, size = region.estimate()
-    device = region.device.type if region.device.type in MAX_FLOPS else "cuda"
-    room = MAX_BYTES[device]
-    if region.device.type == "cuda":
-        room = min(room, torch.cuda.mem_get_info(region.device)[0] // 2)
-    if cost > MAX_FLOPS[device] or size > room:
+    if not region.fits(cost, size):
         return f"too large to evaluate ({cost / 1e9:.3g} GFLOP)"
     with _nondeterministic_allowed():
         runs = region.run()
@@ -166,6 +158,15 @@ class _Region:
         metas = [(tuple(map(_concrete, shape_of(n))), str(getattr(example_value(n), "dtype", type(example_value(n)))))
                  for n in self.inputs]
         return repr((self.module.code, metas, sorted(fields.items()), str(self.device)))
+
+    def fits(self, cost: float, size: float) -> bool:
+        """Whether an evaluation of `estimate`'s cost and size is within the limits of the region's
+        device (on CUDA also half its free memory)."""
+        device = self.device.type if self.device.type in MAX_FLOPS else "cuda"
+        room = MAX_BYTES[device]
+        if self.device.type == "cuda":
+            room = min(room, torch.cuda.mem_get_info(self.device)[0] // 2)
+        return cost <= MAX_FLOPS[device] and size <= room
 
     def estimate(self) -> tuple[float, float]:
         """(float64 multiply-adds x2 over every routing, bytes of the float64 inputs)."""
