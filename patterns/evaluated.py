@@ -15,8 +15,10 @@ first that evaluation confirms:
              computes
 
 The region is everything between those inputs and the anchor. It must write nothing in place, read
-nothing else, and keep what the experts compute to itself (a value read elsewhere would stay and be
-computed twice), and `verify` must evaluate it (float64, random and adversarial routings: an idle
+nothing else, keep what the experts compute to itself (a value read elsewhere would stay and be
+computed twice), and hold no threshold on float values that random inputs may never cross (a clamp,
+a comparison with a number other than 0: a clamp at 7.0 would pass for a plain SwiGLU where no
+probe value reaches 7), and `verify` must evaluate it (float64, random and adversarial routings: an idle
 expert, every token on one expert, tied weights) equal to the op's reference for one hypothesis.
 Nothing structural is trusted: a hypothesis is only a guess at the op's arguments, and the
 evaluation decides. It runs on the CPU whatever the graph's device: a wrong guess may index out of
@@ -34,7 +36,7 @@ import torch.fx as fx
 from moe_compiler.codegen.activations import GATED
 
 from .common import (MoEMatch, NoMatch, RegionWalk, Rejection, backward_slice, dtype_of, expect, finish_match,
-                     module_path, same_size, shape_of, writes_in_place)
+                     is_call, module_path, same_size, shape_of, writes_in_place)
 from .unmatched import _feeding, _forward, _routers
 
 IDIOM = "evaluated"
@@ -214,6 +216,32 @@ def _numbers(anchor: fx.Node) -> list[float]:
     return found[:6]
 
 
+_CLAMPS = ("clamp", "clamp_", "clamp_min", "clamp_max", "clip", "hardtanh", "threshold", "nan_to_num", "minimum",
+           "maximum", "fmin", "fmax", "isinf", "isnan", "isfinite")
+_COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__")
+
+
+def _untested_threshold(nodes: set[fx.Node]) -> fx.Node | None:
+    """A node whose float result turns on a threshold random inputs may never cross: a clamp, a
+    min/max or a nan/inf test of float values, or a comparison of float values with anything but
+    0 (relu-like zeros are crossed by every random input). The evaluation cannot vouch for such a
+    region (a clamp at 7.0 passes for a plain SwiGLU where no value reaches 7), so it is no
+    hypothesis; comparisons of integers (positions, counts, ids) are what the routings exercise."""
+    for node in nodes:
+        floats = [a for a in node.all_input_nodes if dtype_of(a) is not None and dtype_of(a).is_floating_point]
+        if not floats:
+            continue
+        if is_call(node, *_CLAMPS):
+            numbers = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, (int, float))]
+            if not numbers or any(v != 0 for v in numbers) or len(floats) > 1:
+                return node
+        if is_call(node, *_COMPARISONS):
+            others = [a for a in node.args if not (isinstance(a, fx.Node) and a in floats)]
+            if len(floats) > 1 or any(not isinstance(a, (int, float)) or a != 0 for a in others):
+                return node
+    return None
+
+
 def _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, act, *, E, K, T, d, top1) -> MoEMatch | None:
     """The MoEMatch of one hypothesis, or None where it is not even well formed (shapes, dtypes, a
     region that writes in place or reads past its inputs is settled by the evaluation)."""
@@ -222,6 +250,8 @@ def _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, act, *, 
     if not region or any(writes_in_place(n) for n in region | {anchor}) or not inputs - {x} <= {
             i for n in region | {anchor} for i in n.all_input_nodes}:
         return None  # a hypothesis whose inputs the region does not all read is not the op's
+    if _untested_threshold(region | {anchor}) is not None:
+        return None
     # what the experts compute must be read by the region alone: else it stays in the graph for its
     # other reader, and the op would compute the experts a second time
     computed = set(_forward_all([p for p in (w1, w_up, w2) if p is not None]))

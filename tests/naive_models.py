@@ -1554,11 +1554,13 @@ class SlotGatherMoE(Router):
 
     weights: "own" (slot k's weight) or "swapped" (slot k's output weighted by another slot's
              weight: not the op)
+    clamp:   the gate clamped at this value before the silu (a threshold random probes may not
+             cross: not an activation the op computes)
     """
 
-    def __init__(self, d=16, n=8, E=4, K=2, weights="own"):
+    def __init__(self, d=16, n=8, E=4, K=2, weights="own", clamp=None):
         super().__init__(d, E, K)
-        self.weights = weights
+        self.weights, self.clamp = weights, clamp
         self.w13 = stacked_param(E, 2 * n, d, "in_out")  # [E, d, 2n]
         self.w2 = stacked_param(E, d, n, "in_out")  # [E, n, d]
 
@@ -1568,6 +1570,7 @@ class SlotGatherMoE(Router):
         for k in range(self.K):
             e = ids[:, k]
             g, u = torch.einsum("td,tdf->tf", x, self.w13[e]).chunk(2, dim=-1)
+            g = g.clamp(max=self.clamp) if self.clamp is not None else g
             y = torch.einsum("tf,tfd->td", F.silu(g) * u, self.w2[e])
             slot = (k + 1) % self.K if self.weights == "swapped" else k
             out = out + w[:, slot, None] * y

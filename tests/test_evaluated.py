@@ -47,6 +47,8 @@ def test_a_layer_a_finder_refuses_is_found_by_evaluation():
     (lambda: CapacityDispatchMoE(capacity="half"), "no hypothesis evaluated equal"),
     # slot k's output weighted by the other slot's weight
     (lambda: SlotGatherMoE(weights="swapped"), "no hypothesis evaluated equal"),
+    # the gate clamped at 50: no probe value reaches it, so a plain SwiGLU would evaluate equal
+    (lambda: SlotGatherMoE(clamp=50.0), "no hypothesis"),
 ])
 def test_lookalikes_stay(make, reason, caplog):
     with torch._dynamo.config.patch(**{FLAG: True}):
