@@ -16,9 +16,10 @@ first that evaluation confirms:
 
 The region is everything between those inputs and the anchor. It must write nothing in place, read
 nothing else, keep what the experts compute to itself (a value read elsewhere would stay and be
-computed twice), and hold no threshold on float values that random inputs may never cross (a clamp,
+computed twice), hold no threshold on float values that random inputs may never cross (a clamp,
 a comparison with a number other than 0: a clamp at 7.0 would pass for a plain SwiGLU where no
-probe value reaches 7), and `verify` must evaluate it (float64, random and adversarial routings: an idle
+probe value reaches 7) and no op whose gradient need not be its value's derivative (a library op,
+a detach: the evaluation compares values only), and `verify` must evaluate it (float64, random and adversarial routings: an idle
 expert, every token on one expert, tied weights) equal to the op's reference for one hypothesis.
 Nothing structural is trusted: a hypothesis is only a guess at the op's arguments, and the
 evaluation decides. It runs on the CPU whatever the graph's device: a wrong guess may index out of
@@ -36,7 +37,7 @@ import torch.fx as fx
 from moe_compiler.codegen.activations import GATED
 
 from .common import (MoEMatch, NoMatch, RegionWalk, Rejection, backward_slice, dtype_of, expect, finish_match,
-                     is_call, module_path, same_size, shape_of, writes_in_place)
+                     is_call, module_path, op_name, same_size, shape_of, writes_in_place)
 from .unmatched import _feeding, _forward, _routers
 
 IDIOM = "evaluated"
@@ -221,6 +222,28 @@ _CLAMPS = ("clamp", "clamp_", "clamp_min", "clamp_max", "clip", "hardtanh", "thr
 _COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__")
 
 
+_GRADIENT_EDITS = ("detach", "detach_", "requires_grad_", "_set_grad_enabled", "set_grad_enabled", "no_grad",
+                   "enable_grad", "inference_mode", "stop_gradient")
+
+
+def _own_gradient(nodes: set[fx.Node]) -> fx.Node | None:
+    """A node whose gradient need not be the derivative of its value: a library's own op (a
+    namespace but aten's or prims'), a higher-order op (an autograd.Function, a checkpoint), a
+    detach or a grad-mode switch. The evaluation compares values only, so a region holding one is
+    no hypothesis: its training step could differ from the op's."""
+    for node in nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        target = node.target
+        name = op_name(target) if node.op == "call_function" else target
+        library = isinstance(target, torch._ops.HigherOrderOperator) or (
+            isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+            and not name.startswith(("aten::", "prims::")))
+        if name in _GRADIENT_EDITS or library:
+            return node
+    return None
+
+
 def _untested_threshold(nodes: set[fx.Node]) -> fx.Node | None:
     """A node whose float result turns on a threshold random inputs may never cross: a clamp, a
     min/max or a nan/inf test of float values, or a comparison of float values with anything but
@@ -250,7 +273,7 @@ def _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, act, *, 
     if not region or any(writes_in_place(n) for n in region | {anchor}) or not inputs - {x} <= {
             i for n in region | {anchor} for i in n.all_input_nodes}:
         return None  # a hypothesis whose inputs the region does not all read is not the op's
-    if _untested_threshold(region | {anchor}) is not None:
+    if _untested_threshold(region | {anchor}) is not None or _own_gradient(region | {anchor}) is not None:
         return None
     # what the experts compute must be read by the region alone: else it stays in the graph for its
     # other reader, and the op would compute the experts a second time
