@@ -46,6 +46,9 @@ _MAX_CANDIDATES = 4  # of x, of the weights, of the anchors: hypotheses stay in 
 
 def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     results: list[MoEMatch | Rejection] = []
+    # a grad-mode switch is a node no value reads: a region computed under torch.no_grad shows no
+    # trace of it in its own nodes, so a graph that switches grad mode gets no hypothesis at all
+    switches = any(is_call(n, "_set_grad_enabled", "set_grad_enabled") for n in gm.graph.nodes)
     for ids, E, router in _routers(gm):
         reached = _forward(ids)
         if any(str(n.target).startswith("sonic.") for n in reached):
@@ -55,6 +58,11 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
         params = _params(products, E)
         if len([p for p in params if len(shape_of(p)) == 3]) not in (2, 3):
             continue  # not stacked experts (a ModuleList's Linears, or no experts at all): other finders' business
+        if switches:
+            results.append(Rejection(IDIOM, module_path(router), "the graph switches grad mode (torch.no_grad, "
+                                     "set_grad_enabled): a region's gradient need not be its value's derivative, so "
+                                     "no hypothesis is evaluated"))
+            continue
         try:
             results.append(_search(router, ids, E, reached, scoring, params))
         except NoMatch as exc:

@@ -68,3 +68,28 @@ def test_a_region_too_large_to_evaluate_stays(caplog, monkeypatch):
 @pytest.mark.parametrize("make", [CapacityDispatchMoE, SlotGatherMoE])
 def test_found_by_evaluation_gpu_bf16(make):
     _check_gpu_bf16(make, "evaluated")
+
+
+def test_a_graph_that_switches_grad_mode_gets_no_hypothesis():
+    """The first projections computed under torch.no_grad: eager trains no gate/up weight and no x
+    through them, the op placed at the combine would. The switch is a node no value reads, so the
+    whole graph is refused."""
+    import torch.nn.functional as F
+
+    class HalfFrozen(SlotGatherMoE):
+        def forward(self, x):
+            _, w, ids = self.route(x)
+            out = x.new_zeros(x.shape)
+            for k in range(self.K):
+                e = ids[:, k]
+                with torch.no_grad():
+                    g, u = torch.einsum("td,tdf->tf", x, self.w13[e]).chunk(2, dim=-1)
+                out = out + w[:, k, None] * torch.einsum("tf,tfd->td", F.silu(g) * u, self.w2[e])
+            return out
+
+    model = HalfFrozen()
+    x, _ = _inputs()
+    with torch._dynamo.config.patch(**{FLAG: True}), moe_compiler.capture() as report:
+        _compile(model, "aot_eager")(x.requires_grad_(True))
+    assert not report.rewritten, str(report)
+    assert any("switches grad mode" in r.reason for r in report.rejected), str(report)
