@@ -23,7 +23,8 @@ from moe_compiler.patterns import (
 )
 from moe_compiler.patterns.canonical import canonicalize
 from moe_compiler.patterns.canonical_opaque import restore_opaque_ops
-from moe_compiler.patterns.common import MoEMatch, NoMatch, Rejection, check_inputs_unmutated, rewrite, settle_autocast
+from moe_compiler.patterns.common import (MoEMatch, NoMatch, Rejection, check_grad_mode_unchanged, check_inputs_unmutated, rewrite,
+                                         settle_autocast)
 from moe_compiler.patterns.router_fusion import match_router, rewrite_router
 from moe_compiler.patterns.unmatched import explain_unmatched
 from moe_compiler.patterns.verify import verify
@@ -80,6 +81,7 @@ def _find(name: str, gm: fx.GraphModule, graph_id: int, options: SonicOptions):
     for m in (m for m in found if isinstance(m, MoEMatch)):
         try:
             check_inputs_unmutated(m)
+            check_grad_mode_unchanged(m)
             settle_autocast(m)
             # the evaluated finder's match is its own evaluation's outcome: checked on the CPU, as it was found
             found_by_evaluation = m.idiom == evaluated.IDIOM

@@ -968,6 +968,19 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     )
 
 
+def check_grad_mode_unchanged(match: MoEMatch) -> None:
+    """The op runs where the anchor stood, under the grad mode there; eager ran each region node
+    under its own. A grad-mode switch (`torch.no_grad`, `set_grad_enabled`: a node no value reads)
+    between the region's first node and its anchor would give the op gradients eager has not (or
+    the reverse), so such a region is left alone."""
+    order = {n: i for i, n in enumerate(match.anchor.graph.nodes)}
+    first = min((order[n] for n in match.region if n in order), default=order[match.anchor])
+    switch = next((n for n in match.anchor.graph.nodes if first < order[n] < order[match.anchor]
+                   and is_call(n, "_set_grad_enabled", "set_grad_enabled")), None)
+    expect(switch is None, f"grad mode is switched inside the region ({switch.name if switch else ''}: torch.no_grad "
+                           f"or set_grad_enabled): the op would not compute the gradients eager computes")
+
+
 def check_inputs_unmutated(match: MoEMatch) -> None:
     """The op reads its inputs where the anchor stood; eager read them where the region read them.
     A node outside the region that writes in place into an input's storage (x, the routing, a

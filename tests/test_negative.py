@@ -220,3 +220,46 @@ def test_eager_experts_loop_gets_a_hint(caplog):
     hints = [r for r in report.rejected if r.idiom == "hf_eager_loop"]
     assert hints and "'sonic'" in hints[0].reason and "register_hf_experts" in hints[0].reason, str(report)
     assert "register_hf_experts" in caplog.text
+
+
+def test_a_region_that_switches_grad_mode_is_left_alone():
+    """An experts loop whose first projections run under torch.no_grad: eager trains no w1/w3 and no
+    x through them; the op, placed at the combine, would. The region is left alone with the reason,
+    and the step (output and every gradient) is eager's."""
+    import torch.nn.functional as F
+
+    from .naive_models import LoopMoE
+
+    torch.manual_seed(0)
+    layer = LoopMoE(d=16, n=8, E=4, K=2)
+
+    def fwd(x):
+        _, w, ids = layer.route(x)
+        out = torch.zeros_like(x)
+        for e in range(layer.E):
+            tok, k = torch.where(ids == e)
+            expert = layer.experts[e]
+            with torch.no_grad():
+                h = F.silu(expert.w1(x[tok])) * expert.w3(x[tok])
+            out.index_add_(0, tok, expert.w2(h) * w[tok, k, None])
+        return out
+
+    x = torch.randn(12, 16)
+
+    def step(fn):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = fn(xi)
+        out.sum().backward()
+        return out.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+    want = step(fwd)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), moe_compiler.capture() as report:
+        got = step(torch.compile(fwd, backend="sonic", options={"sonic.compiler": "aot_eager"}))
+    assert not report.rewritten and any("grad mode is switched" in r.reason for r in report.rejected), str(report)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    for name, grad in want[2].items():
+        assert (got[2][name] is None) == (grad is None), name
+        if grad is not None:
+            torch.testing.assert_close(got[2][name], grad)
