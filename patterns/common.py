@@ -970,15 +970,21 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
 
 def check_grad_mode_unchanged(match: MoEMatch) -> None:
     """The op runs where the anchor stood, under the grad mode there; eager ran each region node
-    under its own. A grad-mode switch (`torch.no_grad`, `set_grad_enabled`: a node no value reads)
-    between the region's first node and its anchor would give the op gradients eager has not (or
-    the reverse), so such a region is left alone."""
-    order = {n: i for i, n in enumerate(match.anchor.graph.nodes)}
-    first = min((order[n] for n in match.region if n in order), default=order[match.anchor])
-    switch = next((n for n in match.anchor.graph.nodes if first < order[n] < order[match.anchor]
-                   and is_call(n, "_set_grad_enabled", "set_grad_enabled")), None)
-    expect(switch is None, f"grad mode is switched inside the region ({switch.name if switch else ''}: torch.no_grad "
-                           f"or set_grad_enabled): the op would not compute the gradients eager computes")
+    under its own. A region whose float values were computed under another grad mode than the
+    anchor's (`torch.no_grad`, `set_grad_enabled` inside the graph: nodes no value reads) would give
+    the op gradients eager has not, or the reverse, so it is left alone. A switch around other code
+    (a buffer updated under no_grad between the router and the experts) leaves the region's modes
+    alone; the graph starts in the mode it is compiled under."""
+    mode, modes = torch.is_grad_enabled(), {}
+    for node in match.anchor.graph.nodes:
+        if is_call(node, "_set_grad_enabled", "set_grad_enabled") and node.args and isinstance(node.args[0], bool):
+            mode = node.args[0]
+        modes[node] = mode
+    other = next((n for n in match.region if n in modes and modes[n] != modes[match.anchor]
+                  and isinstance(example_value(n), torch.Tensor) and example_value(n).is_floating_point()), None)
+    expect(other is None, f"{other.name if other else ''} is computed under another grad mode than the region's end "
+                          f"(torch.no_grad or set_grad_enabled inside it): the op would not compute the gradients "
+                          f"eager computes")
 
 
 def check_inputs_unmutated(match: MoEMatch) -> None:
