@@ -181,12 +181,10 @@ def _gate_column(node, walk: RegionWalk) -> tuple[fx.Node, int]:
 def _stacked_weight(node, what: str, walk: RegionWalk) -> tuple[fx.Node, bool]:
     """(W, transposed): a 3-D weight read as [E, in, out] (transposed, like Llama 4's), or
     W.transpose(1, 2) / W.mT of an [E, out, in] one."""
-    if is_call(node, "transpose") and sorted(node.args[1:3]) in ([1, 2], [-2, -1]):
-        walk.mark(node)
-        node, transposed = node.args[0], False
-    elif isinstance(node, fx.Node) and node.op == "call_function" and getattr(node.target, "__name__", "") == "getattr" and node.args[1] == "mT":
-        walk.mark(node)
-        node, transposed = node.args[0], False
+    view = _transposed_view(node)
+    if view is not None:
+        walk.mark(view)
+        node, transposed = view.args[0], False
     else:
         transposed = True
     expect(isinstance(node, fx.Node) and len(shape_of(node)) == 3, f"the {what} projection's weight is not a 3-D [E, ., .] tensor")
@@ -208,10 +206,11 @@ def _one_orientation(w1, w_up, w2, up_read, down_read, transposed: bool):
 
 
 def _transposed_view(read) -> fx.Node | None:
-    """`W.transpose(1, 2)` (or `W.mT`) of a 3-D W: the view itself; else None."""
-    if is_call(read, "transpose") and sorted(read.args[1:3]) in ([1, 2], [-2, -1]) and len(shape_of(read)) == 3:
+    """`W.transpose(1, 2)` (or `W.mT`) of a weight: the view itself; else None."""
+    if is_call(read, "transpose") and sorted(read.args[1:3]) in ([1, 2], [-2, -1]):
         return read
-    if isinstance(read, fx.Node) and getattr(read.target, "__name__", "") == "getattr" and read.args[1] == "mT":
+    if (isinstance(read, fx.Node) and read.op == "call_function" and getattr(read.target, "__name__", "") == "getattr"
+            and read.args[1] == "mT"):
         return read
     return None
 
