@@ -15,9 +15,14 @@ each. Providers:
   sonic           torch.compile(block, backend="sonic"): each op call replays its launch plan
                   (`codegen.plans`) once its signature was recorded
   sonic-no-plans  the same, every op call running its implementation (`codegen.plans.ENABLED = False`)
+  sonic-triton-launch  plans whose launches go through Triton's compiled launcher, not the kernels'
+                  C launch with kept descriptor encodings (`codegen.plans.RAW_LAUNCH = False`)
   inductor        torch.compile(block) (Inductor, its default mode)
 `--rounds R` measures the providers R times over, in turn; the table gives each one's medians and
-wall / busy. Output: the table on stdout, results.json under --out.
+wall / busy. `--paired-host` (CUDA) also times the host of raw launches against Triton's launcher on
+one compiled block: both plan sets are recorded, then swapped in between blocks of 10 steps
+enqueued behind a GPU sleep, 12 blocks each in alternating order (host differences between rounds
+are larger than this one). Output: the table on stdout, results.json under --out.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from moe_compiler.benchmarking import (
     write_json,
 )
 
-PROVIDERS = ("sonic", "sonic-no-plans", "inductor")
+PROVIDERS = ("sonic", "sonic-no-plans", "sonic-triton-launch", "inductor")
 
 
 def build_block(shape, device, dtype, seed=0):
@@ -78,6 +83,7 @@ def measure(name, block, x, dy, iters) -> dict:
     from moe_compiler.codegen import plans
 
     plans.ENABLED = name != "sonic-no-plans"
+    plans.RAW_LAUNCH = name != "sonic-triton-launch"
     plans.forget()
     try:
         step, zero = provider_step(name, block, x, dy)
@@ -87,8 +93,48 @@ def measure(name, block, x, dy, iters) -> dict:
         times = step_times(step, zero, iters=iters, warmup=3, device=x.device)
         return dict(times._asdict(), plans=plans.stats())
     finally:
-        plans.ENABLED = True
+        plans.ENABLED = plans.RAW_LAUNCH = True
         plans.forget()
+
+
+def paired_host(block, x, dy, blocks=12, steps=10) -> dict:
+    """Host ms a step with plans replaying raw launches and Triton's launcher, alternated in one process."""
+    import time
+
+    from moe_compiler.codegen import plans
+
+    step, zero = provider_step("sonic", block, x, dy)
+    sets = {}
+    try:
+        for raw in (True, False):
+            plans.RAW_LAUNCH = raw
+            plans.forget()
+            for _ in range(plans.RECORD_AT + 3):
+                zero()
+                step()
+            torch.cuda.synchronize()
+            sets[raw] = (dict(plans._PLANS), plans._GENERATION)
+        host = {True: [], False: []}
+        for b in range(blocks):
+            for raw in ((True, False) if b % 2 == 0 else (False, True)):
+                plans._PLANS.clear()
+                plans._PLANS.update(sets[raw][0])
+                plans._GENERATION = sets[raw][1]
+                zero()
+                step()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(steps * 20_000_000)  # ~10 ms of GPU time a step: the GPU stays busy ahead
+                start = time.perf_counter()
+                for _ in range(steps):
+                    zero()
+                    step()
+                host[raw].append((time.perf_counter() - start) / steps * 1e3)
+                torch.cuda.synchronize()
+    finally:
+        plans.RAW_LAUNCH = True
+        plans.forget()
+    return dict(raw_host_ms=statistics.median(host[True]), triton_launch_host_ms=statistics.median(host[False]),
+                median_pair_difference_ms=statistics.median(a - b for a, b in zip(host[True], host[False])))
 
 
 def _median(values):
@@ -100,6 +146,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, out="bench_step", iters=20, rounds=1, seed=0, device=True, shapes="7b-256",
                     providers=",".join(PROVIDERS), providers_help=f"comma list of {PROVIDERS}")
+    ap.add_argument("--paired-host", action="store_true",
+                    help="also time raw launches against Triton's launcher, plan sets swapped in one process")
     args = ap.parse_args(argv)
     for p in args.providers:
         if p not in PROVIDERS:
@@ -130,6 +178,12 @@ def main(argv=None):
                 figures = "  ".join(f"{k[:-3]} {'-' if r[k] is None else format(r[k], '.3f')}"
                                     for k in ("host_ms", "busy_ms", "wall_ms"))
                 print(f"{sname:>8} {p:>15} round {rnd}: {figures} ms  plans {r['plans']}", flush=True)
+        if args.paired_host and device.type == "cuda":
+            r = paired_host(block, x, dy)
+            results.append(dict(r, shape=sname, provider="paired-host"))
+            print(f"{sname:>8} paired host: raw launches {r['raw_host_ms']:.3f} ms, Triton's launcher "
+                  f"{r['triton_launch_host_ms']:.3f} ms, median difference {r['median_pair_difference_ms']:.3f} ms",
+                  flush=True)
         flop = 18 * T * K * d * n
         for p, rs in got.items():
             host, busy, wall = (_median([r[k] for r in rs]) for k in ("host_ms", "busy_ms", "wall_ms"))

@@ -19,6 +19,7 @@ on an H100 the step's host time was 4.37 ms with `launch` against 4.58 through `
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -140,3 +141,52 @@ def launch(kernel, grid, *args, **kwargs) -> None:
             kernel[grid](*args, **kwargs)
     else:
         launcher(grid, args, kwargs)
+
+
+class RawLauncher:
+    """A compiled kernel's C launch function, called as Triton's `CudaLauncher` calls it, with each
+    host TMA descriptor argument already expanded (Triton 3.6's `make_tensordesc_arg`: the encoded
+    CUtensorMap, then the descriptor's shape and strides).
+
+    Launch plans (`codegen.plans`) replay a launch through it: what `CudaLauncher.__call__` and its
+    descriptor wrapper do at every call (a scratch-size check, one Python pass over the arguments,
+    one `cuTensorMapEncodeTiled` per descriptor) is done once, and a descriptor's encoding is kept
+    per base address, since its other fields are fixed by the plan."""
+
+    __slots__ = ("launch", "cooperative", "pdl", "metas", "expand")
+
+    def __init__(self, launch, cooperative, pdl, metas: dict, expand):
+        self.launch, self.cooperative, self.pdl, self.metas, self.expand = launch, cooperative, pdl, metas, expand
+
+
+def raw_launcher(kernel) -> RawLauncher | None:
+    """The raw launch of a compiled `kernel` (a `CompiledKernel`) where its launcher has the shape of
+    Triton 3.6's `CudaLauncher`: no global or profile scratch memory, and host descriptors (if any)
+    expanded by a wrapper whose closure holds the C launch, the descriptor positions and their
+    metadata. None otherwise (another Triton, another backend, scratch memory): the caller launches
+    through `kernel.run`."""
+    try:
+        runner = kernel.run
+    except Exception:  # noqa: BLE001 - a kernel that failed to load raises here; its launch reports it
+        return None
+    needed = ("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
+    if not all(hasattr(runner, name) for name in needed):
+        return None
+    if runner.global_scratch_size or runner.profile_scratch_size:
+        return None
+    launch, metas, expand = runner.launch, {}, None
+    if not inspect.isbuiltin(launch):
+        code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+        if code is None or closure is None:
+            return None
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))
+        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+            return None
+        expand = launch.__globals__.get("make_tensordesc_arg")
+        if expand is None or len(inspect.signature(expand).parameters) != 2:
+            return None
+        indices, meta = sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]
+        if len(indices) != len(meta) or any(m is None for m in meta) or not inspect.isbuiltin(cells["launcher"]):
+            return None
+        metas, launch = dict(zip(indices, meta)), cells["launcher"]
+    return RawLauncher(launch, runner.launch_cooperative_grid, runner.launch_pdl, metas, expand)

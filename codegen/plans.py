@@ -17,9 +17,12 @@ So once a signature's first calls have compiled, tuned and timed what they neede
 `RECORD_AT`-th call is recorded: every aten op it dispatches (allocations, views, small torch ops,
 through a `TorchDispatchMode`) and every kernel launch (`codegen.direct_launch` hands each one over),
 each tensor argument traced to an input, an earlier result, or a constant. Later calls with that
-signature replay the record: the aten ops are called directly, each compiled kernel's launcher gets
-the new tensors (TMA descriptors rebuilt over them) on the current stream, and none of the Python
-between them runs.
+signature replay the record: the aten ops are called directly, each compiled kernel is launched
+with the new tensors on the current stream, and none of the Python between them runs. Where Triton's
+launcher has the shape `direct_launch.raw_launcher` knows (Triton 3.6 on CUDA), a replay calls the
+kernel's C launch itself with its TMA descriptors' encodings, each kept per base address (a step
+whose tensors come back at the addresses of an earlier call, as a training loop's do, encodes no
+descriptor); otherwise the compiled kernel's launcher gets descriptors rebuilt over the new tensors.
 
 A recording is dropped, and the signature runs as before, when the call: launches a kernel through
 Triton's own path (compiling, autotuning, or any launch that does not come through direct_launch,
@@ -216,7 +219,11 @@ def record_call(kernel, grid, args: tuple, kwargs: dict) -> None:
         recorder.call(kernel, grid, args, kwargs)
 
 
-_OP, _LAUNCH, _CALL, _ALLOC, _VIEW = 0, 1, 2, 3, 4
+_OP, _LAUNCH, _CALL, _ALLOC, _VIEW, _RAW = 0, 1, 2, 3, 4, 5
+# False: replays launch through the compiled kernel's launcher, never `direct_launch.raw_launcher`
+# (benchmarks' A/B; read when a call is recorded)
+RAW_LAUNCH = True
+_ENCODINGS_KEPT = 8  # a descriptor's encodings kept per plan step (by base address), then started over
 aten = torch.ops.aten
 # allocations: replayed as `torch.empty_strided` of the recorded result's size, strides, dtype, device
 _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
@@ -272,6 +279,21 @@ class _Plan:
                     for s, o in zip(outs, out):
                         if s is not None:
                             slots[s] = o
+            elif kind == _RAW:
+                _, raw, g0, g1, g2, function, packed, values, fills, descs = step
+                values = list(values)
+                for i, s in fills:
+                    values[i] = slots[s]
+                for i, s, template, meta, encodings in descs:
+                    base = slots[s]
+                    encoded = encodings.get(base.data_ptr())
+                    if encoded is None:
+                        encoded = _encoded(raw, template, meta, base, encodings)
+                    values[i] = encoded
+                if stream is None:
+                    stream = torch._C._cuda_getCurrentRawStream(self.device)
+                raw.launch(g0, g1, g2, stream, function, raw.cooperative, raw.pdl, None, None, packed, None, None,
+                           None, *values)
             elif kind == _LAUNCH:
                 _, kernel, g0, g1, g2, values, fills, descs = step
                 values = list(values)
@@ -301,6 +323,15 @@ def _rebuilt(template, base: Tensor):
     desc.__dict__.update(template.__dict__)
     desc.base = base
     return desc
+
+
+def _encoded(raw, template, meta, base: Tensor, encodings: dict):
+    """The CUtensorMap of `template`'s descriptor over `base`, kept in `encodings` by base address (the
+    encoding is a function of the address and of fields the plan fixes)."""
+    if len(encodings) >= _ENCODINGS_KEPT:
+        encodings.clear()
+    encoded = encodings[base.data_ptr()] = raw.expand(_rebuilt(template, base), meta)[0]
+    return encoded
 
 
 def _filled(template: list, fills: list, slots: list) -> list:
@@ -374,6 +405,33 @@ def _integer_indexing(func, args) -> bool:
     if func is not torch.ops.aten.index.Tensor:
         return False
     return all(i is None or not (i.dtype == torch.bool or i.dtype == torch.uint8) for i in args[1])
+
+
+def _raw_step(kernel, grid, values: list, template: list, fills: tuple, descs: list) -> tuple | None:
+    """The launch as a `_RAW` step (`direct_launch.RawLauncher`: the kernel's C launch with its
+    descriptor arguments expanded), or None where the launcher has another shape or a descriptor's
+    base is not traced (its encoding would hold a constant's address the step does not keep)."""
+    from . import direct_launch
+
+    raw = direct_launch.raw_launcher(kernel) if RAW_LAUNCH else None
+    if raw is None or len(descs) != len(raw.metas) or any(i not in raw.metas for i, _, _ in descs):
+        return None
+    fill_of, desc_of = dict(fills), {i: (t, s) for i, t, s in descs}
+    expanded, raw_fills, raw_descs = [], [], []
+    for i, value in enumerate(values):
+        if i in desc_of:
+            t, s = desc_of[i]
+            meta = raw.metas[i]
+            encoded, *fields = raw.expand(value, meta)
+            raw_descs.append((len(expanded), s, t, meta, {value.base.data_ptr(): encoded}))
+            expanded.extend((None, *fields))
+        elif i in fill_of:
+            raw_fills.append((len(expanded), fill_of[i]))
+            expanded.append(None)
+        else:
+            expanded.append(template[i])
+    return (_RAW, raw, *grid, kernel.function, kernel.packed_metadata, tuple(expanded), tuple(raw_fills),
+            tuple(raw_descs))
 
 
 class _Recorder(TorchDispatchMode):
@@ -559,8 +617,9 @@ class _Recorder(TorchDispatchMode):
             self.why = "a list of tensors as a kernel argument"
             return
         self.kernels[id(launcher)] = (launcher.fn, launcher)
-        self.steps.append((_LAUNCH, kernel, *grid, tuple(template), tuple((i, s) for i, _, s in fills),
-                           tuple(descs)))
+        fills = tuple((i, s) for i, _, s in fills)
+        raw = _raw_step(kernel, grid, values, template, fills, descs)
+        self.steps.append(raw or (_LAUNCH, kernel, *grid, tuple(template), fills, tuple(descs)))
 
     def call(self, kernel, grid, args, kwargs):
         if self.why is not None or self.depth:

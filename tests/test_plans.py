@@ -304,6 +304,42 @@ def test_planned_op_calls_equal_unplanned_ones_gpu(form):
 
 
 @pytest.mark.gpu
+def test_raw_launches_equal_unplanned_ones_with_descriptors_encoded_again_or_kept_gpu():
+    """On Triton 3.6, replays call the kernels' C launch (`direct_launch.raw_launcher`) with TMA
+    descriptor encodings kept per base address: bit-equal to unplanned calls when every encoding is
+    made again (new addresses) and when they are reused."""
+    import triton
+
+    from moe_compiler.codegen import launch
+
+    if not triton.__version__.startswith("3.6") or not launch.USE_TMA:
+        pytest.skip("the raw launch is taken with Triton 3.6's launcher and TMA descriptors")
+    params, step = _gpu_layer()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    xs = [torch.randn(512, 256, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(plans.RECORD_AT + 1)]
+    dy = torch.randn(512, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    _run_steps(params, step, xs, dy)
+    steps = [st for p in plans._PLANS.values() if isinstance(p, plans._Plan) for st in p.steps]
+    raw = [st for st in steps if st[0] == plans._RAW]
+    assert raw and not any(st[0] == plans._LAUNCH for st in steps), [st[0] for st in steps]
+    encodings = [d[4] for st in raw for d in st[9]]
+    assert encodings, "no replayed launch took a TMA descriptor"
+    new = [torch.randn(512, 256, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    for e in encodings:
+        e.clear()
+    encoded_again = _run_steps(params, step, new, dy)
+    assert all(e for e in encodings)
+    kept = _run_steps(params, step, new, dy)
+    plans.ENABLED = False
+    try:
+        unplanned = _run_steps(params, step, new, dy)
+    finally:
+        plans.ENABLED = True
+    _equal(encoded_again, unplanned)
+    _equal(kept, unplanned)
+
+
+@pytest.mark.gpu
 def test_a_planned_compiled_step_replays_from_a_cuda_graph_gpu():
     """Replayed plans are capturable: a compiled Qwen3-MoE block's fwd+bwd, captured after its op
     calls were planned (`graphed` warms it up on a side stream, then captures), replayed on new
