@@ -36,6 +36,8 @@ Rules (eager spelling -> canonical form):
     (w[tok] * (ids[tok] == e)).sum(-1)            ->  G[:, e][tok]      (keepdim: G[:, e][tok, None])
         # a token's weight of expert e by a mask multiplied in, as a column of the [T, E] gate
         # matrix (one per ids and w); the same terms, at most one nonzero: equal values
+    i = torch.argmax(s, dim=-1)                   ->  i = torch.max(s, dim=-1)[1]
+        # the first index of each row's largest score for both (keepdim too)
     v, i = x.max(-1, keepdim=True)                ->  v, i = x.max(-1)
     i.squeeze(-1), i[:, 0], v[tok]                    i, i, v[tok, None]
     torch.where(i == e)[0]                            torch.where(i' == e)[0]
@@ -81,7 +83,7 @@ import torch.nn.functional as F
 from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, elementwise_of_transpose_to_transpose,
                                same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
-from .canonical_routing import (add_of_rows_into_zeros_to_index_add, gate_nonzero_to_any_hit, gathered_outputs_to_gate_matrix,
+from .canonical_routing import (add_of_rows_into_zeros_to_index_add, argmax_to_max, gate_nonzero_to_any_hit, gathered_outputs_to_gate_matrix,
                                 sorted_prefix_to_topk, copies_at_slots_to_floor_div,
                                 gate_rows_column_to_column_rows, masked_scatter_rows_to_index_add,
                                 one_hot_count_to_any_hit, position_copy_to_mask_write,
@@ -948,7 +950,8 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 # the scatter rules before any_hit_where_to_hit_where: row_scatter_add_to_index_add compares the
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
-RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, sorted_prefix_to_topk, one_hot_count_to_any_hit,
+RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, sorted_prefix_to_topk, argmax_to_max,
+         one_hot_count_to_any_hit,
          gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, masked_scatter_rows_to_index_add,
          nonzero_columns_to_where,
          boolean_index_to_where, scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add,

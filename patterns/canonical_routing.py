@@ -667,3 +667,25 @@ def sorted_prefix_to_topk(gm: fx.GraphModule, node: fx.Node, order: dict) -> str
             gm.graph.erase_node(user)
     order[topk] = order[node]
     return f"{node.name} -> topk({s.name}, {K})"
+
+
+def argmax_to_max(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`torch.argmax(s, dim=-1)` (`s.argmax(-1)`, keepdim too) -> `torch.max(s, dim=-1)[1]`: both give
+    the index of each row's largest score, the first one where scores tie (documented for both), so
+    a top-1 written with argmax reaches the finders as the `max` they read. Only over the last dim of
+    a floating tensor of two or more dims (a row of scores per token)."""
+    if not is_call(node, "argmax") or node.kwargs.keys() - {"dim", "keepdim"} or len(node.args) > 3:
+        return None
+    s = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    rank = len(shape_of(s) or ())
+    dtype = dtype_of(s)
+    if not isinstance(s, fx.Node) or rank < 2 or dim not in (-1, rank - 1) or keepdim not in (True, False) \
+            or dtype is None or not dtype.is_floating_point:
+        return None
+    found = insert_call(gm, node, torch.max, (s, -1), {"keepdim": True} if keepdim else {})
+    ids = insert_call(gm, node, operator.getitem, (found, 1))
+    order[found] = order[ids] = order[node]
+    node.replace_all_uses_with(ids)
+    return f"{node.name} -> max({s.name}, -1)[1]"

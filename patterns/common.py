@@ -682,8 +682,9 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
     if match.token_dims:  # [B, S, .] -> [T, .]: views of the region's own inputs (no size baked in)
         x, ids, weights = (insert(torch.flatten, (t, 0, -2)) for t in (x, ids, weights))
-    if match.flat_top1:
-        ids, weights = insert(torch.unsqueeze, (ids, -1)), insert(torch.unsqueeze, (weights, -1))
+    if match.flat_top1:  # [T] ids (and weights, unless a gate matrix holds them) as [T, 1]
+        ids = insert(torch.unsqueeze, (ids, -1))
+        weights = weights if match.gates else insert(torch.unsqueeze, (weights, -1))
     if match.gates:  # the [T, K] weights at the top-k ids of a gate matrix zero elsewhere
         weights = insert(torch.gather, (weights, 1, ids))
     if match.input_scaled:  # one row per (token, k): x[t] * w[t, k], through expert ids[t, k], weight 1

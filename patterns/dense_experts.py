@@ -9,6 +9,10 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
     outs = torch.stack([e(x) for e in self.experts], dim=1)        # [T, E, d]
     out = (gates.unsqueeze(-1) * outs).sum(1)                      # [T, d]; or einsum("te,ted->td", gates, outs),
                                                                    #   sum_e gates[:, e:e+1] * self.experts[e](x)
+    outs = torch.stack([e(x) for e in self.experts])               # [E, T, d] (dim=0, the default)
+    out = torch.einsum("te,etd->td", gates, outs)                  #   or (gates.t().unsqueeze(-1) * outs).sum(0)
+    outs = torch.stack([e(x) for e in self.experts], dim=-1)       # [T, d, E]
+    out = (gates.unsqueeze(1) * outs).sum(-1)                      #   or einsum("te,tde->td", gates, outs)
 
 with experts as in `module_list`, the sum of columns also started from one other term (a shared
 expert's output, added to the op's output), and hidden states that keep two leading token dims
@@ -55,6 +59,7 @@ from .module_list import (
     expert_mlp,
     finish_list_match,
     through_float_casts,
+    top_k_or_max_routing,
     topk_routing,
 )
 
@@ -94,31 +99,38 @@ def _stacked_outputs(stack: fx.Node) -> list[fx.Node] | None:
 
 
 def _check_stacked(stack: fx.Node) -> MoEMatch:
-    """(gates.unsqueeze(-1) * stack(outs, 1)).sum(1) or einsum("te,ted->td", gates, stack(outs, 1))."""
+    """sum_e gates[t, e] * stack(outs, dim)[.., e, ..] with the experts' dim first, after the tokens'
+    dims or last: a product with the gates broadcast to the stack's layout summed over that dim, or an
+    einsum."""
     walk = RegionWalk()
     outs = _stacked_outputs(stack)
     lead = len(shape_of(outs[0])) - 1  # the tokens' dims: [T, d] outputs, or [B, S, d]
-    expect(arg(stack, 1, "dim", 0) in (lead, -2), "expert outputs are not stacked as [T, E, d] (dim=1)")
+    dim = arg(stack, 1, "dim", 0)
+    dim = dim + lead + 2 if isinstance(dim, int) and dim < 0 else dim
+    expect(dim in (0, lead, lead + 1), f"expert outputs are stacked at dim {dim}: not first, after the tokens' "
+                                       "dims or last")
     walk.mark(stack)
     readers = list(stack.users)
     expect(len(readers) == 1, "the stacked expert outputs are read more than once")
     (combine,) = readers
     if is_call(combine, "einsum"):  # left as written in bf16/fp16 and under autocast (canonical_products)
-        gates = _einsum_gates(combine, stack)
+        gates = _einsum_gates(combine, stack, dim)
         anchor = combine
     else:  # the product, also einsum("te,ted->td", ...)'s canonical form
         expect(is_call(combine, *_MUL) and len(combine.args) == 2, "stacked expert outputs are not weighted by a gate matrix")
         other = combine.args[1] if combine.args[0] is stack else combine.args[0]
-        gates = _broadcast_gates(other, walk)
+        gates = _broadcast_gates(other, walk, dim, lead)
         anchor = next(iter(combine.users), None) if len(combine.users) == 1 else None
-        expect(is_call(anchor, "sum") and sums_dim(anchor, (lead, -2)), "weighted expert outputs are not summed over the experts")
+        expect(is_call(anchor, "sum") and sums_dim(anchor, (dim, dim - lead - 2)),
+               "weighted expert outputs are not summed over the experts")
         walk.mark(combine, other)
     walk.mark(anchor)
     return _finish(anchor, gates, outs, walk)
 
 
-def _einsum_gates(einsum: fx.Node, stack: fx.Node) -> fx.Node:
-    """The gates operand of einsum("te,ted->td", gates, outs) (any letters, either order)."""
+def _einsum_gates(einsum: fx.Node, stack: fx.Node, dim: int) -> fx.Node:
+    """The gates operand of einsum("te,ted->td", gates, outs) with the experts' letter at `dim` of the
+    stack's subscripts (any letters, either operand order)."""
     equation, *operands = einsum.args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
@@ -128,13 +140,48 @@ def _einsum_gates(einsum: fx.Node, stack: fx.Node) -> fx.Node:
     ins, out = [spec.group(1), spec.group(2)], spec.group(3)
     i = operands.index(stack)
     spec_outs = ins[i]
-    t, e, d = (spec_outs[:-2], spec_outs[-2], spec_outs[-1]) if len(spec_outs) >= 3 else ("", "", "")
-    ok = len(set(spec_outs)) == len(spec_outs) >= 3 and ins[1 - i] == t + e and out == t + d
+    ok = len(set(spec_outs)) == len(spec_outs) >= 3 and dim < len(spec_outs)
+    e = spec_outs[dim] if ok else ""
+    rest = spec_outs[:dim] + spec_outs[dim + 1:]
+    t, d = rest[:-1], rest[-1:]
+    ok = ok and ins[1 - i] == t + e and out == t + d
     expect(ok, f"einsum {equation!r} is not sum_e gates[t, e] * outs[t, e, d]")
     return operands[1 - i]
 
 
-def _broadcast_gates(node, walk: RegionWalk) -> fx.Node:
+def _broadcast_gates(node, walk: RegionWalk, dim: int, lead: int) -> fx.Node:
+    """g [*T, E] from its broadcast to the stacked outputs' layout with the experts at `dim`:
+    after the tokens, [*T, E, 1] (`_last_dim_broadcast`); last, [*T, 1, E] (`g.unsqueeze(-2)`,
+    `g[..., None, :]`, and of a 2-D g `g[:, None]`, `g[:, None, :]`); first, of a 2-D g, its transpose
+    (`g.t()`, `g.T`, `g.transpose(0, 1)`, `g.permute(1, 0)`) broadcast over a last dim."""
+    if dim != lead + 1:
+        gates = _last_dim_broadcast(node, walk)
+        if dim == lead:
+            return gates
+        expect(lead == 1 and isinstance(gates, fx.Node) and len(shape_of(gates)) == 2,
+               "expert outputs stacked first are weighted by no transposed [T, E] gate matrix")
+        gates = through_float_casts(gates, walk)
+        swapped = (is_call(gates, "t")
+                   or (is_call(gates, "transpose") and sorted(gates.args[1:3]) in ([0, 1], [-2, -1], [-1, 0], [-2, 1]))
+                   or (is_call(gates, "permute") and list(gates.args[1:]) in ([1, 0], [[1, 0]], [(1, 0)]))
+                   or (gates.op == "call_function" and gates.target is getattr and gates.args[1] in ("T", "mT")))
+        expect(swapped, f"expert outputs stacked first are weighted by no transposed [T, E] gate matrix "
+                        f"({gates.name} is not one)")
+        walk.mark(gates)
+        return gates.args[0]
+    node = through_float_casts(node, walk)
+    rank = len(shape_of(node))  # lead + 2
+    two_d = ((slice(None), None), (slice(None), None, slice(None))) if rank == 3 else ()
+    if is_call(node, "unsqueeze") and arg(node, 1, "dim") in (-2, rank - 2):
+        walk.mark(node)
+        return node.args[0]
+    if is_getitem(node) and node.args[1] in ((Ellipsis, None, slice(None)), *two_d):
+        walk.mark(node)
+        return node.args[0]
+    raise NoMatch(f"{getattr(node, 'name', node)} is not a [T, E] matrix broadcast over the features before its last dim")
+
+
+def _last_dim_broadcast(node, walk: RegionWalk) -> fx.Node:
     """g from g.unsqueeze(-1) / g[..., None] / g[:, :, None] (g broadcast over a last dim; the last
     form of a 2-D g only)."""
     node = through_float_casts(node, walk)
@@ -292,6 +339,14 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
         found = _einsum_one_hot_gates(gates, walk)
         expect(found is not None, not_sparse)
         return found
+    one_hot = gates.args[0] if is_call(gates, "to", "float", "type_as") else gates  # 0/1 as floats: exact
+    if is_call(one_hot, "one_hot") and squash is None:  # a top-1's ids [T] as 0/1 rows: weights 1
+        ids = one_hot.args[0]
+        num_classes = arg(one_hot, 1, "num_classes", -1)
+        expect(len(shape_of(ids)) == len(shape_of(gates)) - 1 and num_classes == shape_of(gates)[-1],
+               f"one_hot({getattr(ids, 'name', ids)}, {num_classes}) is not a [T, E] gate matrix of top-1 ids")
+        walk.mark(gates, one_hot)
+        return GateSupport(ids, None, None, None)
     if is_call(gates, "sum") and squash is None:  # (one_hot(ids, E) * w.unsqueeze(-1)).sum(1)
         mul = gates.args[0]
         expect(sums_dim(gates, (len(shape_of(mul)) - 2, -2)) and is_call(mul, *_MUL) and len(mul.args) == 2, not_sparse)
@@ -302,7 +357,7 @@ def sparse_gates(gates, walk: RegionWalk) -> GateSupport:
                 num_classes = arg(oh, 1, "num_classes", -1)
                 expect(num_classes == shape_of(gates)[-1], f"one_hot has num_classes={num_classes}, the gate matrix {shape_of(gates)[-1]} columns")
                 walk.mark(gates, mul, oh, cast)
-                return GateSupport(oh.args[0], _broadcast_gates(wb, walk), None, None)
+                return GateSupport(oh.args[0], _last_dim_broadcast(wb, walk), None, None)
         raise NoMatch(not_sparse)
     scatter = base = None
     if is_call(gates, "scatter", "scatter_"):
@@ -371,7 +426,11 @@ def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWa
         topk_weights, zeros, inplace_scatter = gates, None, None
     lead = shape_of(gates)[:-1]  # the tokens' dims: [T], or [B, S] in code that never flattens them
     expect(len(lead) >= 1, f"the gate matrix {shape_of(gates)} is not [T, E]")
-    E, K = topk_routing(ids, walk, token_dims=len(lead))
+    flat = False  # top-1 ids [T] of a max (one_hot gates), handed to the op as [T, 1]
+    if len(lead) == 1:
+        E, K, flat = top_k_or_max_routing(ids, walk)
+    else:
+        E, K = topk_routing(ids, walk, token_dims=len(lead))
     expect(shape_of(gates)[-1] == E, f"the gate matrix {shape_of(gates)} is not [T, E={E}]")
     expect(len(outs) == E, f"{len(outs)} expert outputs are combined, the router ranks E={E}")
     expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point, "routing weights are not floating point")
@@ -383,14 +442,17 @@ def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWa
     x = xs.pop()
     expect(len(shape_of(x)) == len(lead) + 1, "expert input is not [T, d]")
     d = shape_of(x)[-1]
-    same_tokens = all(same_size(a, b) for shape in (shape_of(x), shape_of(ids), shape_of(anchor))
-                      for a, b in zip(shape[:-1], lead))
-    expect(same_tokens and len(shape_of(ids)) == len(shape_of(anchor)) == len(lead) + 1,
+    ids_tokens = shape_of(ids) if flat else shape_of(ids)[:-1]
+    same_tokens = all(same_size(a, b) for shape in (shape_of(x)[:-1], ids_tokens, shape_of(anchor)[:-1])
+                      for a, b in zip(shape, lead))
+    expect(same_tokens and len(ids_tokens) == len(shape_of(anchor)) - 1 == len(lead),
            "gate matrix, ids, expert input and combined output differ in their token dims")
     expect(same_size(shape_of(anchor)[-1], d), f"combined output {shape_of(anchor)} is not [T, d]")
     T = math.prod(lead)
-    return finish_list_match(
+    match = finish_list_match(
         IDIOM, anchor, walk, anchor, [anchor], x, ids, topk_weights, experts, E=E, K=K, T=T, d=d,
         extra_region=[inplace_scatter] if inplace_scatter is not None else [],
         shape_only=[zeros] if zeros is not None else [], gates=gathered, added_to=added_to, token_dims=len(lead) > 1,
     )
+    match.flat_top1 = flat
+    return match

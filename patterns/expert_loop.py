@@ -98,7 +98,7 @@ from .module_list import (
     expert_mlp,
     finish_expert_match,
     through_float_casts,
-    topk_routing,
+    top_k_or_max_routing,
 )
 
 IDIOM = "expert_loop"
@@ -273,7 +273,7 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
     expect(len(weights_nodes) == 1, "experts are scaled by different routing weights")
     (x,), (topk_ids,), (topk_weights,) = xs, ids_nodes, weights_nodes
 
-    E, K, flat = _loop_routing(topk_ids, walk)
+    E, K, flat = top_k_or_max_routing(topk_ids, walk)
     expect(not columns or not whole, "the loop mixes per-column masks (ids[:, k] == e) with masks over all the ids")
     for e, ks in columns.items():
         # sum over k and e of the rows where ids[:, k] == e: every (token, k) slot once, as the op sums them
@@ -308,25 +308,6 @@ def _same_weights(a: ExpertMLP, b: ExpertMLP) -> bool:
         return node
     parts = lambda ex: [key(n) for n in (ex.w_gate, ex.w_up, ex.w_down, *ex.biases)]  # noqa: E731
     return parts(a) == parts(b) and a.slices == b.slices and a.act == b.act
-
-
-def _loop_routing(ids: fx.Node, walk: RegionWalk) -> tuple[int, int, bool]:
-    """(E, K, flat) of the loop's expert ids: `topk_routing`'s [T, K] top-k indices, or (flat)
-    the [T] indices of `scores.max(dim=-1)` over [T, E] scores, one expert per token (Switch
-    Transformer's top-1), which the rewrite hands the op as [T, 1]; with keepdim=True they are
-    [T, 1] already, a top-k of 1."""
-    top1 = getitem_of(ids, 1)
-    if not is_call(top1, "max"):
-        return (*topk_routing(ids, walk), False)
-    scores, dim, keepdim = arg(top1, 0, "input"), arg(top1, 1, "dim"), arg(top1, 2, "keepdim", False)
-    shape = shape_of(scores)
-    expect(isinstance(dim, int) and not isinstance(dim, bool) and len(shape) == 2 and dim in (-1, 1)
-           and keepdim in (True, False) and len(top1.args) + len(top1.kwargs) <= 3,
-           "expert ids are a max that does not rank [T, E] scores over the experts")
-    expect(isinstance(shape[1], int), "expert count is not static")
-    expect(shape_of(ids) == ((shape[0], 1) if keepdim else (shape[0],)),
-           f"top-1 expert ids are not [T{', 1' if keepdim else ''}]")
-    return shape[1], 1, not keepdim
 
 
 def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> bool:

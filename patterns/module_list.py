@@ -309,6 +309,25 @@ def topk_routing(topk_ids: fx.Node, walk: RegionWalk, token_dims: int = 1) -> tu
     return shape[-1], K
 
 
+def top_k_or_max_routing(ids: fx.Node, walk: RegionWalk) -> tuple[int, int, bool]:
+    """(E, K, flat) of expert ids: `topk_routing`'s [T, K] top-k indices, or (flat)
+    the [T] indices of `scores.max(dim=-1)` over [T, E] scores, one expert per token (Switch
+    Transformer's top-1), which the rewrite hands the op as [T, 1]; with keepdim=True they are
+    [T, 1] already, a top-k of 1."""
+    top1 = getitem_of(ids, 1)
+    if not is_call(top1, "max"):
+        return (*topk_routing(ids, walk), False)
+    scores, dim, keepdim = arg(top1, 0, "input"), arg(top1, 1, "dim"), arg(top1, 2, "keepdim", False)
+    shape = shape_of(scores)
+    expect(isinstance(dim, int) and not isinstance(dim, bool) and len(shape) == 2 and dim in (-1, 1)
+           and keepdim in (True, False) and len(top1.args) + len(top1.kwargs) <= 3,
+           "expert ids are a max that does not rank [T, E] scores over the experts")
+    expect(isinstance(shape[1], int), "expert count is not static")
+    expect(shape_of(ids) == ((shape[0], 1) if keepdim else (shape[0],)),
+           f"top-1 expert ids are not [T{', 1' if keepdim else ''}]")
+    return shape[1], 1, not keepdim
+
+
 def ranked_over(topk_ids: fx.Node, E: int) -> bool:
     """Whether the ids are a top-k over E experts' scores in this graph, so every one lies in [0, E)
     (none is an expert-parallel sentinel)."""

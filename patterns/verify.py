@@ -276,8 +276,8 @@ class _Region:
             weights = torch.ones(x.shape[0], 1, dtype=torch.float64, device=x.device)
         else:
             ids, weights = at[m.topk_ids], at[m.topk_weights]
-        if m.flat_top1:
-            ids, weights = ids.unsqueeze(-1), weights.unsqueeze(-1)
+        if m.flat_top1:  # [T] ids (and weights, unless a gate matrix holds them) as [T, 1]
+            ids, weights = ids.unsqueeze(-1), weights if m.gates else weights.unsqueeze(-1)
         if m.gates:
             weights = torch.gather(weights, 1, ids)
         w1, w2, b1, b2 = (at.get(n) for n in (m.w1, m.w2, m.b1, m.b2))

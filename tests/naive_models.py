@@ -235,6 +235,38 @@ class LoopMoE(Router):
         return out
 
 
+class OneHotTop1MoE(nn.Module):
+    """Switch-style top-1 run densely: every expert on every token, combined by the 0/1 rows
+    `F.one_hot(ids, E)` of the top-1 ids, the chosen probability applied after the combine.
+
+    ids:     "argmax" (probs.argmax(-1)), "max" (probs.max(-1)[1]), "shifted" ((argmax + 1) % E: not
+             the router's choice, never rewritten)
+    combine: "slices" (out = out + mask[:, e:e+1] * experts[e](x)), "stack_first" (einsum over
+             torch.stack(outs) [E, T, d])
+    """
+
+    def __init__(self, d=16, n=8, E=4, ids="argmax", combine="slices"):
+        super().__init__()
+        self.E, self.ids, self.combine = E, ids, combine
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = make_experts("gated", d, n, E, None, False)
+
+    def forward(self, x):
+        probs = self.gate(x).softmax(-1)
+        ids = probs.max(-1)[1] if self.ids == "max" else probs.argmax(-1)
+        if self.ids == "shifted":
+            ids = (ids + 1) % self.E
+        p = probs.gather(-1, ids.unsqueeze(-1))
+        mask = F.one_hot(ids, num_classes=self.E).to(x.dtype)
+        if self.combine == "stack_first":
+            out = torch.einsum("te,etd->td", mask, torch.stack([e(x) for e in self.experts]))
+        else:
+            out = torch.zeros_like(x)
+            for e in range(self.E):
+                out = out + mask[:, e:e + 1] * self.experts[e](x)
+        return out * p
+
+
 class DenseMoE(Router):
     """Every expert on every token, combined by a [T, E] gate matrix.
 
@@ -246,7 +278,12 @@ class DenseMoE(Router):
              "shared_slices" (out = shared(x), then out = out + gates[..., e:e+1] * experts[e](x)),
              "zeros_slices" (the same from torch.zeros_like(x)), "two_extra_slices" (from shared(x) + x:
              two terms that are no expert's, never rewritten), "where_columns" (no gate matrix: out =
-             out + torch.where(ids == e, w, 0).sum(-1, keepdim=True) * experts[e](x), from the literal 0)
+             out + torch.where(ids == e, w, 0).sum(-1, keepdim=True) * experts[e](x), from the literal 0),
+             experts stacked first (`torch.stack(outs)`, [E, T, d]): "first_einsum" (einsum("te,etd->td")),
+             "first_sum" ((gates.t().unsqueeze(-1) * outs).sum(0)), "first_untransposed" ((gates.unsqueeze(-1)
+             * outs).sum(0): another function, which broadcasts only where T == E), and stacked last
+             (dim=-1, [T, d, E]): "last_sum" ((gates[:, None] * outs).sum(-1)), "last_einsum"
+             (einsum("te,tde->td"))
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", gates="scatter", combine="stack_sum", acts=None,
@@ -292,6 +329,16 @@ class DenseMoE(Router):
             for e in range(1, self.E):
                 out = out + gates[:, e:e + 1] * self.experts[e](x)
             return out
+        if self.combine.startswith("first"):
+            outs = torch.stack([expert(x) for expert in self.experts])  # [E, T, d]
+            if self.combine == "first_einsum":
+                return torch.einsum("te,etd->td", gates, outs)
+            return ((gates.t() if self.combine == "first_sum" else gates).unsqueeze(-1) * outs).sum(0)
+        if self.combine.startswith("last"):
+            outs = torch.stack([expert(x) for expert in self.experts], dim=-1)  # [T, d, E]
+            if self.combine == "last_einsum":
+                return torch.einsum("te,tde->td", gates, outs)
+            return (gates[:, None] * outs).sum(-1)
         outs = torch.stack([expert(x) for expert in self.experts], dim=1)  # [T, E, d]
         if self.combine == "einsum":
             return torch.einsum("te,ted->td", gates, outs)

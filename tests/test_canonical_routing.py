@@ -521,6 +521,46 @@ def test_other_sorts_stay(fn):
     assert "sorted_prefix_to_topk" not in rules(canonicalize(gm))
 
 
+def _argmax(scores):
+    return torch.argmax(scores, dim=-1)
+
+
+def _argmax_method_keepdim(scores):
+    return scores.softmax(-1).argmax(-1, keepdim=True)
+
+
+def _argmax_ties(scores):  # whole rows of ties: both pick the first index of the row's largest
+    return torch.argmax(scores.round(), dim=1)
+
+
+@pytest.mark.parametrize("fn", [_argmax, _argmax_method_keepdim, _argmax_ties])
+def test_an_argmax_over_the_experts_becomes_a_max(fn):
+    scores = torch.randn(T, E) * 0.4
+    gm = traced(fn, scores)
+    assert rules(canonicalize(gm)) == ["argmax_to_max"]
+    assert "max" in ops(gm) and "argmax" not in ops(gm), ops(gm)
+    same_value(gm, fn, scores)
+
+
+def _argmax_flat(scores):
+    return torch.argmax(scores)  # over every element
+
+
+def _argmax_tokens(scores):
+    return scores.argmax(0)
+
+
+def _argmax_ints(scores):
+    return (scores * 10).long().argmax(-1)
+
+
+@pytest.mark.parametrize("fn", [_argmax_flat, _argmax_tokens, _argmax_ints])
+def test_other_argmaxes_stay(fn):
+    scores = torch.randn(T, E)
+    gm = traced(fn, scores)
+    assert "argmax_to_max" not in rules(canonicalize(gm))
+
+
 # --- each slot's token read from copies of arange(T) --------------------------------------------
 
 

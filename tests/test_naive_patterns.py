@@ -24,7 +24,7 @@ from moe_compiler.testing import FP32_RTOL
 from .helpers import assert_close_to_eager, profiled_op_names
 from .naive_models import (AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
                            DispatchCombineMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
-                           StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE, TokenMajorMoE)
+                           OneHotTop1MoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE, TokenMajorMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -127,6 +127,10 @@ DENSE_VARIANTS = {
     "shared-slices": dict(combine="shared_slices"),
     "zeros-slices": dict(combine="zeros_slices", gates="one_hot"),
     "where_columns-fused-bias": dict(combine="where_columns", experts="fused", bias=True),
+    "first_einsum": dict(combine="first_einsum"),
+    "first_sum-one_hot-bias": dict(combine="first_sum", gates="one_hot", bias=True),
+    "last_sum-fused": dict(combine="last_sum", experts="fused"),
+    "last_einsum-plain": dict(combine="last_einsum", experts="plain"),
 }
 
 BMM_VARIANTS = {
@@ -801,6 +805,24 @@ def test_negative_untouched(case, caplog):
         assert_left_alone(make(), _inputs()[0], reason, caplog)
 
 
+@pytest.mark.parametrize("ids,combine", [("argmax", "slices"), ("max", "stack_first")])
+def test_dense_experts_of_one_hot_top1_rows_match_eager(ids, combine):
+    _check_rewrite(OneHotTop1MoE(ids=ids, combine=combine), "dense_experts")
+
+
+def test_one_hot_rows_of_ids_the_router_did_not_pick_are_left_alone(caplog):
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(OneHotTop1MoE(ids="shifted"), _inputs()[0], "not the indices of a torch.topk", caplog)
+
+
+def test_experts_stacked_first_weighted_by_untransposed_gates_are_left_alone(caplog):
+    # with T == E tokens `gates.unsqueeze(-1)` broadcasts against the [E, T, d] stack: out[t] =
+    # sum_e gates[e, t] * outs[e, t], which weights token t by another token's gates
+    x = _inputs()[0][:4]
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(DenseMoE(E=4, combine="first_untransposed"), x, "no transposed [T, E] gate matrix", caplog)
+
+
 class _TokenSetitem(torch.nn.Module):
     """`emb[ids == image_token] = proj(features)`: a boolean-mask setitem outside any MoE."""
 
@@ -1056,9 +1078,16 @@ def test_expert_loop_top1_keepdim_column_gpu_bf16(variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices", "softmax_neg_inf-stack_sum",
-                                     "bias-scatter-stack_sum", "shared-slices", "where_columns-fused-bias"])
+                                     "bias-scatter-stack_sum", "shared-slices", "where_columns-fused-bias",
+                                     "first_einsum", "first_sum-one_hot-bias", "last_sum-fused"])
 def test_dense_experts_gpu_bf16(variant):
     _check_gpu_bf16(lambda: DenseMoE(**DENSE_VARIANTS[variant]), "dense_experts")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ids,combine", [("argmax", "slices"), ("max", "stack_first")])
+def test_dense_experts_of_one_hot_top1_rows_gpu_bf16(ids, combine):
+    _check_gpu_bf16(lambda: OneHotTop1MoE(ids=ids, combine=combine), "dense_experts")
 
 
 @pytest.mark.gpu
