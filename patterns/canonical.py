@@ -33,6 +33,7 @@ Rules (eager spelling -> canonical form):
         # [0, E), where one_hot is defined) and every use of m reads only where it is nonzero:
         # permute/transpose/select/unbind down to a one-argument torch.where or nonzero.
     wt = (w * (ids == e)).sum(-1)                 ->  G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1); wt = G[:, e]
+        # also torch.where(ids == e, w, 0).sum(-1) and w.masked_fill(ids != e, 0).sum(-1)
     (w[tok] * (ids[tok] == e)).sum(-1)            ->  G[:, e][tok]      (keepdim: G[:, e][tok, None])
         # a token's weight of expert e by a mask multiplied in, as a column of the [T, E] gate
         # matrix (one per ids and w); the same terms, at most one nonzero: equal values
@@ -364,7 +365,8 @@ _MUL = ("mul", "__mul__", "__rmul__")
 
 
 def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`(w * (ids == e)).sum(-1)` (or `torch.where(ids == e, w, 0).sum(-1)`) -> `G[:, e]` (keepdim:
+    """`(w * (ids == e)).sum(-1)` (or `torch.where(ids == e, w, 0).sum(-1)`, `w.masked_fill(ids != e,
+    0).sum(-1)`) -> `G[:, e]` (keepdim:
     `G[:, e:e+1]`) with the [T, E] gate matrix `G = (F.one_hot(ids, E) * w.unsqueeze(-1)).sum(1)`,
     built once per (ids, w): each G[t, e] sums the very terms w[t, k] * (ids[t, k] == e), of which at
     most one is nonzero (top-k ids are distinct), so the values are equal (up to the sign of a zero;
@@ -381,15 +383,17 @@ def masked_weight_to_gate_column(gm: fx.GraphModule, node: fx.Node, order: dict)
     if node.kwargs.keys() - {"dim", "keepdim"} or not is_int(dim) or rank < 2 or dim % rank != rank - 1:
         return None
     if is_call(mul, *_MUL) and len(mul.args) == 2:
-        pairs = (mul.args, mul.args[::-1])
+        pairs = ((*mul.args, "eq"), (*mul.args[::-1], "eq"))
     elif is_call(mul, "where") and len(mul.args) == 3 and not mul.kwargs and _zero_of(mul.args[2], mul.args[1]):
-        pairs = ((mul.args[1], mul.args[0]),)  # where(mask, w, 0): w where the mask holds, else 0
+        pairs = ((mul.args[1], mul.args[0], "eq"),)  # where(mask, w, 0): w where the mask holds, else 0
+    elif is_call(mul, "masked_fill") and len(mul.args) == 3 and not mul.kwargs and _zero_of(mul.args[2], mul.args[0]):
+        pairs = ((mul.args[0], mul.args[1], "ne"),)  # w.masked_fill(ids != e, 0): where(ids == e, w, 0)
     else:
         return None
-    for w, mask in pairs:
+    for w, mask, compare in pairs:
         if isinstance(mask, fx.Node) and is_call(mask, "to", "float", "type_as") and dtype_of(mask.args[0]) == torch.bool:
             mask = mask.args[0]
-        if not (is_call(mask, "eq", "__eq__") and len(mask.args) == 2 and isinstance(w, fx.Node)):
+        if not (is_call(mask, compare, f"__{compare}__") and len(mask.args) == 2 and isinstance(w, fx.Node)):
             continue
         ids, e = mask.args
         if not isinstance(ids, fx.Node) or not isinstance(e, int) or isinstance(e, bool):

@@ -57,7 +57,7 @@ from .common import (
 )
 from .module_list import (
     expert_mlp,
-    finish_list_match,
+    finish_expert_match,
     through_float_casts,
     top_k_or_max_routing,
     topk_routing,
@@ -243,9 +243,18 @@ def _column_product(node, walk: RegionWalk | None = None):
     walk = walk or RegionWalk()
     for col, y in (node.args, node.args[::-1]):
         found = _column(col, walk)
-        if found is not None and is_call(through_float_casts(y, walk), "linear"):
+        if found is not None and _projection_output(through_float_casts(y, walk)):
             return (*found, y)
     return None
+
+
+def _projection_output(y) -> bool:
+    """`y` is what a Linear gives (`F.linear`) or a matmul, plus a bias or not (`h @ W[e] + B[e]`,
+    `h @ W + b`): a candidate expert's down projection, which `expert_mlp` then checks (and names
+    what it is not, for `explain`)."""
+    if is_call(y, "add", "__add__") and len(y.args) == 2 and not y.kwargs:
+        return any(is_call(a, "matmul", "__matmul__") for a in y.args)
+    return is_call(y, "linear", "matmul", "__matmul__")
 
 
 def _column_sums(graph: fx.Graph) -> list[fx.Node]:
@@ -436,7 +445,7 @@ def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWa
     expect(dtype_of(topk_weights) is not None and dtype_of(topk_weights).is_floating_point, "routing weights are not floating point")
     experts = []
     for e, y in enumerate(outs):
-        experts.append(expert_mlp(through_float_casts(y, walk), walk, e))
+        experts.append(expert_mlp(through_float_casts(y, walk), walk, e, stacked=True))
     xs = {through_float_casts(ex.rows, walk) for ex in experts}
     expect(len(xs) == 1, "experts read different inputs")
     x = xs.pop()
@@ -449,7 +458,7 @@ def _finish(anchor: fx.Node, gates: fx.Node, outs: list[fx.Node], walk: RegionWa
            "gate matrix, ids, expert input and combined output differ in their token dims")
     expect(same_size(shape_of(anchor)[-1], d), f"combined output {shape_of(anchor)} is not [T, d]")
     T = math.prod(lead)
-    match = finish_list_match(
+    match = finish_expert_match(
         IDIOM, anchor, walk, anchor, [anchor], x, ids, topk_weights, experts, E=E, K=K, T=T, d=d,
         extra_region=[inplace_scatter] if inplace_scatter is not None else [],
         shape_only=[zeros] if zeros is not None else [], gates=gathered, added_to=added_to, token_dims=len(lead) > 1,

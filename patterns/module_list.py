@@ -145,6 +145,10 @@ def _linear(node, what: str, walk: RegionWalk | None = None) -> tuple[fx.Node, f
     if added is not None:  # rows @ W[e] + B[e]: the product, its bias checked below as F.linear's is
         walk.mark(node, added[0])
         node, bias = added
+    if walk is not None and added is None and is_call(node, "add", "__add__") \
+            and any(is_call(a, *_MATMUL) for a in node.args):
+        raise NoMatch(f"{what} is a matmul plus a bias that is not a slice B[e] of a stacked [E, out] parameter "
+                      f"(`h @ W + b` is taken over slices W[e], B[e] of stacked parameters only)")
     expect(is_call(node, *projection), f"{what} is not an nn.Linear/F.linear call" + (" or a matmul" if walk else ""))
     if added is None:
         bias = None
@@ -426,11 +430,14 @@ def _closed_region(walk, anchors, inputs, extra_region, shape_only) -> set[fx.No
 
 
 def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_weights, experts: list[ExpertMLP], *,
-                        E, K, T, d, accumulator=None, extra_region=(), shape_only=()) -> MoEMatch:
+                        E, K, T, d, accumulator=None, extra_region=(), shape_only=(), gates=False, added_to=None,
+                        token_dims=False) -> MoEMatch:
     """`finish_list_match` for experts that are Linears; for slices W[e] of stacked parameters
     (`experts[e]` must read slice e), `sonic::moe_experts` on the parameters themselves, or the
-    list op on the slices when gate and up are two parameters."""
-    kw = dict(E=E, K=K, T=T, d=d, accumulator=accumulator, extra_region=extra_region, shape_only=shape_only)
+    list op on the slices when gate and up are two parameters. `gates`, `added_to`, `token_dims`
+    as `finish_list_match` takes them."""
+    kw = dict(E=E, K=K, T=T, d=d, accumulator=accumulator, extra_region=extra_region, shape_only=shape_only,
+              gates=gates, added_to=added_to, token_dims=token_dims)
     stacked = {ex.slices is not None for ex in experts}
     expect(len(stacked) == 1, "some experts are Linear modules, others slices of stacked parameters")
     if stacked == {False}:
@@ -465,11 +472,12 @@ def finish_expert_match(idiom, site, walk, anchor, anchors, x, topk_ids, topk_we
         w1_out *= 2
     expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
     check_stacked_biases(b1, b2, E=E, w1_out=w1_out, d=d, x_dtype=x_dtype)
-    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2, w_up) if b is not None}
+    inputs = {x, topk_ids, topk_weights, w1, w2} | {b for b in (b1, b2, w_up, added_to) if b is not None}
     region = _closed_region(walk, anchors, inputs, extra_region, shape_only)
     return _expert_match(idiom, site, anchor, region, x, topk_ids, topk_weights, act, x_dtype, accumulator,
                          shape={"T": T, "d": d, "n": n, "E": E, "K": K}, w1=w1, w2=w2, b1=b1, b2=b2,
-                         transposed=transposed, w_up=w_up, w2_swapped=swapped)
+                         transposed=transposed, w_up=w_up, w2_swapped=swapped, gates=gates, added_to=added_to,
+                         token_dims=token_dims)
 
 
 def _stacked_biases(experts: list[ExpertMLP], E: int) -> tuple[fx.Node | None, fx.Node | None]:

@@ -235,6 +235,70 @@ class LoopMoE(Router):
         return out
 
 
+class StackedColumnsMoE(nn.Module):
+    """Every expert on every token from stacked [E, d, n] / [E, n, d] parameters (`x @ W_up[e] +
+    b_up[e]`), each weighted by its gate column of sigmoid top-k weights renormalised.
+
+    column: "masked_fill" (w.masked_fill(ids != e, 0).sum(-1, keepdim=True)), "mul" ((w * (ids ==
+            e)).sum(-1, keepdim=True))
+    experts: "plain" (silu(x @ W_up[e] + b_up[e]) @ W_down[e] + b_down[e]), "gated" (silu(x @ W_gate[e])
+             * (x @ W_up[e]) @ W_down[e], no biases)
+    shift: expert e reads W_up[(e + shift) % E] (another expert's weights: never rewritten unless 0)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, column="masked_fill", experts="plain", shift=0):
+        super().__init__()
+        self.E, self.K, self.column, self.experts, self.shift = E, K, column, experts, shift
+        self.gate = nn.Linear(d, E)
+        self.w_up = nn.Parameter(torch.randn(E, d, n) / d ** 0.5)
+        self.w_down = nn.Parameter(torch.randn(E, n, d) / n ** 0.5)
+        if experts == "gated":
+            self.w_gate = nn.Parameter(torch.randn(E, d, n) / d ** 0.5)
+        else:
+            self.b_up = nn.Parameter(torch.randn(E, n) * 0.1)
+            self.b_down = nn.Parameter(torch.randn(E, d) * 0.1)
+
+    def forward(self, x):
+        w, ids = torch.sigmoid(self.gate(x)).topk(self.K, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        y = torch.zeros_like(x)
+        for e in range(self.E):
+            if self.column == "masked_fill":
+                g = w.masked_fill(ids != e, 0.0).sum(dim=-1, keepdim=True)
+            else:
+                g = (w * (ids == e)).sum(dim=-1, keepdim=True)
+            up = self.w_up[(e + self.shift) % self.E]
+            if self.experts == "gated":
+                out = (F.silu(x @ self.w_gate[e]) * (x @ up)) @ self.w_down[e]
+            else:
+                out = F.silu(x @ up + self.b_up[e]) @ self.w_down[e] + self.b_down[e]
+            y = y + g * out
+        return y
+
+
+class OwnMatmulExpertsMoE(nn.Module):
+    """Experts holding their own [d, n] / [n, d] parameters, applied as `gelu(x @ w_in + b_in) @ w_out
+    + b_out`, every expert on every token weighted by its gate column `(w * (ids == e)).sum(-1,
+    keepdim=True)`. The op takes [out, in] weights: left alone, with the reason."""
+
+    def __init__(self, d=16, n=8, E=4, K=2):
+        super().__init__()
+        self.E, self.K = E, K
+        self.gate = nn.Linear(d, E, bias=False)
+        self.w_in = nn.ParameterList([nn.Parameter(torch.randn(d, n) / d ** 0.5) for _ in range(E)])
+        self.b_in = nn.ParameterList([nn.Parameter(torch.zeros(n)) for _ in range(E)])
+        self.w_out = nn.ParameterList([nn.Parameter(torch.randn(n, d) / n ** 0.5) for _ in range(E)])
+        self.b_out = nn.ParameterList([nn.Parameter(torch.zeros(d)) for _ in range(E)])
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(self.K, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            g = (w * (ids == e)).sum(dim=-1, keepdim=True)
+            out = out + g * (F.gelu(x @ self.w_in[e] + self.b_in[e]) @ self.w_out[e] + self.b_out[e])
+        return out
+
+
 class OneHotTop1MoE(nn.Module):
     """Switch-style top-1 run densely: every expert on every token, combined by the 0/1 rows
     `F.one_hot(ids, E)` of the top-1 ids, the chosen probability applied after the combine.

@@ -305,7 +305,7 @@ def test_slot_rules_stay_outside_their_condition(fn):
 
 
 @pytest.mark.parametrize("lead", [(T,), (2, 5)])
-@pytest.mark.parametrize("spelling", ["where", "where_zeros_like", "mul"])
+@pytest.mark.parametrize("spelling", ["where", "where_zeros_like", "mul", "masked_fill"])
 def test_a_weight_picked_from_the_slots_holding_an_expert_is_a_gate_column(spelling, lead):
     def fn(x, scores):
         w, ids = torch.topk(scores.softmax(-1), K)
@@ -313,6 +313,8 @@ def test_a_weight_picked_from_the_slots_holding_an_expert_is_a_gate_column(spell
         for e in range(E):
             if spelling == "mul":
                 g = (w * (ids == e)).sum(-1, keepdim=True)
+            elif spelling == "masked_fill":
+                g = w.masked_fill(ids != e, 0.0).sum(-1, keepdim=True)
             else:
                 g = torch.where(ids == e, w, 0.0 if spelling == "where" else torch.zeros_like(w)).sum(-1, keepdim=True)
             out = out + g * x.exp() * (e + 1)
@@ -335,7 +337,18 @@ def where_of_other_zeros(x, scores):  # the zeros of another tensor of w's shape
     return torch.where(ids == 1, w, torch.zeros_like(ids, dtype=w.dtype) + x[:, :K]).sum(-1, keepdim=True) * x
 
 
-@pytest.mark.parametrize("fn", [where_of_another_value, where_of_other_zeros])
+def masked_where_equal(x, scores):  # w.masked_fill(ids == 1, 0): every slot but expert 1's
+    w, ids = torch.topk(scores.softmax(-1), K)
+    return w.masked_fill(ids == 1, 0.0).sum(-1, keepdim=True) * x
+
+
+def masked_fill_of_another_value(x, scores):
+    w, ids = torch.topk(scores.softmax(-1), K)
+    return w.masked_fill(ids != 1, 0.5).sum(-1, keepdim=True) * x
+
+
+@pytest.mark.parametrize("fn", [where_of_another_value, where_of_other_zeros, masked_where_equal,
+                                masked_fill_of_another_value])
 def test_a_where_with_another_fill_stays(fn):
     x, scores = torch.randn(T, d), torch.randn(T, E)
     gm = traced(fn, x, scores)

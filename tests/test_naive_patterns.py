@@ -24,7 +24,7 @@ from moe_compiler.testing import FP32_RTOL
 from .helpers import assert_close_to_eager, profiled_op_names
 from .naive_models import (AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
                            DispatchCombineMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
-                           OneHotTop1MoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE, TokenMajorMoE)
+                           OneHotTop1MoE, OwnMatmulExpertsMoE, StackedColumnsMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE, TokenMajorMoE)
 
 FLAG = "capture_dynamic_output_shape_ops"
 OP = "sonic::moe_experts_list"
@@ -746,6 +746,8 @@ NEGATIVE = {
     "repeat-rows-returned": (lambda: RepeatLoopMoE(y_read=True), "read 2 times besides the loop's writes"),
     "repeat-sum-over-d": (lambda: RepeatLoopMoE(sum_dim=2), "not summed over each token's K experts"),
     "repeat-other-activation": (lambda: RepeatLoopMoE(acts=[F.silu, F.gelu, F.silu, F.silu]), "activation"),
+    # [d, n] parameters of each expert's own: the op takes [out, in] weights
+    "dense-own-matmul-params": (OwnMatmulExpertsMoE, "a matmul plus a bias that is not a slice B[e]"),
 }
 
 
@@ -808,6 +810,23 @@ def test_negative_untouched(case, caplog):
 @pytest.mark.parametrize("ids,combine", [("argmax", "slices"), ("max", "stack_first")])
 def test_dense_experts_of_one_hot_top1_rows_match_eager(ids, combine):
     _check_rewrite(OneHotTop1MoE(ids=ids, combine=combine), "dense_experts")
+
+
+@pytest.mark.parametrize("column,experts", [("masked_fill", "plain"), ("mul", "gated")])
+def test_dense_experts_of_stacked_parameter_slices_match_eager(column, experts):
+    op = "sonic::moe_experts_split" if experts == "gated" else "sonic::moe_experts"
+    _check_rewrite(StackedColumnsMoE(column=column, experts=experts), "dense_experts", op=op)
+
+
+def test_dense_experts_reading_another_experts_slice_are_left_alone(caplog):
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(StackedColumnsMoE(shift=1), _inputs()[0], "is not the slice B[1]", caplog)
+
+
+def test_dense_experts_whose_gated_slices_belong_to_other_experts_are_left_alone(caplog):
+    # no biases to compare: the gate W_gate[e] and up W_up[e + 1] read different experts' slices
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(StackedColumnsMoE(shift=1, experts="gated"), _inputs()[0], "not slice 0 of its stacked weight", caplog)
 
 
 def test_one_hot_rows_of_ids_the_router_did_not_pick_are_left_alone(caplog):
@@ -1082,6 +1101,12 @@ def test_expert_loop_top1_keepdim_column_gpu_bf16(variant):
                                      "first_einsum", "first_sum-one_hot-bias", "last_sum-fused"])
 def test_dense_experts_gpu_bf16(variant):
     _check_gpu_bf16(lambda: DenseMoE(**DENSE_VARIANTS[variant]), "dense_experts")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("column,experts", [("masked_fill", "plain"), ("mul", "gated")])
+def test_dense_experts_of_stacked_parameter_slices_gpu_bf16(column, experts):
+    _check_gpu_bf16(lambda: StackedColumnsMoE(column=column, experts=experts), "dense_experts")
 
 
 @pytest.mark.gpu
