@@ -46,9 +46,8 @@ _MAX_CANDIDATES = 4  # of x, of the weights, of the anchors: hypotheses stay in 
 
 def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
     results: list[MoEMatch | Rejection] = []
-    # a grad-mode switch is a node no value reads: a region computed under torch.no_grad shows no
-    # trace of it in its own nodes, so a graph that switches grad mode gets no hypothesis at all
-    switches = any(is_call(n, "_set_grad_enabled", "set_grad_enabled") for n in gm.graph.nodes)
+    # a region computed under torch.no_grad shows no trace of it in its own nodes (the switch is a
+    # node no value reads): the pass driver's `check_grad_mode_unchanged` leaves such a match alone
     for ids, E, router in _routers(gm):
         reached = _forward(ids)
         if any(str(n.target).startswith("sonic.") for n in reached):
@@ -58,11 +57,6 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
         params = _params(products, E)
         if len([p for p in params if len(shape_of(p)) == 3]) not in (2, 3):
             continue  # not stacked experts (a ModuleList's Linears, or no experts at all): other finders' business
-        if switches:
-            results.append(Rejection(IDIOM, module_path(router), "the graph switches grad mode (torch.no_grad, "
-                                     "set_grad_enabled): a region's gradient need not be its value's derivative, so "
-                                     "no hypothesis is evaluated"))
-            continue
         try:
             results.append(_search(router, ids, E, reached, scoring, params))
         except NoMatch as exc:
@@ -92,17 +86,18 @@ def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scori
     biases = [p for p in params if len(shape_of(p)) == 2]
     xs = _hidden_states(scoring, reached, T)
     expect(xs, "no [T, d] hidden states read by both the router and the experts")
-    weights = _weights(router, ids, stacked, T, K, top1)
+    forward = {p: set(_forward(p)) for p in stacked}  # what each stacked weight reaches, for every hypothesis
+    weights = _weights(router, ids, forward, T, K, top1)
     expect(weights, f"no [T, {K}] float weights computed from the router's values")
     tried, unevaluated = 0, None
     for x in xs:
         d = shape_of(x)[1]
-        anchors = _anchors(reached, x, stacked)
+        anchors = _anchors(reached, x, forward)
         for w, anchor, (w1, w_up, w2, transposed) in itertools.product(weights, anchors, _roles(stacked, d)):
             for (b1, b2), acts in _hypotheses(w1, w_up, w2, transposed, d, biases, anchor):
                 tried += len(acts)
                 match = _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, acts[0], E=E, K=K, T=T,
-                               d=d, top1=top1)
+                               d=d, top1=top1, forward=forward)
                 if match is None:
                     continue
                 # the region runs once; each activation's op is compared with it (on the CPU: see above)
@@ -139,10 +134,11 @@ def _hidden_states(scoring: set[fx.Node], reached: list[fx.Node], T) -> list[fx.
     return found[:_MAX_CANDIDATES]
 
 
-def _weights(router: fx.Node, ids: fx.Node, stacked: list[fx.Node], T, K: int, top1: bool) -> list[fx.Node]:
-    """[T, K] (top-1: [T]) float nodes computed from the router's outputs and from no expert weight,
-    the latest first (renormalised weights come after the raw top-k values)."""
-    expert_side = set(_forward_all(stacked))
+def _weights(router: fx.Node, ids: fx.Node, forward: dict, T, K: int, top1: bool) -> list[fx.Node]:
+    """[T, K] (top-1: [T]) float nodes computed from the router's outputs and from no expert weight
+    (`forward`: what each stacked weight reaches), the latest first (renormalised weights come after
+    the raw top-k values)."""
+    expert_side = set().union(*forward.values())
     want = [(T,)] if top1 else [(T, K)]
     found = [n for n in _forward(router) if n not in expert_side and n is not ids
              and any(len(shape_of(n)) == len(s) and all(same_size(a, b) for a, b in zip(shape_of(n), s)) for s in want)
@@ -150,15 +146,11 @@ def _weights(router: fx.Node, ids: fx.Node, stacked: list[fx.Node], T, K: int, t
     return found[::-1][:_MAX_CANDIDATES]
 
 
-def _forward_all(starts: list[fx.Node]) -> list[fx.Node]:
-    return [n for s in starts for n in _forward(s)]
-
-
-def _anchors(reached: list[fx.Node], x: fx.Node, stacked: list[fx.Node]) -> list[fx.Node]:
-    """Nodes of x's shape computed from every stacked weight, the latest first (a sum built up over
-    slots or experts is complete at its last step; a node past the MoE, a residual add, fails the
-    evaluation and costs one try)."""
-    on_all = set.intersection(*(set(_forward(w)) for w in stacked))
+def _anchors(reached: list[fx.Node], x: fx.Node, forward: dict) -> list[fx.Node]:
+    """Nodes of x's shape computed from every stacked weight (`forward`: what each reaches), the
+    latest first (a sum built up over slots or experts is complete at its last step; a node past the
+    MoE, a residual add, fails the evaluation and costs one try)."""
+    on_all = set.intersection(*forward.values())
     sx = shape_of(x)
     found = []
     for node in reached:
@@ -273,7 +265,8 @@ def _untested_threshold(nodes: set[fx.Node]) -> fx.Node | None:
     return None
 
 
-def _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, act, *, E, K, T, d, top1) -> MoEMatch | None:
+def _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, act, *, E, K, T, d, top1,
+           forward: dict) -> MoEMatch | None:
     """The MoEMatch of one hypothesis, or None where it is not even well formed (shapes, dtypes, a
     region that writes in place or reads past its inputs is settled by the evaluation)."""
     inputs = {x, ids, w, w1, w2} | {b for b in (b1, b2, w_up) if b is not None}
@@ -285,7 +278,7 @@ def _match(router, anchor, x, ids, w, w1, w_up, w2, b1, b2, transposed, act, *, 
         return None
     # what the experts compute must be read by the region alone: else it stays in the graph for its
     # other reader, and the op would compute the experts a second time
-    computed = set(_forward_all([p for p in (w1, w_up, w2) if p is not None]))
+    computed = set().union(*(forward[p] for p in (w1, w_up, w2) if p is not None))
     if any(u not in region for n in (region & computed) - {anchor} for u in n.users):
         return None
     walk = RegionWalk()
