@@ -48,6 +48,7 @@ from .common import (
     expect,
     is_call,
     is_getitem,
+    is_int,
     module_path,
     same_shape,
     same_size,
@@ -58,6 +59,7 @@ from .common import (
 from .module_list import (
     expert_mlp,
     finish_expert_match,
+    same_weights,
     through_float_casts,
     top_k_or_max_routing,
     topk_routing,
@@ -78,6 +80,8 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
             candidates.append((node, _check_stacked))
     for anchor in _column_sums(gm.graph):
         candidates.append((anchor, _check_columns))
+    for anchor in _column_sums(gm.graph, _slot_term):
+        candidates.append((anchor, _check_slot_terms))
     for node, check in candidates:
         try:
             results.append(check(node))
@@ -257,11 +261,13 @@ def _projection_output(y) -> bool:
     return is_call(y, "linear", "matmul", "__matmul__")
 
 
-def _column_sums(graph: fx.Graph) -> list[fx.Node]:
-    """Tops of add trees over gate-column products: `sum_e gates[:, e:e+1] * experts[e](x)`."""
+def _column_sums(graph: fx.Graph, term=None) -> list[fx.Node]:
+    """Tops of add trees over gate-column products: `sum_e gates[:, e:e+1] * experts[e](x)` (or over
+    the terms `term` recognises)."""
+    term = term or _column_product
     tops = []
     for node in graph.nodes:
-        if _column_product(node) is None:
+        if term(node) is None:
             continue
         top = node
         while len(top.users) == 1 and is_call(next(iter(top.users)), *_ADD):
@@ -308,6 +314,92 @@ def _check_columns(anchor: fx.Node) -> MoEMatch:
                                 and dtype_of(added_to) == dtype_of(anchor)),
            f"{getattr(added_to, 'name', added_to)} added to the experts' sum is not shaped as it")
     return _finish(anchor, gates_nodes.pop(), [by_expert[e] for e in range(len(by_expert))], walk, added_to)
+
+
+def _slot_term(node, walk: RegionWalk | None = None):
+    """(ids, w, k, e, y, k_w) for `torch.where((ids[:, k] == e)[:, None], w[:, k_w:k_w+1] * y, 0)` (the mask
+    also `.unsqueeze(-1)`, the zero also `torch.zeros_like` of the value, the weight column as
+    `_column` reads it): slot k's weight times expert e's output where slot k holds e, else 0."""
+    if not is_call(node, "where") or len(node.args) != 3 or node.kwargs:
+        return None
+    cond, value, zero = node.args
+    if not (zero in (0, 0.0) or (is_call(zero, "zeros_like") and zero.args[0] is value and len(zero.args) == 1
+                                 and not zero.kwargs)):
+        return None
+    if is_call(cond, "unsqueeze") and arg(cond, 1, "dim") in (-1, 1):
+        mask = cond.args[0]
+    elif is_getitem(cond) and cond.args[1] in ((slice(None), None), (Ellipsis, None)):
+        mask = cond.args[0]
+    else:
+        return None
+    if not (is_call(mask, "eq", "__eq__") and len(mask.args) == 2 and is_int(mask.args[1])):
+        return None
+    column_of_ids, e = mask.args
+    if not (is_getitem(column_of_ids) and isinstance(column_of_ids.args[1], tuple) and len(column_of_ids.args[1]) == 2
+            and column_of_ids.args[1][0] == slice(None) and is_int(column_of_ids.args[1][1])):
+        return None
+    ids, k = column_of_ids.args[0], column_of_ids.args[1][1]
+    found = _column_product(value, walk)
+    if found is None:
+        return None
+    w, k_w, y = found
+    if shape_of(w) != shape_of(ids) or len(shape_of(ids)) != 2:
+        return None
+    if walk is not None:
+        walk.mark(node, cond, mask, column_of_ids, value, zero if isinstance(zero, fx.Node) else None)
+    return ids, w, k, e, y, k_w
+
+
+def _check_slot_terms(anchor: fx.Node) -> MoEMatch:
+    """sum over slots k and experts e of `where(ids[:, k] == e, w[:, k] * experts[e](x), 0)`: each
+    (k, e) once, from one [T, K] top-k ids and weights; each expert's outputs of the K slots computed
+    by the same weights (the op computes each expert once, on its rows only; where eager computed an
+    unselected expert's output it selected 0, as the op's sum does)."""
+    walk = RegionWalk()
+    terms, others = [], []
+
+    def flatten(node):
+        if is_call(node, *_ADD) and len(node.args) == 2 and not node.kwargs:
+            expect(node is anchor or len(node.users) == 1, f"a partial sum of the experts ({node.name}) is read elsewhere")
+            walk.mark(node)
+            for a in node.args:
+                flatten(a)
+        else:
+            found = _slot_term(node, walk)
+            (terms if found is not None else others).append(found if found is not None else node)
+
+    flatten(anchor)
+    expect(len({(t[0], t[1]) for t in terms}) == 1, "the slot terms read different top-k ids or weights")
+    ids, w = terms[0][0], terms[0][1]
+    E, K = topk_routing(ids, walk)
+    crossed = next(((k, k_w) for *_, k, _, _, k_w in terms if k_w != k), None)
+    expect(crossed is None, f"slot {crossed and crossed[0]}'s term is weighted by slot {crossed and crossed[1]}'s weight")
+    pairs = [(k, e) for _, _, k, e, _, _ in terms]
+    expect(sorted(pairs) == [(k, e) for k in range(K) for e in range(E)],
+           f"the sum does not hold each of the K={K} slots of each of the E={E} experts exactly once")
+    expect(len(others) <= 1, f"{', '.join(getattr(t, 'name', str(t)) for t in others)} are not slot terms: at most "
+                             "one other term is added to the experts' sum")
+    added_to = others[0] if others else None
+    expect(added_to is None or (isinstance(added_to, fx.Node) and same_shape(shape_of(added_to), shape_of(anchor))
+                                and dtype_of(added_to) == dtype_of(anchor)),
+           f"{getattr(added_to, 'name', added_to)} added to the experts' sum is not shaped as it")
+    experts = {}
+    for _, _, k, e, y, _ in sorted(terms, key=lambda t: (t[2], t[3])):
+        expert = expert_mlp(through_float_casts(y, walk), walk, e, stacked=True)
+        if e in experts:
+            expect(same_weights(expert, experts[e]), f"expert {e}'s output in slot {k} is computed by other weights "
+                                                     "than in slot 0")
+        else:
+            experts[e] = expert
+    experts = [experts[e] for e in range(E)]
+    xs = {through_float_casts(ex.rows, walk) for ex in experts}
+    expect(len(xs) == 1, "experts read different inputs")
+    x = xs.pop()
+    expect(len(shape_of(x)) == 2 and same_size(shape_of(x)[0], shape_of(ids)[0]), "expert input is not [T, d] for the routed T")
+    T, d = shape_of(x)
+    expect(same_shape(shape_of(anchor), shape_of(x)), f"combined output {shape_of(anchor)} is not [T, d]")
+    return finish_expert_match(IDIOM, anchor, walk, anchor, [anchor], x, ids, w, experts, E=E, K=K, T=T, d=d,
+                               added_to=added_to)
 
 
 # -- the gate matrix and the experts ------------------------------------------------------------

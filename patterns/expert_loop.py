@@ -97,6 +97,7 @@ from .module_list import (
     biased_matmul,
     expert_mlp,
     finish_expert_match,
+    same_weights,
     through_float_casts,
     top_k_or_max_routing,
 )
@@ -259,7 +260,7 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
             whole.add(e)
         else:
             expect(k not in columns.setdefault(e, []), f"expert {e} is added twice for column {k} of the ids")
-            expect(e not in experts or _same_weights(experts[e], expert),
+            expect(e not in experts or same_weights(experts[e], expert),
                    f"expert {e} runs on different weights for different columns of the ids")
             experts.setdefault(e, expert)
             columns[e].append(k)
@@ -297,17 +298,6 @@ def _check(acc: fx.Node, chain: list[fx.Node]) -> MoEMatch:
     )
     match.flat_top1 = flat
     return match
-
-
-def _same_weights(a: ExpertMLP, b: ExpertMLP) -> bool:
-    """Two calls of one expert: the same projections (the same graph inputs, or the same slices W[e]
-    of the same stacked parameters), biases and activation."""
-    def key(node):
-        if isinstance(node, fx.Node) and _is_index(node) and is_int(node.args[1]):
-            return node.args[0], node.args[1]  # W[e], a slice node of its own at each call
-        return node
-    parts = lambda ex: [key(n) for n in (ex.w_gate, ex.w_up, ex.w_down, *ex.biases)]  # noqa: E731
-    return parts(a) == parts(b) and a.slices == b.slices and a.act == b.act
 
 
 def _check_accumulator(acc: fx.Node, chain: list[fx.Node], walk: RegionWalk) -> bool:

@@ -332,6 +332,17 @@ def top_k_or_max_routing(ids: fx.Node, walk: RegionWalk) -> tuple[int, int, bool
     return shape[1], 1, not keepdim
 
 
+def same_weights(a: ExpertMLP, b: ExpertMLP) -> bool:
+    """Two calls of one expert: the same projections (the same graph inputs, or the same slices W[e]
+    of the same stacked parameters, a slice node of its own at each call), biases and activation."""
+    def key(node):
+        if is_getitem(node) and is_int(node.args[1]):
+            return node.args[0], node.args[1]
+        return node
+    parts = lambda ex: [key(n) for n in (ex.w_gate, ex.w_up, ex.w_down, *ex.biases)]  # noqa: E731
+    return parts(a) == parts(b) and a.slices == b.slices and a.act == b.act
+
+
 def ranked_over(topk_ids: fx.Node, E: int) -> bool:
     """Whether the ids are a top-k over E experts' scores in this graph, so every one lies in [0, E)
     (none is an expert-parallel sentinel)."""

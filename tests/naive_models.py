@@ -347,7 +347,10 @@ class DenseMoE(Router):
              "first_sum" ((gates.t().unsqueeze(-1) * outs).sum(0)), "first_untransposed" ((gates.unsqueeze(-1)
              * outs).sum(0): another function, which broadcasts only where T == E), and stacked last
              (dim=-1, [T, d, E]): "last_sum" ((gates[:, None] * outs).sum(-1)), "last_einsum"
-             (einsum("te,tde->td"))
+             (einsum("te,tde->td")); per slot and expert, no gate matrix: "slot_where" (out = out +
+             torch.where((ids[:, k] == e)[:, None], w[:, k:k+1] * experts[e](x), 0) over k and e), and
+             its variants that are another function: "slot_where_other_weight" (slot k weighted by
+             slot K-1-k's weight), "slot_where_other_expert" (slot 1 runs expert e+1 where it holds e)
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", gates="scatter", combine="stack_sum", acts=None,
@@ -392,6 +395,15 @@ class DenseMoE(Router):
             out = self.experts[0](x) * gates[:, 0:1]
             for e in range(1, self.E):
                 out = out + gates[:, e:e + 1] * self.experts[e](x)
+            return out
+        if self.combine.startswith("slot_where"):
+            out = torch.zeros_like(x)
+            for k in range(self.K):
+                for e in range(self.E):
+                    kw = self.K - 1 - k if self.combine == "slot_where_other_weight" else k
+                    ee = (e + 1) % self.E if self.combine == "slot_where_other_expert" and k == 1 else e
+                    term = w[:, kw:kw + 1].to(x.dtype) * self.experts[ee](x)
+                    out = out + torch.where((ids[:, k] == e)[:, None], term, torch.zeros_like(term))
             return out
         if self.combine.startswith("first"):
             outs = torch.stack([expert(x) for expert in self.experts])  # [E, T, d]

@@ -131,6 +131,8 @@ DENSE_VARIANTS = {
     "first_sum-one_hot-bias": dict(combine="first_sum", gates="one_hot", bias=True),
     "last_sum-fused": dict(combine="last_sum", experts="fused"),
     "last_einsum-plain": dict(combine="last_einsum", experts="plain"),
+    "slot_where": dict(combine="slot_where"),
+    "slot_where-fused-bias-top3": dict(combine="slot_where", experts="fused", bias=True, K=3),
 }
 
 BMM_VARIANTS = {
@@ -746,6 +748,8 @@ NEGATIVE = {
     "repeat-rows-returned": (lambda: RepeatLoopMoE(y_read=True), "read 2 times besides the loop's writes"),
     "repeat-sum-over-d": (lambda: RepeatLoopMoE(sum_dim=2), "not summed over each token's K experts"),
     "repeat-other-activation": (lambda: RepeatLoopMoE(acts=[F.silu, F.gelu, F.silu, F.silu]), "activation"),
+    "dense-slot-other-weight": (lambda: DenseMoE(combine="slot_where_other_weight"), "is weighted by slot 1's weight"),
+    "dense-slot-other-expert": (lambda: DenseMoE(combine="slot_where_other_expert"), "by other weights than in slot 0"),
     # [d, n] parameters of each expert's own: the op takes [out, in] weights
     "dense-own-matmul-params": (OwnMatmulExpertsMoE, "a matmul plus a bias that is not a slice B[e]"),
 }
@@ -1098,7 +1102,7 @@ def test_expert_loop_top1_keepdim_column_gpu_bf16(variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["scatter-stack_sum", "one_hot-slices", "softmax_neg_inf-stack_sum",
                                      "bias-scatter-stack_sum", "shared-slices", "where_columns-fused-bias",
-                                     "first_einsum", "first_sum-one_hot-bias", "last_sum-fused"])
+                                     "first_einsum", "first_sum-one_hot-bias", "last_sum-fused", "slot_where"])
 def test_dense_experts_gpu_bf16(variant):
     _check_gpu_bf16(lambda: DenseMoE(**DENSE_VARIANTS[variant]), "dense_experts")
 
