@@ -277,8 +277,9 @@ def _column_sums(graph: fx.Graph, term=None) -> list[fx.Node]:
     return tops
 
 
-def _check_columns(anchor: fx.Node) -> MoEMatch:
-    walk = RegionWalk()
+def _sum_terms(anchor: fx.Node, walk: RegionWalk) -> list:
+    """The terms of the add tree ending at `anchor` (a builtin sum()'s starting 0 left out); each
+    partial sum must be read by the next add alone."""
     terms = []
 
     def flatten(node):
@@ -287,14 +288,29 @@ def _check_columns(anchor: fx.Node) -> MoEMatch:
             walk.mark(node)
             for a in node.args:
                 flatten(a)
-        elif node in (0, 0.0):  # builtin sum() starts from 0
-            return
-        else:
+        elif node not in (0, 0.0):
             terms.append(node)
 
     flatten(anchor)
+    return terms
+
+
+def _added_term(others: list, anchor: fx.Node, what: str):
+    """The one term of the sum that is no expert's (a shared expert's output the sum starts from, a
+    residual), added to the op's output; None without one."""
+    expect(len(others) <= 1, f"{', '.join(getattr(t, 'name', str(t)) for t in others)} are not {what}: at most "
+                             "one other term is added to the experts' sum")
+    added_to = others[0] if others else None
+    expect(added_to is None or (isinstance(added_to, fx.Node) and same_shape(shape_of(added_to), shape_of(anchor))
+                                and dtype_of(added_to) == dtype_of(anchor)),
+           f"{getattr(added_to, 'name', added_to)} added to the experts' sum is not shaped as it")
+    return added_to
+
+
+def _check_columns(anchor: fx.Node) -> MoEMatch:
+    walk = RegionWalk()
     by_expert, gates_nodes, others = {}, set(), []
-    for term in terms:
+    for term in _sum_terms(anchor, walk):
         found = _column_product(term, walk)
         if found is None:
             others.append(term)
@@ -306,13 +322,7 @@ def _check_columns(anchor: fx.Node) -> MoEMatch:
         walk.mark(term)
     expect(len(gates_nodes) == 1, "experts are weighted by columns of different gate matrices")
     expect(sorted(by_expert) == list(range(len(by_expert))), f"the sum covers experts {sorted(by_expert)}: not 0..E-1")
-    # one other term (a shared expert's output the sum starts from, a residual) is added to the op's output
-    expect(len(others) <= 1, f"{', '.join(getattr(t, 'name', str(t)) for t in others)} are not gate columns times "
-           "expert outputs: at most one other term is added to the experts' sum")
-    added_to = others[0] if others else None
-    expect(added_to is None or (isinstance(added_to, fx.Node) and same_shape(shape_of(added_to), shape_of(anchor))
-                                and dtype_of(added_to) == dtype_of(anchor)),
-           f"{getattr(added_to, 'name', added_to)} added to the experts' sum is not shaped as it")
+    added_to = _added_term(others, anchor, "gate columns times expert outputs")
     return _finish(anchor, gates_nodes.pop(), [by_expert[e] for e in range(len(by_expert))], walk, added_to)
 
 
@@ -357,18 +367,9 @@ def _check_slot_terms(anchor: fx.Node) -> MoEMatch:
     unselected expert's output it selected 0, as the op's sum does)."""
     walk = RegionWalk()
     terms, others = [], []
-
-    def flatten(node):
-        if is_call(node, *_ADD) and len(node.args) == 2 and not node.kwargs:
-            expect(node is anchor or len(node.users) == 1, f"a partial sum of the experts ({node.name}) is read elsewhere")
-            walk.mark(node)
-            for a in node.args:
-                flatten(a)
-        else:
-            found = _slot_term(node, walk)
-            (terms if found is not None else others).append(found if found is not None else node)
-
-    flatten(anchor)
+    for node in _sum_terms(anchor, walk):
+        found = _slot_term(node, walk)
+        (terms if found is not None else others).append(found if found is not None else node)
     expect(len({(t[0], t[1]) for t in terms}) == 1, "the slot terms read different top-k ids or weights")
     ids, w = terms[0][0], terms[0][1]
     E, K = topk_routing(ids, walk)
@@ -377,12 +378,7 @@ def _check_slot_terms(anchor: fx.Node) -> MoEMatch:
     pairs = [(k, e) for _, _, k, e, _, _ in terms]
     expect(sorted(pairs) == [(k, e) for k in range(K) for e in range(E)],
            f"the sum does not hold each of the K={K} slots of each of the E={E} experts exactly once")
-    expect(len(others) <= 1, f"{', '.join(getattr(t, 'name', str(t)) for t in others)} are not slot terms: at most "
-                             "one other term is added to the experts' sum")
-    added_to = others[0] if others else None
-    expect(added_to is None or (isinstance(added_to, fx.Node) and same_shape(shape_of(added_to), shape_of(anchor))
-                                and dtype_of(added_to) == dtype_of(anchor)),
-           f"{getattr(added_to, 'name', added_to)} added to the experts' sum is not shaped as it")
+    added_to = _added_term(others, anchor, "slot terms")
     experts = {}
     for _, _, k, e, y, _ in sorted(terms, key=lambda t: (t[2], t[3])):
         expert = expert_mlp(through_float_casts(y, walk), walk, e, stacked=True)
