@@ -6,7 +6,8 @@ between the op's inputs and the anchor) are copied into a graph of their own and
 float64 on random inputs at the graph's own sizes, under several routings chosen to break code that
 is right only on easy ones:
 
-    random       each token's K experts drawn at random, weights of both signs
+    random       each token's K experts drawn at random, weights of both signs (of one sign where
+                 the graph's weights are never negative: `nonnegative`)
     idle         the first and the last expert get no token (when E - 2 >= K)
     crowded      one expert is among every token's K (all tokens on it for K = 1)
     ordered      each token's ids in descending order, all weights equal (ties)
@@ -124,6 +125,7 @@ class _Region:
 
     def __init__(self, match: MoEMatch, on_cpu: bool = False):
         self.match, self.on_cpu = match, on_cpu
+        self.nonnegative_weights = not match.group_offsets and nonnegative(match.topk_weights)
         named = [*match.op_inputs(), *([match.added_to] if match.added_to is not None else [])]
         self.inputs: list[fx.Node] = list(dict.fromkeys(named))
         ours = len(self.inputs)
@@ -155,6 +157,7 @@ class _Region:
         fields = {k: str(getattr(self.match, k)) for k in ("activation", "interleaved", "transposed", "alpha",
                                                              "limit", "gates", "input_scaled", "flat_top1",
                                                              "sentinels", "group_offsets")}
+        fields["nonnegative_weights"] = str(self.nonnegative_weights)
         metas = [(tuple(map(_concrete, shape_of(n))), str(getattr(example_value(n), "dtype", type(example_value(n)))))
                  for n in self.inputs]
         return repr((self.module.code, metas, sorted(fields.items()), str(self.device)))
@@ -240,6 +243,8 @@ class _Region:
             return [_laid_out_as(m.topk_ids, offsets.to(self.device)) if node is m.topk_ids else fixed[node]
                     for node in self.inputs]
         ids, weights = _routing(routing, T, K, E, generator)
+        if self.nonnegative_weights:  # the graph never gives negative weights: the region need not take them
+            weights = weights.abs()
         if routing == "sentinel":
             ids = torch.where(torch.rand(T, K, generator=generator) < 1 / 3, E, ids)
             ids[0] = E
@@ -346,6 +351,40 @@ def _computed_from_inputs(members: set[fx.Node], inputs: set[fx.Node]) -> set[fx
                 found |= cone
                 changed = True
     return found
+
+
+# values never negative, whatever their input (their input's sign where it is kept)
+_NONNEGATIVE = ("softmax", "sigmoid", "exp", "relu", "abs", "one_hot", "sqrt", "rsqrt", "square")
+_SIGN_KEPT = ("to", "float", "half", "bfloat16", "double", "type_as", "contiguous", "clone", "view", "reshape",
+              "flatten", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "permute", "t", "narrow",
+              "gather", "index_select", "sum", "mean", "amax", "cumsum", "topk", "sort", "max", "detach")
+_OF_TWO = ("mul", "__mul__", "div", "__truediv__", "truediv", "add", "__add__", "true_divide")
+
+
+def nonnegative(node, depth: int = 24) -> bool:
+    """Whether a float tensor node of the graph is never negative (or NaN): built by ops that give
+    nonnegative values (softmax, sigmoid, exp, relu, one_hot...), ops that keep their input's sign
+    (casts, views, gathers and selections, sums, the values of a top-k or sort), or products,
+    quotients and sums of nonnegative operands and nonnegative constants. The router's top-k weights
+    usually are: a region is then evaluated on nonnegative weights only, the only ones it is given."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return node >= 0
+    if not isinstance(node, fx.Node) or depth <= 0 or node.op not in ("call_function", "call_method"):
+        return False
+    import operator
+
+    if node.op == "call_function" and (node.target is operator.getitem or (
+            node.target is getattr and node.args[1:] == ("values",))):
+        return nonnegative(node.args[0], depth - 1)  # a selection, or the values of a top-k / sort / max
+    if is_call(node, *_NONNEGATIVE):
+        return True
+    if is_call(node, "clamp", "clamp_min") and len(node.args) > 1 and isinstance(node.args[1], (int, float)):
+        return node.args[1] >= 0 or nonnegative(node.args[0], depth - 1)
+    if is_call(node, *_SIGN_KEPT):
+        return bool(node.args) and nonnegative(node.args[0], depth - 1)
+    if is_call(node, *_OF_TWO) and len(node.args) == 2 and not node.kwargs:
+        return all(nonnegative(a, depth - 1) for a in node.args)
+    return False
 
 
 def _routing(routing: str, T: int, K: int, E: int, generator: torch.Generator):

@@ -1641,11 +1641,15 @@ class CapacityDispatchMoE(Router):
               (C = T // 2, positions past it dropped by a mask: not the op)
     bias:     stacked [E, f] and [E, d] biases on the projections (an empty slot maps to them; its
               combine weight is 0)
+    dispatch: "mask" (the one-hot slots), "positive" (GShard's `combine > 0`: the slots whose weight is
+              positive, the same where gates never are negative or zero)
+    gate_from: "probs" (softmax probabilities: never negative), "logits" (the raw score: a negative
+              gate's token is not dispatched under "positive", so that layer is not the op)
     """
 
-    def __init__(self, d=16, n=8, E=4, capacity="tokens", bias=True):
+    def __init__(self, d=16, n=8, E=4, capacity="tokens", bias=True, dispatch="mask", gate_from="probs"):
         super().__init__(d, E, 1)
-        self.capacity = capacity
+        self.capacity, self.dispatch, self.gate_from = capacity, dispatch, gate_from
         self.wi = stacked_param(E, n, d, "in_out")
         self.wo = stacked_param(E, d, n, "in_out")
         self.bi = nn.Parameter(torch.randn(E, n) * 0.1) if bias else None
@@ -1655,7 +1659,8 @@ class CapacityDispatchMoE(Router):
         T = x.shape[0]
         probs = F.softmax(self.gate(x), dim=-1)
         top = torch.argmax(probs, dim=-1)
-        gate = probs.gather(-1, top[:, None]).squeeze(-1)
+        scores = probs if self.gate_from == "probs" else self.gate(x)
+        gate = scores.gather(-1, top[:, None]).squeeze(-1)
         mask = F.one_hot(top, self.E).to(x.dtype)  # [T, E]
         C = T if self.capacity == "tokens" else T // 2
         position = ((torch.cumsum(mask, dim=0) - 1.0) * mask).sum(-1).long()  # [T]
@@ -1663,6 +1668,8 @@ class CapacityDispatchMoE(Router):
         slot = F.one_hot(position.clamp(max=C - 1), C).to(x.dtype) * kept[:, None]
         dispatch = mask[:, :, None] * slot[:, None, :]  # [T, E, C]
         combine = dispatch * gate[:, None, None]
+        if self.dispatch == "positive":
+            dispatch = (combine > 0).to(x.dtype)
         buffers = torch.einsum("tec,td->ecd", dispatch, x)
         h = torch.einsum("ecd,edf->ecf", buffers, self.wi)
         h = F.gelu(h + self.bi[:, None] if self.bi is not None else h)

@@ -21,6 +21,30 @@ def test_switch_dispatch_that_cannot_drop_is_found_by_evaluation(bias):
     assert report.rewritten[0].details["verified"].startswith("evaluated equal"), str(report)
 
 
+def test_dispatch_by_positive_weights_is_found_where_the_weights_are_never_negative():
+    # GShard's `dispatch = combine > 0`: the op's computation where gates are softmax probabilities,
+    # which the region is then evaluated on (weights of one sign: `verify.nonnegative`)
+    _check_rewrite(CapacityDispatchMoE(dispatch="positive"), "evaluated", op="sonic::moe_experts")
+
+
+def test_nonnegative_weights_are_proven_from_the_ops_that_make_them():
+    import torch.nn.functional as F
+
+    from moe_compiler.patterns.verify import nonnegative
+
+    def fn(x):
+        w, ids = F.softmax(x, -1).topk(2, dim=-1)
+        renormed = w / w.sum(-1, keepdim=True)
+        scaled = torch.sigmoid(x).topk(2, dim=-1).values * 2.5
+        raw = x.topk(2, dim=-1).values
+        shifted = renormed - 0.1
+        return renormed, scaled, raw, shifted, F.relu(x).max(-1).values + 1.0
+
+    gm = torch.fx.symbolic_trace(fn)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert [nonnegative(n) for n in out] == [True, True, False, False, True]
+
+
 def test_slot_loop_over_gathered_weights_is_found_by_evaluation():
     _check_rewrite(SlotGatherMoE(), "evaluated", op="sonic::moe_experts")
 
@@ -45,6 +69,8 @@ def test_a_layer_a_finder_refuses_is_found_by_evaluation():
 @pytest.mark.parametrize("make,reason", [
     # half the tokens' capacity: the crowded routing drops tokens the op computes
     (lambda: CapacityDispatchMoE(capacity="half"), "no hypothesis evaluated equal"),
+    # `combine > 0` over raw logits: a token with a negative gate is not dispatched
+    (lambda: CapacityDispatchMoE(dispatch="positive", gate_from="logits"), "no hypothesis evaluated equal"),
     # slot k's output weighted by the other slot's weight
     (lambda: SlotGatherMoE(weights="swapped"), "no hypothesis evaluated equal"),
     # the gate clamped at 50: no probe value reaches it, so a plain SwiGLU would evaluate equal
@@ -65,7 +91,8 @@ def test_a_region_too_large_to_evaluate_stays(caplog, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make", [CapacityDispatchMoE, SlotGatherMoE])
+@pytest.mark.parametrize("make", [CapacityDispatchMoE, SlotGatherMoE, lambda: CapacityDispatchMoE(dispatch="positive")],
+                         ids=["capacity", "slots", "positive"])
 def test_found_by_evaluation_gpu_bf16(make):
     _check_gpu_bf16(make, "evaluated")
 
