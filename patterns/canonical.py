@@ -58,6 +58,10 @@ Rules (eager spelling -> canonical form):
     perm = torch.argsort(v, stable=s)             ->  perm = torch.sort(v, stable=s)[1]
     counts = torch.histc(v.float(), ...)          ->  counts = torch.histc(torch.sort(v)[0].float(), ...)
         # when v is sorted in the graph: a histogram does not depend on the order it counts in
+    z.index_add_(0, perm, y), y row-wise from t[perm]  ->  y from t itself
+        # perm a permutation of the rows (sort / argsort of a 1-D v), z fresh zeros: each row of y
+        # depends on row perm[i] of the t alone (elementwise ops, W[e[perm]], sums off the rows), so
+        # putting it back at perm[i] gives the unpermuted value (`permuted_rows_put_back_to_rows`)
     out = torch.empty_like(y); out[perm] = y      ->  inv = torch.empty_like(perm); inv[perm] = torch.arange(N)
                                                       out = y[inv]
         # un-sorting rows by scatter or by gather through the inverse permutation (perm from a sort;
@@ -84,7 +88,8 @@ import torch.nn.functional as F
 from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, elementwise_of_transpose_to_transpose,
                                same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
-from .canonical_routing import (add_of_rows_into_zeros_to_index_add, argmax_to_max, gate_nonzero_to_any_hit, gathered_outputs_to_gate_matrix,
+from .canonical_routing import (add_of_rows_into_zeros_to_index_add, argmax_to_max, gate_nonzero_to_any_hit,
+                                permuted_rows_put_back_to_rows, gathered_outputs_to_gate_matrix,
                                 sorted_prefix_to_topk, copies_at_slots_to_floor_div,
                                 gate_rows_column_to_column_rows, masked_scatter_rows_to_index_add,
                                 one_hot_count_to_any_hit, position_copy_to_mask_write,
@@ -967,7 +972,7 @@ RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, so
          index_put_accumulate_to_index_add, mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
          scatter_unsort_to_gather, gathered_product_to_einsum, reshape_through_elementwise, reshape_chain_to_base,
          packed_linear_view_to_einsum, einsum_to_bmm, einsum_weighted_sum_to_product, einsum_outer_to_product,
-         broadcast_matmul_to_bmm,
+         broadcast_matmul_to_bmm, permuted_rows_put_back_to_rows,
          # token-major products laid out expert-major leave transposes: moved past elementwise code
          # (one pass follows a chain), then collapsed in pairs
          elementwise_of_transpose_to_transpose, transpose_pair_to_base, gathered_outputs_to_gate_matrix,

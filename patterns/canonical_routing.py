@@ -689,3 +689,119 @@ def argmax_to_max(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     order[found] = order[ids] = order[node]
     node.replace_all_uses_with(ids)
     return f"{node.name} -> max({s.name}, -1)[1]"
+
+
+_ROW_ELEMENTWISE = ("silu", "gelu", "relu", "sigmoid", "tanh", "neg", "__neg__", "exp", "softplus", "square", "erf",
+                    "abs", "mul", "__mul__", "add", "__add__", "sub", "__sub__", "truediv", "__truediv__", "div", "float",
+                    "bfloat16", "half", "to", "type_as")
+
+
+def _permutation_of_rows(perm, n) -> bool:
+    """`perm` is `torch.sort(v)[1]` (or argsort) of a 1-D v of n entries: a permutation of range(n)."""
+    found = getitem_of(perm, 1)
+    if found is None or not is_call(found, "sort", "argsort"):
+        found = perm if is_call(perm, "argsort") else None
+    if found is None:
+        return False
+    v = found.args[0] if found.args else None
+    return isinstance(v, fx.Node) and len(shape_of(v)) == 1 and same_size(shape_of(v)[0], n) and same_size(shape_of(perm)[0], n)
+
+
+def _permuted_leaf(node, perm) -> fx.Node | None:
+    """t for `t[perm]` or `t.index_select(0, perm)`: t's rows in the permutation's order."""
+    if is_getitem(node) and node.args[1] is perm:
+        return node.args[0]
+    if is_call(node, "index_select") and len(node.args) == 3 and node.args[1] == 0 and node.args[2] is perm:
+        return node.args[0]
+    return None
+
+
+def _rowwise(node, perm, n, inside: dict, leaves: dict, depth: int = 64) -> bool:
+    """Whether `node`'s row i depends only on row perm[i] of the tensors the permutation reads
+    (`leaves`, t -> t[perm]) through row-wise ops (`inside`): elementwise ops with the rows as their
+    leading dim (other operands broadcast without a row dim, or computed without the permutation),
+    unsqueeze/squeeze/sum off the rows' dim, and `W[r]` of a row-wise integer r."""
+    if node in inside or node in leaves:
+        return True
+    if not isinstance(node, fx.Node) or depth <= 0 or writes_in_place(node):
+        return False
+    t = _permuted_leaf(node, perm)
+    if t is not None:
+        if perm in _backward_slice(t) or not same_size((shape_of(t) or (None,))[0], n):
+            return False
+        leaves[node] = t
+        return True
+    shape = shape_of(node)
+    if not shape or not same_size(shape[0], n):
+        return False
+    if is_getitem(node) and isinstance(node.args[1], fx.Node) and isinstance(node.args[0], fx.Node) \
+            and perm not in _backward_slice(node.args[0]) and len(shape_of(node.args[1])) == 1:
+        ok = _rowwise(node.args[1], perm, n, inside, leaves, depth - 1)  # W[r]: row i is W[r[i]]
+    elif is_call(node, "unsqueeze", "squeeze", "sum") and len(node.args) >= 2 and is_int(node.args[1]) \
+            and isinstance(node.args[0], fx.Node) \
+            and node.args[1] % (len(shape_of(node.args[0])) + is_call(node, "unsqueeze")) != 0:
+        ok = _rowwise(node.args[0], perm, n, inside, leaves, depth - 1)  # the rows stay dim 0
+    elif is_call(node, *_ROW_ELEMENTWISE):
+        ok = True
+        for a in node.args:
+            if not isinstance(a, fx.Node):
+                continue
+            if len(shape_of(a)) == len(shape) and same_size(shape_of(a)[0], n):
+                ok = ok and _rowwise(a, perm, n, inside, leaves, depth - 1)
+            else:  # broadcast over the rows: must not depend on the permutation
+                ok = ok and len(shape_of(a)) < len(shape) and perm not in _backward_slice(a)
+    else:
+        return False
+    if ok:
+        inside[node] = True
+    return ok
+
+
+def _backward_slice(node: fx.Node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def permuted_rows_put_back_to_rows(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`zeros.index_add_(0, perm, y)` (or the functional index_add) with perm a permutation of the
+    rows (`torch.sort(v)[1]`, `argsort(v)` of a 1-D v) and y computed row-wise from `t[perm]` reads
+    -> y computed from the t themselves: row i of y depends only on row perm[i] of the t (elementwise
+    ops, per-row weights `W[e[perm]]`, sums off the rows), and putting row i back at perm[i] undoes
+    the order, so every row gets the very value it had. The permuted reads and y's intermediates
+    must be read by this computation alone (they change order), the zeros by the index_add alone."""
+    if not is_call(node, "index_add", "index_add_") or len(node.args) != 4 or node.kwargs or node.args[1] != 0:
+        return None
+    z, _, perm, y = node.args
+    if not (isinstance(z, fx.Node) and is_call(z, *ZEROS) and isinstance(y, fx.Node) and isinstance(perm, fx.Node)):
+        return None
+    n = (shape_of(z) or (None,))[0]
+    if not same_shape(shape_of(z), shape_of(y)) or dtype_of(z) != dtype_of(y) or not _permutation_of_rows(perm, n):
+        return None
+    inside, leaves = {}, {}
+    if not _rowwise(y, perm, n, inside, leaves) or not leaves:
+        return None
+    chain = set(inside) | set(leaves)
+    if any(u not in chain and u is not node for c in chain for u in c.users):
+        return None
+    later = [u for u in z.users if u is not node]
+    if is_call(node, "index_add_"):  # in place: z's later readers read y; nothing reads z before
+        if any(order.get(u, len(order)) < order[node] for u in later):  # the output comes last
+            return None
+    elif later:
+        return None
+    for leaf, t in leaves.items():
+        leaf.replace_all_uses_with(t)
+    for u in later:  # in place: the zeros' later readers read the rows put back
+        u.replace_input_with(z, y)
+    node.replace_all_uses_with(y)
+    for dead in (node, *leaves, z):
+        if not dead.users:
+            gm.graph.erase_node(dead)
+            order.pop(dead, None)
+    return f"{node.name} -> {y.name} ({len(leaves)} reads through {perm.name} dropped)"

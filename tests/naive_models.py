@@ -299,6 +299,31 @@ class OwnMatmulExpertsMoE(nn.Module):
         return out
 
 
+class PermutedTop1MoE(nn.Module):
+    """Top-1 rows sorted by expert (`perm = torch.argsort(ids)`), each row's gate, up and down weights
+    gathered (`W[ids[perm]]`) into per-row einsums, weighted, and put back by `scatter_add_` at perm
+    into zeros: row-wise work on permuted rows, which the canonical form runs unpermuted."""
+
+    def __init__(self, d=16, n=8, E=4):
+        super().__init__()
+        self.gate = nn.Linear(d, E, bias=False)
+        self.gate_w = nn.Parameter(torch.randn(E, d, n) / d ** 0.5)
+        self.up_w = nn.Parameter(torch.randn(E, d, n) / d ** 0.5)
+        self.down_w = nn.Parameter(torch.randn(E, n, d) / n ** 0.5)
+
+    def forward(self, x):
+        p, e = self.gate(x).softmax(-1).topk(1, dim=-1)
+        p, e = p.squeeze(-1), e.squeeze(-1)
+        perm = torch.argsort(e)
+        es, xs = e[perm], x[perm]
+        g = torch.einsum("nd,ndf->nf", xs, self.gate_w[es])
+        u = torch.einsum("nd,ndf->nf", xs, self.up_w[es])
+        ys = torch.einsum("nf,nfd->nd", F.silu(g) * u, self.down_w[es]) * p[perm].unsqueeze(-1)
+        out = torch.zeros_like(x)
+        out.scatter_add_(0, perm.unsqueeze(-1).expand(-1, x.shape[1]), ys)
+        return out
+
+
 class OneHotTop1MoE(nn.Module):
     """Switch-style top-1 run densely: every expert on every token, combined by the 0/1 rows
     `F.one_hot(ids, E)` of the top-1 ids, the chosen probability applied after the combine.

@@ -574,6 +574,51 @@ def test_other_argmaxes_stay(fn):
     assert "argmax_to_max" not in rules(canonicalize(gm))
 
 
+@pytest.mark.parametrize("put", ["scatter_add_", "index_add"])
+def test_rows_permuted_then_put_back_are_computed_in_place(put):
+    def fn(x, scores, w):
+        e = scores.argmax(-1)
+        perm = torch.argsort(e)
+        ys = torch.relu(x[perm] * w[e[perm]]).sum(-1, keepdim=True) * scores.softmax(-1)[perm]
+        out = torch.zeros(x.shape[0], E)
+        if put == "scatter_add_":
+            out.scatter_add_(0, perm.unsqueeze(-1).expand(-1, E), ys)
+        else:
+            out = out.index_add(0, perm, ys)
+        return out
+
+    x, scores, w = torch.randn(T, d), torch.randn(T, E), torch.randn(E, d)
+    gm = traced(fn, x, scores, w)
+    assert "permuted_rows_put_back_to_rows" in rules(canonicalize(gm))
+    assert "index_add" not in ops(gm) and "index_add_" not in ops(gm), ops(gm)
+    same_value(gm, fn, x, scores, w)
+
+
+def _rows_in_order(x, scores, w):  # a running sum over the permuted rows: their order matters
+    perm = torch.argsort(scores.argmax(-1))
+    ys = (x[perm] * w[0]).cumsum(0)
+    return torch.zeros_like(x).index_add(0, perm, ys)
+
+
+def _rows_read_elsewhere(x, scores, w):  # the permuted rows are also returned: they must keep their order
+    perm = torch.argsort(scores.argmax(-1))
+    xs = x[perm]
+    return torch.zeros_like(x).index_add(0, perm, xs * w[0]), xs
+
+
+def _not_a_permutation(x, scores, w):  # top-k ids repeat rows: not a permutation of them
+    tok = scores.topk(1, dim=0).indices.reshape(-1).repeat(T // E + 1)[:T]
+    return torch.zeros_like(x).index_add(0, tok, x[tok] * w[0])
+
+
+@pytest.mark.parametrize("fn", [_rows_in_order, _rows_read_elsewhere, _not_a_permutation])
+def test_permuted_rows_stay_outside_the_rule(fn):
+    x, scores, w = torch.randn(T, d), torch.randn(T, E), torch.randn(E, d)
+    gm = traced(fn, x, scores, w)
+    assert "permuted_rows_put_back_to_rows" not in rules(canonicalize(gm))
+    same_value(gm, fn, x, scores, w)
+
+
 # --- each slot's token read from copies of arange(T) --------------------------------------------
 
 

@@ -10,7 +10,7 @@ import moe_compiler.patterns.verify as verify
 import moe_compiler
 
 from .helpers import assert_close_to_eager
-from .naive_models import CapacityDispatchMoE, SlotGatherMoE, TokenMajorMoE
+from .naive_models import CapacityDispatchMoE, PermutedTop1MoE, SlotGatherMoE, TokenMajorMoE
 from .test_naive_patterns import FLAG, _check_gpu_bf16, _check_rewrite, _compile, _inputs, _out_and_grads, assert_left_alone
 
 
@@ -43,6 +43,12 @@ def test_nonnegative_weights_are_proven_from_the_ops_that_make_them():
     gm = torch.fx.symbolic_trace(fn)
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert [nonnegative(n) for n in out] == [True, True, False, False, True]
+
+
+def test_rows_permuted_by_expert_and_put_back_are_found_by_evaluation():
+    # the canonical form drops the permutation (`permuted_rows_put_back_to_rows`); what is left, per-row
+    # gathered weights of a top-1, is found by evaluation
+    _check_rewrite(PermutedTop1MoE(), "evaluated", op="sonic::moe_experts_split")
 
 
 def test_slot_loop_over_gathered_weights_is_found_by_evaluation():
