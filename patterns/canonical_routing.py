@@ -723,7 +723,8 @@ def _rowwise(node, perm, n, inside: dict, leaves: dict, depth: int = 64) -> bool
     unsqueeze/squeeze/sum off the rows' dim, and `W[r]` of a row-wise integer r."""
     if node in inside or node in leaves:
         return True
-    if not isinstance(node, fx.Node) or depth <= 0 or writes_in_place(node):
+    if not isinstance(node, fx.Node) or depth <= 0 or writes_in_place(node) \
+            or any(isinstance(v, fx.Node) for v in node.kwargs.values()):
         return False
     t = _permuted_leaf(node, perm)
     if t is not None:
@@ -795,13 +796,15 @@ def permuted_rows_put_back_to_rows(gm: fx.GraphModule, node: fx.Node, order: dic
             return None
     elif later:
         return None
+    result = leaves.get(y, y)  # y itself a permuted read: the rows it read
     for leaf, t in leaves.items():
         leaf.replace_all_uses_with(t)
     for u in later:  # in place: the zeros' later readers read the rows put back
-        u.replace_input_with(z, y)
-    node.replace_all_uses_with(y)
-    for dead in (node, *leaves, z):
-        if not dead.users:
+        u.replace_input_with(z, result)
+    node.replace_all_uses_with(result)
+    sort = perm.args[0] if is_getitem(perm) else None
+    for dead in (node, *leaves, z, perm, sort):  # the permutation too, where nothing else reads it
+        if isinstance(dead, fx.Node) and not dead.users:
             gm.graph.erase_node(dead)
             order.pop(dead, None)
-    return f"{node.name} -> {y.name} ({len(leaves)} reads through {perm.name} dropped)"
+    return f"{node.name} -> {result.name} ({len(leaves)} reads through {perm.name} dropped)"

@@ -574,6 +574,20 @@ def test_other_argmaxes_stay(fn):
     assert "argmax_to_max" not in rules(canonicalize(gm))
 
 
+def test_permuted_rows_put_back_unchanged_are_the_rows():
+    def fn(x, scores):
+        perm = torch.argsort(scores.argmax(-1))
+        out = torch.zeros_like(x)
+        out.index_add_(0, perm, x[perm])
+        return out * 2
+
+    x, scores = torch.randn(T, d), torch.randn(T, E)
+    gm = traced(fn, x, scores)
+    assert "permuted_rows_put_back_to_rows" in rules(canonicalize(gm))
+    assert "index_add_" not in ops(gm) and "sort" not in ops(gm), ops(gm)
+    same_value(gm, fn, x, scores)
+
+
 @pytest.mark.parametrize("put", ["scatter_add_", "index_add"])
 def test_rows_permuted_then_put_back_are_computed_in_place(put):
     def fn(x, scores, w):
