@@ -625,7 +625,19 @@ def _not_a_permutation(x, scores, w):  # top-k ids repeat rows: not a permutatio
     return torch.zeros_like(x).index_add(0, tok, x[tok] * w[0])
 
 
-@pytest.mark.parametrize("fn", [_rows_in_order, _rows_read_elsewhere, _not_a_permutation])
+def _put_back_by_another_permutation(x, scores, w):  # read in one order, put back in another
+    perm = torch.argsort(scores.argmax(-1))
+    other = torch.argsort(scores.argmin(-1))
+    return torch.zeros_like(x).index_add(0, other, x[perm] * w[0])
+
+
+def _rows_mixed_with_unpermuted_rows(x, scores, w):  # x[perm] + x: row i mixes rows perm[i] and i
+    perm = torch.argsort(scores.argmax(-1))
+    return torch.zeros_like(x).index_add(0, perm, x[perm] + x)
+
+
+@pytest.mark.parametrize("fn", [_rows_in_order, _rows_read_elsewhere, _not_a_permutation,
+                                _put_back_by_another_permutation, _rows_mixed_with_unpermuted_rows])
 def test_permuted_rows_stay_outside_the_rule(fn):
     x, scores, w = torch.randn(T, d), torch.randn(T, E), torch.randn(E, d)
     gm = traced(fn, x, scores, w)
