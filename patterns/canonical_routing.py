@@ -55,8 +55,8 @@ import torch
 import torch.fx as fx
 
 from .canonical_layout import arange_as, arange_copies
-from .common import (ZEROS, NoMatch, RegionWalk, arg, dtype_of, example_value, flattens_indices, getitem_of, insert_call,
-                     is_call, is_getitem, is_int, same_shape, same_size, shape_of, unit_slice, writes_in_place)
+from .common import (ZEROS, NoMatch, RegionWalk, arg, backward_slice, dtype_of, example_value, flattens_indices, getitem_of,
+                     insert_call, is_call, is_getitem, is_int, same_shape, same_size, shape_of, unit_slice, writes_in_place)
 from .dense_experts import sparse_gates, sums_dim
 
 _POSITIVE = {("gt", 0), ("ne", 0), ("ge", 1)}  # count > 0, count != 0, count >= 1: some slot holds e
@@ -728,7 +728,7 @@ def _rowwise(node, perm, n, inside: dict, leaves: dict, depth: int = 64) -> bool
         return False
     t = _permuted_leaf(node, perm)
     if t is not None:
-        if perm in _backward_slice(t) or not same_size((shape_of(t) or (None,))[0], n):
+        if not isinstance(t, fx.Node) or perm in backward_slice([t], set()) or not same_size((shape_of(t) or (None,))[0], n):
             return False
         leaves[node] = t
         return True
@@ -736,7 +736,7 @@ def _rowwise(node, perm, n, inside: dict, leaves: dict, depth: int = 64) -> bool
     if not shape or not same_size(shape[0], n):
         return False
     if is_getitem(node) and isinstance(node.args[1], fx.Node) and isinstance(node.args[0], fx.Node) \
-            and perm not in _backward_slice(node.args[0]) and len(shape_of(node.args[1])) == 1:
+            and perm not in backward_slice([node.args[0]], set()) and len(shape_of(node.args[1])) == 1:
         ok = _rowwise(node.args[1], perm, n, inside, leaves, depth - 1)  # W[r]: row i is W[r[i]]
     elif is_call(node, "unsqueeze", "squeeze", "sum") and len(node.args) >= 2 and is_int(node.args[1]) \
             and isinstance(node.args[0], fx.Node) \
@@ -750,23 +750,12 @@ def _rowwise(node, perm, n, inside: dict, leaves: dict, depth: int = 64) -> bool
             if len(shape_of(a)) == len(shape) and same_size(shape_of(a)[0], n):
                 ok = ok and _rowwise(a, perm, n, inside, leaves, depth - 1)
             else:  # broadcast over the rows: must not depend on the permutation
-                ok = ok and len(shape_of(a)) < len(shape) and perm not in _backward_slice(a)
+                ok = ok and len(shape_of(a)) < len(shape) and perm not in backward_slice([a], set())
     else:
         return False
     if ok:
         inside[node] = True
     return ok
-
-
-def _backward_slice(node: fx.Node) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen or not isinstance(n, fx.Node):
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
 
 
 def permuted_rows_put_back_to_rows(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:

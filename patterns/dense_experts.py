@@ -57,6 +57,7 @@ from .common import (
     writes_in_place,
 )
 from .module_list import (
+    _transposed_2d,
     expert_mlp,
     finish_expert_match,
     same_weights,
@@ -165,14 +166,11 @@ def _broadcast_gates(node, walk: RegionWalk, dim: int, lead: int) -> fx.Node:
         expect(lead == 1 and isinstance(gates, fx.Node) and len(shape_of(gates)) == 2,
                "expert outputs stacked first are weighted by no transposed [T, E] gate matrix")
         gates = through_float_casts(gates, walk)
-        swapped = (is_call(gates, "t")
-                   or (is_call(gates, "transpose") and sorted(gates.args[1:3]) in ([0, 1], [-2, -1], [-1, 0], [-2, 1]))
-                   or (is_call(gates, "permute") and list(gates.args[1:]) in ([1, 0], [[1, 0]], [(1, 0)]))
-                   or (gates.op == "call_function" and gates.target is getattr and gates.args[1] in ("T", "mT")))
-        expect(swapped, f"expert outputs stacked first are weighted by no transposed [T, E] gate matrix "
-                        f"({gates.name} is not one)")
+        inner = _transposed_2d(gates)
+        expect(inner is not None, f"expert outputs stacked first are weighted by no transposed [T, E] gate matrix "
+                                  f"({gates.name} is not one)")
         walk.mark(gates)
-        return gates.args[0]
+        return inner
     node = through_float_casts(node, walk)
     rank = len(shape_of(node))  # lead + 2
     two_d = ((slice(None), None), (slice(None), None, slice(None))) if rank == 3 else ()

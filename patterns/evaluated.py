@@ -101,7 +101,7 @@ def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scori
                 if match is None:
                     continue
                 # the region runs once; each activation's op is compared with it (on the CPU: see above)
-                found = first_equal(match, [_fields(act) for act in acts], on_cpu=True)
+                found = first_equal(match, acts, on_cpu=True)  # each act: the MoEMatch fields it sets
                 if isinstance(found, dict):
                     outcome = verify(match, on_cpu=True)  # the winner's record, as every finder's
                     match.verified = f"found by evaluation: {outcome}"
@@ -114,12 +114,6 @@ def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scori
                   "weights' widths the op takes")
     raise NoMatch(f"no hypothesis evaluated equal to the op ({tried} tried: hidden states, routing weights, expert "
                   f"weights' roles and orientations, activations, outputs)")
-
-
-def _fields(act: dict) -> dict:
-    """The MoEMatch fields of an activation hypothesis."""
-    return {"activation": act["activation"], "interleaved": act["interleaved"], "alpha": act["alpha"],
-            "limit": act["limit"]}
 
 
 def _hidden_states(scoring: set[fx.Node], reached: list[fx.Node], T) -> list[fx.Node]:
