@@ -23,8 +23,8 @@ from moe_compiler.patterns import (
 )
 from moe_compiler.patterns.canonical import canonicalize
 from moe_compiler.patterns.canonical_opaque import restore_opaque_ops
-from moe_compiler.patterns.common import (MoEMatch, NoMatch, Rejection, check_grad_mode_unchanged, check_inputs_unmutated, rewrite,
-                                         settle_autocast)
+from moe_compiler.patterns.common import (MoEMatch, NoMatch, Rejection, check_grad_mode_unchanged, check_inputs_unmutated,
+                                         grad_modes, rewrite, settle_autocast)
 from moe_compiler.patterns.router_fusion import match_router, rewrite_router
 from moe_compiler.patterns.unmatched import explain_unmatched
 from moe_compiler.patterns.verify import verify
@@ -78,10 +78,12 @@ def _find(name: str, gm: fx.GraphModule, graph_id: int, options: SonicOptions):
             raise
         return [], [RegionRecord(graph_id, name, "<graph>", "error", f"{type(exc).__name__}: {exc}")]
     matches, rejections = [], [r for r in found if isinstance(r, Rejection)]
+    modes = None  # each node's grad mode, found once for the matches of this graph (the checks leave it as it is)
     for m in (m for m in found if isinstance(m, MoEMatch)):
         try:
             check_inputs_unmutated(m)
-            check_grad_mode_unchanged(m)
+            modes = grad_modes(gm.graph) if modes is None else modes
+            check_grad_mode_unchanged(m, modes)
             settle_autocast(m)
             # the evaluated finder's match is its own evaluation's outcome: checked on the CPU, as it was found
             found_by_evaluation = m.idiom == evaluated.IDIOM

@@ -969,18 +969,26 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     )
 
 
-def check_grad_mode_unchanged(match: MoEMatch) -> None:
-    """The op runs where the anchor stood, under the grad mode there; eager ran each region node
-    under its own. A region whose float values were computed under another grad mode than the
-    anchor's (`torch.no_grad`, `set_grad_enabled` inside the graph: nodes no value reads) would give
-    the op gradients eager has not, or the reverse, so it is left alone. A switch around other code
-    (a buffer updated under no_grad between the router and the experts) leaves the region's modes
-    alone; the graph starts in the mode it is compiled under."""
+def grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
+    """Each node's grad mode: the graph starts in the mode it is compiled under, and each
+    `torch.no_grad` / `set_grad_enabled` switch inside it (a node no value reads) sets the mode of
+    the nodes after it."""
     mode, modes = torch.is_grad_enabled(), {}
-    for node in match.anchor.graph.nodes:
+    for node in graph.nodes:
         if is_call(node, "_set_grad_enabled", "set_grad_enabled") and node.args and isinstance(node.args[0], bool):
             mode = node.args[0]
         modes[node] = mode
+    return modes
+
+
+def check_grad_mode_unchanged(match: MoEMatch, modes: dict[fx.Node, bool] | None = None) -> None:
+    """The op runs where the anchor stood, under the grad mode there; eager ran each region node
+    under its own. A region whose float values were computed under another grad mode than the
+    anchor's (`torch.no_grad`, `set_grad_enabled` inside the graph) would give the op gradients
+    eager has not, or the reverse, so it is left alone. A switch around other code (a buffer updated
+    under no_grad between the router and the experts) leaves the region's modes alone. `modes`:
+    `grad_modes` of the match's graph, where the caller checks several matches of one graph."""
+    modes = grad_modes(match.anchor.graph) if modes is None else modes
     other = next((n for n in match.region if n in modes and modes[n] != modes[match.anchor]
                   and isinstance(example_value(n), torch.Tensor) and example_value(n).is_floating_point()), None)
     expect(other is None, f"{other.name if other else ''} is computed under another grad mode than the region's end "
