@@ -49,6 +49,7 @@ Rules (eager spelling -> canonical form; ids [T, K] the indices of a top-k over 
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -58,6 +59,7 @@ from .canonical_layout import arange_as, arange_copies
 from .common import (ZEROS, NoMatch, RegionWalk, arg, backward_slice, dtype_of, example_value, flattens_indices, getitem_of,
                      insert_call, is_call, is_getitem, is_int, same_shape, same_size, shape_of, unit_slice, writes_in_place)
 from .dense_experts import sparse_gates, sums_dim
+from .verify import nonnegative
 
 _POSITIVE = {("gt", 0), ("ne", 0), ("ge", 1)}  # count > 0, count != 0, count >= 1: some slot holds e
 _FLIPPED = {"gt": "lt", "ne": "ne", "ge": "le"}  # 0 < count, 0 != count, 1 <= count
@@ -229,7 +231,8 @@ def _reads_only_rows(rows: list[fx.Node], mask: fx.Node, column: fx.Node) -> boo
                                                                and user.args[1][0] is tok and user.args[0] is not tok)):
                 weights_read |= _same_column(user.args[0], column) or (
                     isinstance(user.args[1], tuple) and user.args[0] is column.args[0]
-                    and user.args[1][1:] in ((column.args[1][1],), (slice(column.args[1][1], column.args[1][1] + 1),)))
+                    and user.args[1][1:] in ((column.args[1][1],), (column.args[1][1], None),
+                                             (slice(column.args[1][1], column.args[1][1] + 1),)))
                 continue
             if is_call(user, *_ROW_READS) and len(user.args) == 3 and user.args[1] in (0, -2) and user.args[2] is tok:
                 weights_read |= _same_column(user.args[0], column)
@@ -263,8 +266,10 @@ def _same_column(read, column: fx.Node) -> bool:
 def gate_nonzero_to_any_hit(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`G[:, e] != 0` -> `(ids == e).any(-1)` for a gate matrix G zero outside the top-k ids, when
     the selected rows are only read as rows (among them G's column e) and added into rows: see the
-    module docstring for why a zero weight inside the top-k keeps the sum."""
-    column = _positive_test(node) if is_call(node, "ne", "__ne__") else None
+    module docstring for why a zero weight inside the top-k keeps the sum. `G[:, e] > 0` too where
+    G's weights are provably never negative (`verify.nonnegative`: a softmax's, normalised or not),
+    so that > 0 and != 0 select the same rows."""
+    column = _positive_test(node) if is_call(node, "ne", "__ne__", "gt", "__gt__", "lt", "__lt__") else None
     found = _gate_column(column) if column is not None else None
     if found is None or len(shape_of(node)) != 1:
         return None
@@ -272,27 +277,32 @@ def gate_nonzero_to_any_hit(gm: fx.GraphModule, node: fx.Node, order: dict) -> s
     rows = _rows_of(node)
     if not rows or not _reads_only_rows(rows, node, column):
         return None
-    ids, _ = _gate_support(gates)
+    ids, values = _gate_support(gates)
+    if not is_call(node, "ne", "__ne__") and values is not None and not nonnegative(values):
+        return None
     node.replace_all_uses_with(_any_hit(gm, node, ids, e))
     return f"{node.name} -> ({ids.name} == {e}).any(-1)"
 
 
 def gate_rows_column_to_column_rows(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`G[tok, e]` (or `G[tok, e:e+1]`) -> `G[:, e][tok]` (`G[:, e:e+1][tok]`) for a sparse gate
-    matrix G and 1-D integer rows tok: the same elements."""
-    if not (is_getitem(node) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2):
+    """`G[tok, e]` (or `G[tok, e:e+1]`, `G[tok, e, None]`) -> `G[:, e][tok]` (`G[:, e:e+1][tok]`,
+    `G[:, e][tok, None]`) for a sparse gate matrix G and 1-D integer rows tok: the same elements."""
+    if not (is_getitem(node) and isinstance(node.args[1], tuple) and len(node.args[1]) in (2, 3)):
         return None
-    gates, (tok, e) = node.args[0], node.args[1]
+    gates, (tok, e, *last) = node.args[0], node.args[1]
+    if last not in ([], [None]) or (last and not is_int(e)):
+        return None
     if not (is_int(e) or unit_slice(e) is not None) or not isinstance(tok, fx.Node) or len(shape_of(tok)) != 1:
         return None
     dtype = dtype_of(tok)
     if dtype is None or dtype.is_floating_point or dtype == torch.bool or _gate_support(gates) is None:
         return None
     column = insert_call(gm, node, operator.getitem, (gates, (slice(None), e)))
-    picked = insert_call(gm, node, operator.getitem, (column, tok))
+    picked = insert_call(gm, node, operator.getitem, (column, (tok, None) if last else tok))
     node.replace_all_uses_with(picked)
     order[picked] = order[node]
-    return f"{node.name} -> {gates.name}[:, {e if is_int(e) else f'{e.start}:{e.stop}'}][{tok.name}]"
+    return (f"{node.name} -> {gates.name}[:, {e if is_int(e) else f'{e.start}:{e.stop}'}]"
+            f"[{tok.name}{', None' if last else ''}]")
 
 
 # --- one scale for the rows of every expert, applied after the loop -----------------------------
@@ -689,6 +699,166 @@ def argmax_to_max(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     order[found] = order[ids] = order[node]
     node.replace_all_uses_with(ids)
     return f"{node.name} -> max({s.name}, -1)[1]"
+
+
+def _bool_of(mask) -> fx.Node | None:
+    """m when `mask` reads a 0/1 tensor m as booleans: `m.bool()`, `m.to(torch.bool)`, `m > 0`,
+    `m != 0`, `m == 1`; else None."""
+    if is_call(mask, "bool") and len(mask.args) == 1 and not mask.kwargs:
+        return mask.args[0]
+    if is_call(mask, "to") and len(mask.args) == 2 and mask.args[1] is torch.bool and not mask.kwargs:
+        return mask.args[0]
+    found = _positive_test(mask)
+    if found is not None:
+        return found
+    if is_call(mask, "eq", "__eq__") and len(mask.args) == 2 and not mask.kwargs and 1 in mask.args[1:]:
+        return mask.args[0]
+    return None
+
+
+def _masked_out(node) -> tuple[fx.Node, fx.Node] | None:
+    """(s, ids) when `node` is s with each row's entry at ids set to -inf: `s.masked_fill(M, -inf)`,
+    `torch.where(M, -inf, s)` or `s.scatter(-1, ids[:, None], -inf)`, with M a boolean view of
+    `F.one_hot(ids, E)` (E = s's last dim); else None."""
+    if is_call(node, "masked_fill") and len(node.args) == 3 and not node.kwargs and node.args[2] == -math.inf:
+        s, mask = node.args[:2]
+    elif is_call(node, "where") and len(node.args) == 3 and not node.kwargs and node.args[1] == -math.inf:
+        mask, _, s = node.args
+    elif is_call(node, "scatter") and len(node.args) == 4 and not node.kwargs and node.args[3] == -math.inf:
+        s, dim, column = node.args[:3]
+        rank = len(shape_of(s) or ())
+        last = (column.args[1:] in ((-1,), (rank - 1,)) if is_call(column, "unsqueeze")
+                else is_getitem(column) and column.args[1] in ((Ellipsis, None), (slice(None),) * (rank - 1) + (None,)))
+        if dim in (-1, rank - 1) and last:  # ids.unsqueeze(-1), ids[:, None], ids[..., None]
+            return (s, column.args[0]) if same_shape(shape_of(column.args[0]), shape_of(s)[:-1]) else None
+        return None
+    else:
+        return None
+    one_hot = _bool_of(mask)
+    if one_hot is not None and is_call(one_hot, "to", "float", "long", "int") and len(one_hot.args) <= 2:
+        one_hot = one_hot.args[0]  # a cast of 0/1 keeps which entries are nonzero
+    if not is_call(one_hot, "one_hot") or not isinstance(s, fx.Node) or not shape_of(s):
+        return None
+    ids = one_hot.args[0]
+    if arg(one_hot, 1, "num_classes", -1) != shape_of(s)[-1] or not same_shape(shape_of(ids), shape_of(s)[:-1]):
+        return None
+    return s, ids
+
+
+def _same_order(s1: fx.Node, s2: fx.Node) -> bool:
+    """Whether rows of s1 order their entries as s2's do: s1 is s2, or a float32/float64 softmax of s2
+    over its last dim (strictly increasing in each entry; in a narrower float, entries a softmax
+    rounds to one value would tie more often than the scores do)."""
+    if s1 is s2:
+        return True
+    rank = len(shape_of(s2) or ())
+    return (is_call(s1, "softmax") and arg(s1, 0, "input") is s2 and arg(s1, 1, "dim") in (-1, rank - 1)
+            and dtype_of(s1) in (torch.float32, torch.float64))
+
+
+def second_max_to_topk(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`i1 = s1.max(-1)[1]` and `s2.masked_fill(F.one_hot(i1, E).bool(), -inf).max(-1)` (the top-2 of
+    fairseq's and DeepSpeed's `top2gating`: argmax, then argmax of the rest) -> `t = torch.topk(s2, 2,
+    dim=-1)`, i1 -> `t[1][..., 0]`, the second max -> `t[0][..., 1], t[1][..., 1]`: each row's largest
+    entry and the largest of the others. s1 is s2 or a float32/float64 softmax of it (argmax of
+    `softmax(logits)`, second argmax over the logits): the same order. Where scores tie, either may
+    pick or order the tied experts differently (as torch.topk leaves unspecified); a tie only the
+    softmax makes (two logits that round to one probability) too."""
+    if not is_call(node, "max") or len(node.args) > 3 or node.kwargs.keys() - {"dim", "keepdim"}:
+        return None
+    found = _masked_out(node.args[0])
+    if found is None:
+        return None
+    s2, ids1 = found
+    rank = len(shape_of(s2))
+    first = getitem_of(ids1, 1)
+    if (rank < 2 or arg(node, 1, "dim") not in (-1, rank - 1) or not is_call(first, "max") or len(first.args) > 3
+            or first.kwargs.keys() - {"dim", "keepdim"} or arg(first, 1, "dim") not in (-1, rank - 1)
+            or arg(first, 2, "keepdim", False) is not False or not _same_order(first.args[0], s2)
+            or not all(is_getitem(u) and u.args[1] in (0, 1) for u in node.users)):
+        return None
+    keepdim = arg(node, 2, "keepdim", False)
+    E = shape_of(s2)[-1]
+    if keepdim not in (True, False) or not is_int(E) or E < 2:
+        return None
+    topk = insert_call(gm, ids1, torch.topk, (s2, 2), {"dim": -1})
+    parts = [insert_call(gm, ids1, operator.getitem, (topk, i)) for i in (0, 1)]
+    top = insert_call(gm, ids1, operator.getitem, (parts[1], (Ellipsis, 0)))
+    second = (Ellipsis, slice(1, 2)) if keepdim else (Ellipsis, 1)
+    for new in (topk, *parts, top):
+        order[new] = order[ids1]
+    ids1.replace_all_uses_with(top)
+    for user in list(node.users):
+        picked = insert_call(gm, ids1, operator.getitem, (parts[user.args[1]], second))
+        order[picked] = order[ids1]
+        user.replace_all_uses_with(picked)
+    for dead in [*node.users, ids1]:
+        order.pop(dead, None)
+        gm.graph.erase_node(dead)
+    if not first.users:
+        order.pop(first, None)
+        gm.graph.erase_node(first)
+    return f"{node.name} and {ids1.name} -> topk({s2.name}, 2)"
+
+
+def _add_terms(node, top: bool = True) -> list:
+    """The terms of a chain of `+` (`a + b + c`), through inner sums nothing else reads, less a
+    literal 0 (Python's `sum(...)` starts from one)."""
+    if (is_call(node, "add", "__add__") and len(node.args) == 2 and not node.kwargs
+            and (top or len(node.users) == 1)):
+        return _add_terms(node.args[0], False) + _add_terms(node.args[1], False)
+    return [] if isinstance(node, (int, float)) and not isinstance(node, bool) and node == 0 else [node]
+
+
+def _slot_one_hot(term) -> tuple[fx.Node, int, fx.Node] | None:
+    """(ids, k, w) when `term` is `w * F.one_hot(ids[:, k], E)` (either order; the one_hot cast to a
+    float dtype: 0/1 stay exact) with w a [T, 1] column and ids [T, K] top-k ids over E; else None."""
+    if not (is_call(term, *_MUL) and len(term.args) == 2 and not term.kwargs):
+        return None
+    for w, one_hot in (term.args, term.args[::-1]):
+        if is_call(one_hot, "to", "float", "half", "bfloat16", "type_as") and len(one_hot.args) <= 2:
+            one_hot = one_hot.args[0]
+        if not is_call(one_hot, "one_hot") or not isinstance(w, fx.Node):
+            continue
+        column = one_hot.args[0]
+        if not (is_getitem(column) and isinstance(column.args[1], tuple) and len(column.args[1]) == 2
+                and column.args[1][0] in (slice(None), Ellipsis) and is_int(column.args[1][1])):
+            continue
+        ids, k = column.args[0], column.args[1][1]
+        shape = shape_of(ids)
+        if (len(shape) != 2 or not 0 <= k < shape[1] or _range_of(ids) != arg(one_hot, 1, "num_classes", -1)
+                or not same_shape(shape_of(w), (shape[0], 1))):
+            continue
+        return ids, k, w
+    return None
+
+
+def slot_one_hots_to_gate_matrix(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`w0 * F.one_hot(ids[:, 0], E) + ... + w_{K-1} * F.one_hot(ids[:, K-1], E)` (fairseq's and
+    DeepSpeed's top-2 combine: a gate column per slot times that slot's one_hot) -> `(F.one_hot(ids,
+    E) * w.unsqueeze(-1)).sum(1)` with `w = torch.cat([w0, ..., w_{K-1}], -1)`, ids [T, K] top-k ids
+    over E: every slot exactly once, the same products summed; the ids of a row are distinct, so
+    each entry sums at most one nonzero term (equal values, up to the sign of a zero)."""
+    terms = _add_terms(node)
+    if len(terms) < 2:
+        return None
+    found = [_slot_one_hot(t) for t in terms]
+    if None in found or len({f[0] for f in found}) != 1:
+        return None
+    ids = found[0][0]
+    slots = sorted(found, key=lambda f: f[1])
+    if [f[1] for f in slots] != list(range(shape_of(ids)[1])):
+        return None
+    dtypes = {dtype_of(f[2]) for f in slots}
+    if len(dtypes) != 1 or dtypes != {dtype_of(node)} or not dtype_of(node).is_floating_point:
+        return None  # weights of other dtypes, or one_hots cast to a wider float: left as written
+    from .canonical import _gate_matrix  # canonical imports this module
+
+    weights = insert_call(gm, node, torch.cat, ([f[2] for f in slots], -1))
+    order[weights] = order[node]
+    gates = _gate_matrix(gm, ids, weights, _range_of(ids), order)
+    node.replace_all_uses_with(gates)
+    return f"{node.name} -> (one_hot({ids.name}) * cat(weights)[..., None]).sum(1)"
 
 
 _ROW_ELEMENTWISE = ("silu", "gelu", "relu", "sigmoid", "tanh", "neg", "__neg__", "exp", "softplus", "square", "erf",

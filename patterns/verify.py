@@ -378,12 +378,17 @@ def nonnegative(node, depth: int = 24) -> bool:
         return nonnegative(node.args[0], depth - 1)  # a selection, or the values of a top-k / sort / max
     if is_call(node, *_NONNEGATIVE):
         return True
-    if is_call(node, "clamp", "clamp_min") and len(node.args) > 1 and isinstance(node.args[1], (int, float)):
-        return node.args[1] >= 0 or nonnegative(node.args[0], depth - 1)
+    low = (node.args[1] if len(node.args) > 1 else node.kwargs.get("min")) if is_call(node, "clamp", "clamp_min") else None
+    high = (node.args[2] if len(node.args) > 2 else node.kwargs.get("max")) if is_call(node, "clamp") else None
+    if isinstance(low, (int, float)) and not isinstance(low, bool) and (high is None or (
+            isinstance(high, (int, float)) and high >= 0)):  # clamp(min=a, max=b) with b < a gives b
+        return low >= 0 or nonnegative(node.args[0], depth - 1)
     if is_call(node, *_SIGN_KEPT):
         return bool(node.args) and nonnegative(node.args[0], depth - 1)
     if is_call(node, *_OF_TWO) and len(node.args) == 2 and not node.kwargs:
         return all(nonnegative(a, depth - 1) for a in node.args)
+    if is_call(node, "cat", "stack") and node.args and isinstance(node.args[0], (list, tuple)):
+        return all(nonnegative(a, depth - 1) for a in node.args[0])
     return False
 
 

@@ -356,6 +356,63 @@ class OneHotTop1MoE(nn.Module):
         return out * p
 
 
+class ArgmaxTop2MoE(nn.Module):
+    """fairseq's / DeepSpeed's top2gating without capacity: the argmax of the probabilities, then the
+    argmax of the logits with the first expert masked to -inf; each slot's probability read through
+    its one_hot and the two renormalised; the [T, E] combine matrix is the two slots' one_hots times
+    their weights, summed.
+
+    mask:    "masked_fill" (logits.masked_fill(one_hot.bool(), -inf)), "where" (torch.where(one_hot
+             > 0, -inf, logits)), "scatter" (logits.scatter(-1, i1[:, None], -inf)), "unmasked" (the
+             second argmax over the logits as they are: the first expert again, never rewritten)
+    first:   "probs" (argmax of the softmax), "logits" (argmax of the logits), "other" (argmax of
+             another router's logits: not the top-2 of these, never rewritten)
+    combine: "loop" (rows where combine[:, e] > 0, index_add_), "dense" (every expert on every
+             token, out = out + combine[:, e:e+1] * experts[e](x))
+    weights: "renormalised" (g / (g1 + g2)), "shifted" (g - 0.3: may be negative, so the loop's
+             combine > 0 selects rows the top-2 does not always give; the dense combine takes any
+             weights)
+    """
+
+    def __init__(self, d=16, n=8, E=6, mask="masked_fill", first="probs", combine="loop", weights="renormalised"):
+        super().__init__()
+        self.E, self.mask, self.first, self.combine, self.weights = E, mask, first, combine, weights
+        self.gate = nn.Linear(d, E, bias=False)
+        self.other = nn.Linear(d, E, bias=False) if first == "other" else None
+        self.experts = make_experts("gated", d, n, E, None, False)
+
+    def forward(self, x):
+        logits = self.gate(x)
+        gates = F.softmax(logits, dim=1)
+        scores = {"probs": gates, "logits": logits}.get(self.first)
+        i1 = torch.argmax(scores if scores is not None else self.other(x), dim=1)
+        m1 = F.one_hot(i1, num_classes=self.E)
+        if self.mask == "masked_fill":
+            rest = logits.masked_fill(m1.bool(), float("-inf"))
+        elif self.mask == "where":
+            rest = torch.where(m1 > 0, float("-inf"), logits)
+        elif self.mask == "scatter":
+            rest = logits.scatter(-1, i1.unsqueeze(-1), float("-inf"))
+        else:
+            rest = logits
+        i2 = torch.argmax(rest, dim=1)
+        m2 = F.one_hot(i2, num_classes=self.E)
+        g1, g2 = (gates * m1).sum(dim=1), (gates * m2).sum(dim=1)
+        denom = torch.clamp(g1 + g2, min=torch.finfo(g1.dtype).eps)
+        g1, g2 = g1 / denom, g2 / denom
+        if self.weights == "shifted":
+            g1, g2 = g1 - 0.3, g2 - 0.3
+        combine = g1[:, None] * m1 + g2[:, None] * m2
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            if self.combine == "dense":
+                out = out + combine[:, e:e + 1] * expert(x)
+            else:
+                idx = torch.nonzero(combine[:, e] > 0).squeeze(-1)
+                out.index_add_(0, idx, combine[idx, e, None] * expert(x[idx]))
+        return out
+
+
 class DenseMoE(Router):
     """Every expert on every token, combined by a [T, E] gate matrix.
 

@@ -574,6 +574,97 @@ def test_other_argmaxes_stay(fn):
     assert "argmax_to_max" not in rules(canonicalize(gm))
 
 
+def _two_argmaxes(logits):  # values and keepdim of the second max too
+    i1 = logits.softmax(-1).argmax(-1)
+    v2, i2 = logits.masked_fill(F.one_hot(i1, E).bool(), float("-inf")).max(dim=-1, keepdim=True)
+    return i1, v2, i2
+
+
+def _two_argmaxes_scatter(logits):
+    i1 = logits.argmax(1)
+    return i1, logits.scatter(-1, i1[:, None], float("-inf")).argmax(1)
+
+
+def _two_argmaxes_where(logits):
+    i1 = logits.argmax(-1)
+    return i1, torch.where(F.one_hot(i1, E) == 1, float("-inf"), logits).argmax(-1)
+
+
+@pytest.mark.parametrize("fn", [_two_argmaxes, _two_argmaxes_scatter, _two_argmaxes_where])
+def test_an_argmax_of_the_rest_after_an_argmax_becomes_a_top2(fn):
+    logits = torch.randn(T, E)
+    gm = traced(fn, logits)
+    assert "second_max_to_topk" in rules(canonicalize(gm))
+    assert "topk" in ops(gm) and "max" not in ops(gm) and "argmax" not in ops(gm), ops(gm)
+    same_value(gm, fn, logits)
+
+
+def _masked_by_another_argmax(logits):  # the first id is another scores' argmax
+    i1 = (logits * torch.arange(E)).argmax(-1)
+    return logits.masked_fill(F.one_hot(i1, E).bool(), float("-inf")).argmax(-1)
+
+
+def _masked_to_zero(logits):  # the first expert set to 0, not -inf: it may stay the largest
+    i1 = logits.argmax(-1)
+    return logits.masked_fill(F.one_hot(i1, E).bool(), 0.0).argmax(-1)
+
+
+def _first_of_a_bf16_softmax(logits):  # rounded probabilities tie more often than the logits do
+    i1 = logits.softmax(-1, dtype=torch.bfloat16).argmax(-1)
+    return logits.masked_fill(F.one_hot(i1, E).bool(), float("-inf")).argmax(-1)
+
+
+def _masked_over_the_tokens(logits):
+    i1 = logits.argmax(-1)
+    return logits.masked_fill(F.one_hot(i1, E).bool(), float("-inf")).argmax(0)
+
+
+@pytest.mark.parametrize("fn", [_masked_by_another_argmax, _masked_to_zero, _first_of_a_bf16_softmax,
+                                _masked_over_the_tokens])
+def test_other_second_argmaxes_stay(fn):
+    gm = traced(fn, torch.randn(T, E))
+    assert "second_max_to_topk" not in rules(canonicalize(gm))
+
+
+def _slot_combine(logits, w):
+    ids = logits.topk(K, dim=-1)[1]
+    return sum(w[:, k, None] * F.one_hot(ids[:, k], E).float() for k in range(K))
+
+
+def _slot_combine_columns(logits, w):
+    ids = logits.topk(K, dim=-1)[1]
+    return F.one_hot(ids[..., 1], E) * w[:, 1:2] + w[:, 0:1] * F.one_hot(ids[..., 0], E)
+
+
+@pytest.mark.parametrize("fn", [_slot_combine, _slot_combine_columns])
+def test_a_sum_of_each_slots_one_hot_times_its_weight_becomes_a_gate_matrix(fn):
+    logits, w = torch.randn(T, E), torch.randn(T, K)
+    gm = traced(fn, logits, w)
+    assert "slot_one_hots_to_gate_matrix" in rules(canonicalize(gm))
+    same_value(gm, fn, logits, w)
+
+
+def _one_slot_twice(logits, w):
+    ids = logits.topk(K, dim=-1)[1]
+    return w[:, 0:1] * F.one_hot(ids[:, 0], E) + w[:, 1:2] * F.one_hot(ids[:, 0], E)
+
+
+def _a_slot_missing(logits, w):
+    ids = logits.topk(3, dim=-1)[1]
+    return w[:, 0:1] * F.one_hot(ids[:, 0], E) + w[:, 1:2] * F.one_hot(ids[:, 1], E)
+
+
+def _slots_of_other_ids(logits, w):
+    a, b = logits.topk(K, dim=-1)[1], (-logits).topk(K, dim=-1)[1]
+    return w[:, 0:1] * F.one_hot(a[:, 0], E) + w[:, 1:2] * F.one_hot(b[:, 1], E)
+
+
+@pytest.mark.parametrize("fn", [_one_slot_twice, _a_slot_missing, _slots_of_other_ids])
+def test_slot_one_hot_sums_that_are_not_every_slot_once_stay(fn):
+    gm = traced(fn, torch.randn(T, E), torch.randn(T, K))
+    assert "slot_one_hots_to_gate_matrix" not in rules(canonicalize(gm))
+
+
 def test_permuted_rows_put_back_unchanged_are_the_rows():
     def fn(x, scores):
         perm = torch.argsort(scores.argmax(-1))

@@ -22,7 +22,7 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import (AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
+from .naive_models import (ArgmaxTop2MoE, AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
                            DispatchCombineMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
                            OneHotTop1MoE, OwnMatmulExpertsMoE, StackedColumnsMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE, TokenMajorMoE)
 
@@ -1055,6 +1055,14 @@ def test_expert_loop_gpu_bf16(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["loop", "dense"])
+def test_top2_by_two_argmaxes_gpu_bf16(combine):
+    # in bf16 the first argmax is over the logits: a bf16 softmax's rounding would tie experts the logits order
+    idiom = "dense_experts" if combine == "dense" else "expert_loop"
+    _check_gpu_bf16(lambda: ArgmaxTop2MoE(first="logits", combine=combine), idiom)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["deepseek-moe", "fused-bias", "assign-zeros-scatter_add", "slots-index_copy-top3"])
 def test_repeat_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: RepeatLoopMoE(**REPEAT_VARIANTS[variant]), "repeat_loop")
@@ -1261,3 +1269,27 @@ def test_rows_copied_by_an_arange_at_new_token_counts(make):
             assert not report.rejected, str(report)
             assert_close_to_eager(got, model(x), what=f"T={T}")
     assert len(rewritten) == 2, rewritten  # the static first call, then the symbolic one
+
+
+@pytest.mark.parametrize("mask,first,combine", [("masked_fill", "probs", "loop"), ("where", "logits", "loop"),
+                                                ("scatter", "probs", "dense"), ("masked_fill", "logits", "dense")])
+def test_top2_by_two_argmaxes_matches_eager(mask, first, combine):
+    # fairseq's top2gating: argmax, the second argmax with the first masked to -inf, a combine matrix
+    # of the two one_hots; read as one top-2
+    idiom = "dense_experts" if combine == "dense" else "expert_loop"
+    _check_rewrite(ArgmaxTop2MoE(mask=mask, first=first, combine=combine), idiom)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(mask="unmasked"), "rows are not selected by mask[e] or ids == e"),  # the first expert twice
+    (dict(first="other"), "rows are not selected by mask[e] or ids == e"),  # another router's argmax masked
+    (dict(weights="shifted"), "rows are not selected by mask[e] or ids == e"),  # combine > 0 of signed weights
+    (dict(mask="unmasked", combine="dense"), "is not provably zero outside the top-k"),
+    (dict(first="other", combine="dense"), "is not provably zero outside the top-k")])
+def test_two_argmaxes_that_are_not_a_top2_stay(kwargs, reason, caplog):
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(ArgmaxTop2MoE(**kwargs), _inputs()[0], reason, caplog)
+
+
+def test_top2_by_two_argmaxes_with_signed_weights_in_a_dense_combine_matches_eager():
+    _check_rewrite(ArgmaxTop2MoE(weights="shifted", combine="dense"), "dense_experts")
