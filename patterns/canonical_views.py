@@ -28,6 +28,10 @@ Rules (eager spelling -> canonical form):
 
 Both rules act only on reshapes next to a product that rule respelled (`mark`ed): elsewhere a
 finder may read the views as written (Llama 4's dense experts, transformers' loss).
+
+    W.chunk(E, 0)[e].squeeze(0)                        ->  W[e]
+        # also `torch.split(W, 1)[e].squeeze(0)`, `W.unbind(0)[e]`, `[e][0]`: pieces of one row of
+        # the first dim (DBRX's experts cut from a parameter viewed [E, n, d]), the same view
 """
 from __future__ import annotations
 
@@ -307,3 +311,46 @@ def reshape_through_elementwise(gm: fx.GraphModule, node: fx.Node, order: dict) 
         return None
     node.replace_all_uses_with(new)
     return f"{node.name}: reshape of {top.name}'s elementwise code moved onto its inputs"
+
+
+def _unit_piece(node) -> tuple[fx.Node, int] | None:
+    """(W, e) when `node` is piece e of W cut along dim 0 into pieces of one row each: `W.chunk(n,
+    0)[e]` with n W's first size, `torch.split(W, 1)[e]` (`split(1, 0)`, `split_with_sizes([1] *
+    n)`)."""
+    if not (is_getitem(node) and is_int(node.args[1]) and isinstance(node.args[0], fx.Node)):
+        return None
+    cut, e = node.args
+    W = cut.args[0] if cut.args else None
+    rows = (shape_of(W) or (None,))[0]
+    if not isinstance(W, fx.Node) or not is_int(rows) or not 0 <= e < rows:
+        return None
+    if is_call(cut, "chunk") and arg(cut, 1, "chunks") == rows and arg(cut, 2, "dim", 0) == 0:
+        return W, e
+    if is_call(cut, "split") and arg(cut, 1, "split_size_or_sections", arg(cut, 1, "split_size")) in (1, [1] * rows) \
+            and arg(cut, 2, "dim", 0) == 0:
+        return W, e
+    return None
+
+
+def unit_pieces_to_select(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`W.chunk(E, 0)[e].squeeze(0)` (or `torch.split(W, 1)[e]`, either followed by `.squeeze(0)`
+    or `[0]`; `W.unbind(0)[e]`) -> `W[e]`: the row e of W's first dim, as a view of the same
+    elements (a finder reads `W[e]` as expert e's slice of a stacked parameter)."""
+    if is_getitem(node) and is_int(node.args[1]) and is_call(node.args[0], "unbind") \
+            and arg(node.args[0], 1, "dim", 0) == 0:
+        W, e = node.args[0].args[0], node.args[1]
+    elif (is_call(node, "squeeze") and len(node.args) == 2 and node.args[1] == 0 and not node.kwargs) or (
+            is_call(node, "squeeze") and len(node.args) == 1 and node.kwargs == {"dim": 0}) or (
+            is_getitem(node) and node.args[1] == 0):
+        found = _unit_piece(node.args[0])
+        if found is None:
+            return None
+        W, e = found
+    else:
+        return None
+    if not isinstance(W, fx.Node) or not same_shape(shape_of(W)[1:], shape_of(node)):
+        return None
+    picked = insert_call(gm, node, operator.getitem, (W, e))
+    order[picked] = order[node]
+    node.replace_all_uses_with(picked)
+    return f"{node.name} -> {W.name}[{e}]"

@@ -759,7 +759,9 @@ class StackedLoopMoE(Router):
              "next": B[(e + 1) % E]
     rows:    "getitem" (xe = x[tok]) or "index_select" (xe = x.index_select(0, tok))
     packed:  each weight stored as one 2-D [E * out, in] parameter (DBRX's), viewed as [E, out, in]
-             (`W.view(E, -1, in)[e]`) where an expert reads it; "once": viewed once before the loop
+             (`W.view(E, -1, in)[e]`) where an expert reads it; "once": viewed once before the loop;
+             "chunk": viewed and cut into E pieces before the loop, `W.view(E, -1, in).chunk(E, 0)`,
+             each squeezed (`[e].squeeze(0)`, transformers 4.4x's DBRX); "unbind": `.unbind(0)`
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, orient="T", gate_up="separate", down_orient=None, index="own",
@@ -790,7 +792,7 @@ class StackedLoopMoE(Router):
                     setattr(self, "b" + name[1], nn.Parameter(torch.randn(E, out) * 0.1))
 
     def _stack(self, W):
-        if self.packed == "once":
+        if self.packed in ("once", "chunk", "unbind"):
             return self.views[id(W)]
         return W.view(self.E, -1, W.shape[-1]) if self.packed else W
 
@@ -800,6 +802,10 @@ class StackedLoopMoE(Router):
             return W[(e + 1) % self.E]
         if self.index == "shuffled":
             return W[self.perm[e]]
+        if self.packed == "chunk":
+            return W.chunk(self.E, 0)[e].squeeze(0)
+        if self.packed == "unbind":
+            return W.unbind(0)[e]
         return W[e]
 
     def _half(self, W, e, which):
@@ -829,7 +835,7 @@ class StackedLoopMoE(Router):
 
     def forward(self, x):
         _, w, ids = self.route(x)
-        if self.packed == "once":
+        if self.packed in ("once", "chunk", "unbind"):
             self.views = {id(W): W.view(self.E, -1, W.shape[-1]) for W in (self.w1, getattr(self, "w3", None), self.w2)
                           if W is not None}
         out = torch.zeros_like(x)

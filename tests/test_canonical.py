@@ -1334,3 +1334,27 @@ def test_a_linear_split_into_heads_stays_one_matmul():
     gm = traced(_heads, x, w, wk)
     assert not any(line.startswith("packed_linear_view_to_einsum") for line in canonicalize(gm))
     assert "linear" in ops(gm)
+
+
+def _pieces(W):
+    return W.chunk(4, 0)[1].squeeze(0), torch.split(W, 1)[2][0], W.unbind(0)[3], W.chunk(4, dim=0)[0].squeeze(dim=0)
+
+
+def test_one_row_pieces_of_the_first_dim_become_selects():
+    W = torch.randn(4, 3, 5)
+    gm = traced(_pieces, W)
+    applied = [line.split(":")[0] for line in canonicalize(gm)]
+    assert applied.count("unit_pieces_to_select") == 4, applied
+    assert not {"chunk", "split", "unbind", "squeeze"} & set(ops(gm)), ops(gm)
+    same_value(gm, _pieces, W)
+
+
+def _wider_pieces(W):  # two rows a piece, pieces along dim 1, squeezed elsewhere
+    return W.chunk(2, 0)[1].squeeze(0), W.chunk(3, 1)[1].squeeze(1), W[:1].squeeze(0) + W.chunk(4, 0)[1][0, 0]
+
+
+def test_other_pieces_stay():
+    W = torch.randn(4, 3, 5)
+    gm = traced(_wider_pieces, W)
+    assert "unit_pieces_to_select" not in [line.split(":")[0] for line in canonicalize(gm)]
+    same_value(gm, _wider_pieces, W)

@@ -611,6 +611,10 @@ STACKED_VARIANTS = {
                            "per-expert list, separate gate/up, bias"),
     # one 2-D [E * out, in] parameter per projection viewed as [E, out, in] where an expert reads it (DBRX's)
     "T-separate-packed": (dict(packed=True), OP, "per-expert list, separate gate/up"),
+    # the packed views cut into one piece per expert before the loop (`chunk(E, 0)[e].squeeze(0)`, `unbind(0)[e]`)
+    "T-separate-packed-chunk": (dict(packed="chunk"), OP, "per-expert list, separate gate/up"),
+    "linear-fused-packed-unbind": (dict(orient="linear", gate_up="fused", packed="unbind"), "sonic::moe_experts",
+                                   "concatenated"),
     # the down weights in the other orientation (DBRX's storage): the op reads w2.transpose(1, 2), a view
     "T-separate-packed-down-in_out": (dict(packed=True, down_orient="in_out"), "sonic::moe_experts_split",
                                       "separate gate/up (two stacked parameters), down weights in the other orientation"),
