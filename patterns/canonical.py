@@ -58,10 +58,13 @@ Rules (eager spelling -> canonical form):
     perm = torch.argsort(v, stable=s)             ->  perm = torch.sort(v, stable=s)[1]
     counts = torch.histc(v.float(), ...)          ->  counts = torch.histc(torch.sort(v)[0].float(), ...)
         # when v is sorted in the graph: a histogram does not depend on the order it counts in
-    z.index_add_(0, perm, y), y row-wise from t[perm]  ->  y from t itself
-        # perm a permutation of the rows (sort / argsort of a 1-D v), z fresh zeros: each row of y
-        # depends on row perm[i] of the t alone (elementwise ops, W[e[perm]], sums off the rows), so
-        # putting it back at perm[i] gives the unpermuted value (`permuted_rows_put_back_to_rows`)
+    z.index_add_(0, perm // K, y), y row-wise from t[perm], x[perm // K]  ->  y from t, x.repeat_interleave(K, 0)
+        # perm a permutation of the rows (sort / argsort of a 1-D v): each row of y depends on row
+        # perm[i] of the reads alone (elementwise ops, W[e[perm]], sums off the rows, an expert loop
+        # over masks of the rows), so putting it back at perm[i] // K gives the unpermuted rows summed
+        # per token (`canonical_permuted`)
+    z.index_copy(0, where(m0)[0], v0).index_copy(0, where(m1)[0], v1)  ->  z[m0] = v0; z[m1] = v1
+        # z fresh zeros, each link read by the next alone (`functional_row_writes_to_mask_writes`)
     out = torch.empty_like(y); out[perm] = y      ->  inv = torch.empty_like(perm); inv[perm] = torch.arange(N)
                                                       out = y[inv]
         # un-sorting rows by scatter or by gather through the inverse permutation (perm from a sort;
@@ -89,7 +92,7 @@ from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, 
                                same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
 from .canonical_routing import (add_of_rows_into_zeros_to_index_add, argmax_to_max, gate_nonzero_to_any_hit,
-                                permuted_rows_put_back_to_rows, gathered_outputs_to_gate_matrix,
+                                functional_row_writes_to_mask_writes, gathered_outputs_to_gate_matrix,
                                 sorted_prefix_to_topk, copies_at_slots_to_floor_div,
                                 gate_rows_column_to_column_rows, masked_scatter_rows_to_index_add,
                                 one_hot_count_to_any_hit, position_copy_to_mask_write,
@@ -98,6 +101,7 @@ from .canonical_routing import (add_of_rows_into_zeros_to_index_add, argmax_to_m
 from .canonical_products import (addmm_to_matmul_plus_bias, broadcast_matmul_to_bmm, einsum_outer_to_product, einsum_to_bmm,
                                  einsum_weighted_sum_to_product, gathered_product_to_einsum, packed_linear_view_to_einsum,
                                  split_loop_to_grouped_mm)
+from .canonical_permuted import permuted_rows_put_back_to_rows
 from .canonical_views import reshape_chain_to_base, reshape_through_elementwise, unit_pieces_to_select
 from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, flattens_indices, getitem_of, insert_call, is_call,
                      is_getitem, is_int, op_name, same_shape, same_size, shape_of, storage_of, unit_slice,
@@ -678,9 +682,10 @@ def row_scatter_add_to_index_add(gm: fx.GraphModule, node: fx.Node, order: dict)
     repeated along each row (`tok[:, None].expand(-1, d)`, `tok.unsqueeze(-1).expand_as(v)`,
     `tok.view(-1, 1).repeat(1, d)`...) -> `out.index_add_(0, tok, v)`: idx[i, j] = tok[i] for every
     j, so both add row i of v into row tok[i] of out. out and v are 2-D with equal rows widths."""
-    if not is_call(node, "scatter_add", "scatter_add_") or node.kwargs or len(node.args) != 4:
+    if not is_call(node, "scatter_add", "scatter_add_") or set(node.kwargs) - {"dim", "index", "src"} \
+            or len(node.args) + len(node.kwargs) != 4:
         return None
-    out, dim, idx, v = node.args
+    out, dim, idx, v = node.args[0], arg(node, 1, "dim"), arg(node, 2, "index"), arg(node, 3, "src")
     if not all(isinstance(t, fx.Node) for t in (out, idx, v)) or dim not in (0, -2):
         return None
     if ORIGINAL in node.meta:  # a library op's stand-in, put back as it was where no region takes it
@@ -965,6 +970,9 @@ RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, un
          gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, masked_scatter_rows_to_index_add,
          nonzero_columns_to_where,
          boolean_index_to_where, scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add,
+         # rows permuted by expert, put back: here for the loop rules after it, again below for
+         # products respelled by then
+         permuted_rows_put_back_to_rows, functional_row_writes_to_mask_writes,
          addmm_to_matmul_plus_bias, transpose_pair_to_base, elementwise_of_transpose_to_transpose, copied_rows_to_repeat, copies_added_back_to_sum,
          any_hit_where_to_hit_where, position_copy_to_mask_write, copies_at_slots_to_floor_div, slot_token_rows_to_repeat,
          arange_mask_to_one_hot, masked_weight_to_gate_column, gate_rows_column_to_column_rows, gate_column_rows_to_weights,

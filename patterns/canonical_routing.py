@@ -56,7 +56,7 @@ import torch
 import torch.fx as fx
 
 from .canonical_layout import arange_as, arange_copies
-from .common import (ZEROS, NoMatch, RegionWalk, arg, backward_slice, dtype_of, example_value, flattens_indices, getitem_of,
+from .common import (ZEROS, NoMatch, RegionWalk, arg, dtype_of, example_value, flattens_indices, getitem_of,
                      insert_call, is_call, is_getitem, is_int, same_shape, same_size, shape_of, unit_slice, writes_in_place)
 from .dense_experts import sparse_gates, sums_dim
 from .verify import nonnegative
@@ -427,6 +427,60 @@ def position_copy_to_mask_write(gm: fx.GraphModule, node: fx.Node, order: dict) 
     order.pop(node)
     gm.graph.erase_node(node)  # an effect: _erase_if_dead would keep it
     return f"{node.name} -> {buf.name}[{m.name}] = {y.name}"
+
+
+def row_write(node) -> tuple[fx.Node, object, object] | None:
+    """(base, rows, value) of a write of whole rows: `base[rows] = value` (setitem), `index_put_` or
+    `index_put` at `(rows,)` (no accumulate), `index_copy_` or `index_copy` along dim 0."""
+    if node.op == "call_function" and node.target is operator.setitem and len(node.args) == 3:
+        return node.args[0], node.args[1], node.args[2]
+    if is_call(node, "index_put", "index_put_") and len(node.args) == 3 and not node.kwargs \
+            and isinstance(node.args[1], (tuple, list)) and len(node.args[1]) == 1:
+        return node.args[0], node.args[1][0], node.args[2]
+    if is_call(node, "index_copy", "index_copy_") and len(node.args) == 4 and node.args[1] == 0 and not node.kwargs:
+        return node.args[0], node.args[2], node.args[3]
+    return None
+
+
+def _functional_row_write(node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(base, m, value) of `base.index_copy(0, torch.where(m)[0], value)` or `base.index_put((rows,),
+    value)` (rows `torch.where(m)[0]` or m itself), m a 1-D boolean mask over base's rows."""
+    found = row_write(node) if is_call(node, "index_copy", "index_put") else None
+    if found is None:
+        return None
+    base, index, value = found
+    m = _where_rows(index) or (index if isinstance(index, fx.Node) and dtype_of(index) == torch.bool else None)
+    if m is None or not isinstance(base, fx.Node) or len(shape_of(m)) != 1 or not same_size(shape_of(m)[0], shape_of(base)[0]):
+        return None
+    return base, m, value
+
+
+def functional_row_writes_to_mask_writes(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`z.index_copy(0, torch.where(m0)[0], v0).index_copy(0, torch.where(m1)[0], v1)...` (or
+    `index_put((rows,), v)`) on fresh zeros z -> `z[m0] = v0; z[m1] = v1; ...; z`: each link writes
+    its value's rows, in order, to the rows where its mask holds, into a copy of the previous one
+    that nothing else reads, so writing into z itself gives the same final value (megablocks' and
+    Megatron's loops over experts, written functionally)."""
+    found = _functional_row_write(node)
+    if found is None or not is_call(found[0], *ZEROS) or len(found[0].users) != 1:
+        return None
+    z = found[0]
+    chain = [(node, found)]
+    while len(chain[-1][0].users) == 1:
+        nxt = next(iter(chain[-1][0].users))
+        link = _functional_row_write(nxt)
+        if link is None or link[0] is not chain[-1][0]:
+            break
+        chain.append((nxt, link))
+    for link, (_, m, value) in chain:
+        write = insert_call(gm, link, operator.setitem, (z, m, value))
+        write.meta.pop("example_value", None)
+        order[write] = order[link]
+    chain[-1][0].replace_all_uses_with(z)
+    for link, _ in reversed(chain):
+        order.pop(link, None)
+        gm.graph.erase_node(link)
+    return f"{node.name} .. {chain[-1][0].name} -> {len(chain)} mask writes into {z.name}"
 
 
 def slot_token_rows_to_repeat(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
@@ -859,111 +913,3 @@ def slot_one_hots_to_gate_matrix(gm: fx.GraphModule, node: fx.Node, order: dict)
     gates = _gate_matrix(gm, ids, weights, _range_of(ids), order)
     node.replace_all_uses_with(gates)
     return f"{node.name} -> (one_hot({ids.name}) * cat(weights)[..., None]).sum(1)"
-
-
-_ROW_ELEMENTWISE = ("silu", "gelu", "relu", "sigmoid", "tanh", "neg", "__neg__", "exp", "softplus", "square", "erf",
-                    "abs", "mul", "__mul__", "add", "__add__", "sub", "__sub__", "truediv", "__truediv__", "div", "float",
-                    "bfloat16", "half", "to", "type_as")
-
-
-def _permutation_of_rows(perm, n) -> bool:
-    """`perm` is `torch.sort(v)[1]` (or argsort) of a 1-D v of n entries: a permutation of range(n)."""
-    found = getitem_of(perm, 1)
-    if found is None or not is_call(found, "sort", "argsort"):
-        found = perm if is_call(perm, "argsort") else None
-    if found is None:
-        return False
-    v = found.args[0] if found.args else None
-    return isinstance(v, fx.Node) and len(shape_of(v)) == 1 and same_size(shape_of(v)[0], n) and same_size(shape_of(perm)[0], n)
-
-
-def _permuted_leaf(node, perm) -> fx.Node | None:
-    """t for `t[perm]` or `t.index_select(0, perm)`: t's rows in the permutation's order."""
-    if is_getitem(node) and node.args[1] is perm:
-        return node.args[0]
-    if is_call(node, "index_select") and len(node.args) == 3 and node.args[1] == 0 and node.args[2] is perm:
-        return node.args[0]
-    return None
-
-
-def _rowwise(node, perm, n, inside: dict, leaves: dict, depth: int = 64) -> bool:
-    """Whether `node`'s row i depends only on row perm[i] of the tensors the permutation reads
-    (`leaves`, t -> t[perm]) through row-wise ops (`inside`): elementwise ops with the rows as their
-    leading dim (other operands broadcast without a row dim, or computed without the permutation),
-    unsqueeze/squeeze/sum off the rows' dim, and `W[r]` of a row-wise integer r."""
-    if node in inside or node in leaves:
-        return True
-    if not isinstance(node, fx.Node) or depth <= 0 or writes_in_place(node) \
-            or any(isinstance(v, fx.Node) for v in node.kwargs.values()):
-        return False
-    t = _permuted_leaf(node, perm)
-    if t is not None:
-        if not isinstance(t, fx.Node) or perm in backward_slice([t], set()) or not same_size((shape_of(t) or (None,))[0], n):
-            return False
-        leaves[node] = t
-        return True
-    shape = shape_of(node)
-    if not shape or not same_size(shape[0], n):
-        return False
-    if is_getitem(node) and isinstance(node.args[1], fx.Node) and isinstance(node.args[0], fx.Node) \
-            and perm not in backward_slice([node.args[0]], set()) and len(shape_of(node.args[1])) == 1:
-        ok = _rowwise(node.args[1], perm, n, inside, leaves, depth - 1)  # W[r]: row i is W[r[i]]
-    elif is_call(node, "unsqueeze", "squeeze", "sum") and len(node.args) >= 2 and is_int(node.args[1]) \
-            and isinstance(node.args[0], fx.Node) \
-            and node.args[1] % (len(shape_of(node.args[0])) + is_call(node, "unsqueeze")) != 0:
-        ok = _rowwise(node.args[0], perm, n, inside, leaves, depth - 1)  # the rows stay dim 0
-    elif is_call(node, *_ROW_ELEMENTWISE):
-        ok = True
-        for a in node.args:
-            if not isinstance(a, fx.Node):
-                continue
-            if len(shape_of(a)) == len(shape) and same_size(shape_of(a)[0], n):
-                ok = ok and _rowwise(a, perm, n, inside, leaves, depth - 1)
-            else:  # broadcast over the rows: must not depend on the permutation
-                ok = ok and len(shape_of(a)) < len(shape) and perm not in backward_slice([a], set())
-    else:
-        return False
-    if ok:
-        inside[node] = True
-    return ok
-
-
-def permuted_rows_put_back_to_rows(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`zeros.index_add_(0, perm, y)` (or the functional index_add) with perm a permutation of the
-    rows (`torch.sort(v)[1]`, `argsort(v)` of a 1-D v) and y computed row-wise from `t[perm]` reads
-    -> y computed from the t themselves: row i of y depends only on row perm[i] of the t (elementwise
-    ops, per-row weights `W[e[perm]]`, sums off the rows), and putting row i back at perm[i] undoes
-    the order, so every row gets the very value it had. The permuted reads and y's intermediates
-    must be read by this computation alone (they change order), the zeros by the index_add alone."""
-    if not is_call(node, "index_add", "index_add_") or len(node.args) != 4 or node.kwargs or node.args[1] != 0:
-        return None
-    z, _, perm, y = node.args
-    if not (isinstance(z, fx.Node) and is_call(z, *ZEROS) and isinstance(y, fx.Node) and isinstance(perm, fx.Node)):
-        return None
-    n = (shape_of(z) or (None,))[0]
-    if not same_shape(shape_of(z), shape_of(y)) or dtype_of(z) != dtype_of(y) or not _permutation_of_rows(perm, n):
-        return None
-    inside, leaves = {}, {}
-    if not _rowwise(y, perm, n, inside, leaves) or not leaves:
-        return None
-    chain = set(inside) | set(leaves)
-    if any(u not in chain and u is not node for c in chain for u in c.users):
-        return None
-    later = [u for u in z.users if u is not node]
-    if is_call(node, "index_add_"):  # in place: z's later readers read y; nothing reads z before
-        if any(order.get(u, len(order)) < order[node] for u in later):  # the output comes last
-            return None
-    elif later:
-        return None
-    result = leaves.get(y, y)  # y itself a permuted read: the rows it read
-    for leaf, t in leaves.items():
-        leaf.replace_all_uses_with(t)
-    for u in later:  # in place: the zeros' later readers read the rows put back
-        u.replace_input_with(z, result)
-    node.replace_all_uses_with(result)
-    sort = perm.args[0] if is_getitem(perm) else None
-    for dead in (node, *leaves, z, perm, sort):  # the permutation too, where nothing else reads it
-        if isinstance(dead, fx.Node) and not dead.users:
-            gm.graph.erase_node(dead)
-            order.pop(dead, None)
-    return f"{node.name} -> {result.name} ({len(leaves)} reads through {perm.name} dropped)"

@@ -8,7 +8,7 @@ Eager code it matches, shapes (T tokens, d hidden, E experts, K top-k):
     xr = x.repeat_interleave(K, dim=0)                        # [T*K, d]: row t*K + k is token t
     y = torch.empty_like(xr)                                  # (or zeros_like, torch.zeros(T * K, d), x.new_zeros(T * K, d))
     for e, expert in enumerate(self.experts):
-        y[flat == e] = expert(xr[flat == e])
+        y[flat == e] = expert(xr[flat == e])                   # (or xr[torch.where(flat == e)[0]])
     out = (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1)   # [T, d]; or (y * w.reshape(-1, 1)).view(T, K, d).sum(1),
                                                               #   w.flatten()[:, None] too
 
@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from .common import (MoEMatch, NoMatch, RegionWalk, Rejection, arg, dtype_of, expect, getitem_of, is_call, module_path,
                      same_shape, same_size, shape_of)
+from .canonical_routing import _where_rows
 from .expert_loop import _is_bool_mask, _is_index, _size_asserts
 from .module_list import expert_mlp, finish_expert_match, through_float_casts, topk_routing
 
@@ -138,13 +139,17 @@ def _check(y: fx.Node, writes: list[fx.Node]) -> MoEMatch:
         expert = expert_mlp(out, walk, e, stacked=True)
         rows = through_float_casts(expert.rows, walk)
         read_mask = rows.args[1] if _is_index(rows) and rows.args[0] is xr else None
+        where = read_mask.args[0] if _where_rows(read_mask) is not None else None
+        if where is not None:  # xr[torch.where(m)[0]]: the rows of m, in order
+            walk.mark(read_mask)
+            read_mask = where.args[0]
         found = _flat_ids(read_mask) if _is_bool_mask(read_mask) else None
         expect(found is not None and found[:2] == (flat, e), f"expert {e} does not read the repeated rows xr[flat == {e}] it writes")
         experts[e] = expert
         flats.add(flat)
         ids_nodes.add(ids)
-        asserts += _size_asserts(read_mask, walk)
-        walk.mark(write, mask, read_mask, rows, flat, *casts)
+        asserts += _size_asserts(where if where is not None else read_mask, walk)
+        walk.mark(write, mask, read_mask, rows, flat, where, *casts)
     expect(len(flats) == 1 and len(ids_nodes) == 1, "experts are selected from different expert ids")
     (topk_ids,) = ids_nodes
 

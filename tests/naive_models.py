@@ -324,6 +324,58 @@ class PermutedTop1MoE(nn.Module):
         return out
 
 
+class SortedMaskLoopMoE(Router):
+    """Slots sorted by expert (megablocks' and torchtitan's reorder): `perm = torch.sort(flat)[1]`, the
+    tokens read at perm // K, a loop over the sorted ids' masks writing each expert's rows, the
+    sorted weights applied, the rows put back at perm // K by index_add.
+
+    loop:    "setitem" (out[es == e] = expert(xs[es == e])), "index_copy" (functional, megablocks':
+             out = out.index_copy(0, rows, expert(xs[rows])), rows = nonzero(es == e).squeeze(-1)),
+             "index_put" (out = out.index_put((rows,), ...))
+    read:    "index_select" (x.index_select(0, perm // K)), "gather" (torch.gather with the rows expanded)
+    experts: "list" (a ModuleList of gated experts), "packed" (megablocks' [E * n, d] parameters viewed
+             [E, n, d], gelu(xs @ w1[e].t()) @ w2[e])
+    masks:   "sorted" (es = flat[perm]), "unsorted" (flat itself over the sorted rows: not the routing,
+             never rewritten)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, loop="setitem", read="index_select", experts="list", masks="sorted"):
+        super().__init__(d, E, K)
+        self.loop, self.read, self.kind, self.masks, self.n = loop, read, experts, masks, n
+        if experts == "list":
+            self.experts = make_experts("gated", d, n, E)
+        else:
+            self.w1 = nn.Parameter(torch.randn(E * n, d) / d ** 0.5)
+            self.w2 = nn.Parameter(torch.randn(E * n, d) / n ** 0.5)
+
+    def _expert(self, e, h):
+        if self.kind == "list":
+            return self.experts[e](h)
+        w1, w2 = self.w1.view(self.E, self.n, -1), self.w2.view(self.E, self.n, -1)
+        return F.gelu(h @ w1[e].t(), approximate="tanh") @ w2[e]
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        flat, K = ids.reshape(-1), self.K
+        perm = torch.sort(flat, stable=True)[1]
+        tok = perm // K
+        if self.read == "gather":
+            xs = torch.gather(x, 0, tok.reshape(-1, 1).expand(-1, x.shape[1]))
+        else:
+            xs = x.index_select(0, tok)
+        es = flat[perm] if self.masks == "sorted" else flat
+        out = xs.new_zeros(xs.shape[0], x.shape[1])
+        for e in range(self.E):
+            if self.loop == "setitem":
+                out[es == e] = self._expert(e, xs[es == e])
+            else:
+                rows = torch.nonzero(es == e).squeeze(-1)
+                y = self._expert(e, xs[rows])
+                out = out.index_copy(0, rows, y) if self.loop == "index_copy" else out.index_put((rows,), y)
+        ys = out * w.reshape(-1)[perm].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, tok, ys)
+
+
 class OneHotTop1MoE(nn.Module):
     """Switch-style top-1 run densely: every expert on every token, combined by the 0/1 rows
     `F.one_hot(ids, E)` of the top-1 ids, the chosen probability applied after the combine.

@@ -736,6 +736,101 @@ def test_permuted_rows_stay_outside_the_rule(fn):
     same_value(gm, fn, x, scores, w)
 
 
+def _sorted_slots(scores, K):
+    """(flat ids, perm sorting them, flat weights) of a top-K over the scores."""
+    w, ids = scores.softmax(-1).topk(K, dim=-1)
+    flat = ids.reshape(-1)
+    return flat, torch.sort(flat, stable=True)[1], w.reshape(-1)
+
+
+def _sorted_mask_loop(x, scores, W, spelling="setitem", K=2, base="zeros"):
+    """megablocks' / torchtitan's form: slots sorted by expert, tokens read at perm // K, a loop over
+    the sorted ids' masks, weights applied, rows put back at perm // K."""
+    flat, perm, w = _sorted_slots(scores, K)
+    tok = perm // K
+    xs = torch.gather(x, 0, tok[:, None].expand(-1, x.shape[1])) if spelling == "gather" else x.index_select(0, tok)
+    es = torch.sort(flat, stable=True)[0] if spelling == "sort_values" else flat[perm]
+    out = xs.new_zeros(xs.shape[0], x.shape[1])
+    for e in range(E):
+        m = es == e
+        if spelling == "index_copy":
+            rows = torch.where(m)[0]
+            out = out.index_copy(0, rows, torch.relu(xs[rows] @ W[e]))
+        else:
+            out[m] = torch.relu(xs[m] @ W[e])
+    ys = out * w[perm].unsqueeze(-1)
+    start = torch.zeros_like(x) if base == "zeros" else x * 2
+    return start.index_add(0, tok, ys)
+
+
+@pytest.mark.parametrize("spelling, K, base", [("setitem", 2, "zeros"), ("index_copy", 2, "zeros"),
+                                               ("gather", 3, "shared"), ("sort_values", 1, "shared")])
+def test_a_loop_over_the_masks_of_sorted_slots_runs_on_the_slots_unsorted(spelling, K, base):
+    x, scores, W = torch.randn(T, d), torch.randn(T, E), torch.randn(E, d, d)
+    fn = lambda *a: _sorted_mask_loop(*a, spelling=spelling, K=K, base=base)  # noqa: E731
+    gm = traced(fn, x, scores, W)
+    assert "permuted_rows_put_back_to_rows" in rules(canonicalize(gm))
+    assert "sort" not in ops(gm) and "index_add" not in ops(gm), ops(gm)
+    assert ("repeat_interleave" in ops(gm)) == (K > 1), ops(gm)
+    same_value(gm, fn, x, scores, W)
+
+
+def _reads_another_experts_rows(x, scores, W):  # rows of mask e plus a sum of the rows of mask e + 1
+    flat, perm, w = _sorted_slots(scores, 2)
+    xs, es = x.index_select(0, perm // 2), flat[perm]
+    out = torch.zeros_like(xs)
+    for e in range(E):
+        out[es == e] = torch.relu(xs[es == e] @ W[e]) + xs[es == (e + 1) % E].sum(0)
+    return torch.zeros_like(x).index_add(0, perm // 2, out * w[perm, None])
+
+
+def _put_back_at_other_tokens(x, scores, W):  # read at perm // 2, put back at perm % T
+    flat, perm, w = _sorted_slots(scores, 2)
+    xs, es = x.index_select(0, perm // 2), flat[perm]
+    out = torch.zeros_like(xs)
+    for e in range(E):
+        out[es == e] = xs[es == e] @ W[e]
+    return torch.zeros_like(x).index_add(0, perm % T, out)
+
+
+def _unsorted_ids_as_masks(x, scores, W):  # masks of the unsorted ids over the sorted rows
+    flat, perm, w = _sorted_slots(scores, 2)
+    xs = x.index_select(0, perm // 2)
+    out = torch.zeros_like(xs)
+    for e in range(E):
+        out[flat == e] = xs[flat == e] @ W[e]
+    return torch.zeros_like(x).index_add(0, perm // 2, out)
+
+
+def _a_running_sum_in_the_loop(x, scores, W):  # each expert's rows summed cumulatively: order matters
+    flat, perm, w = _sorted_slots(scores, 2)
+    xs, es = x.index_select(0, perm // 2), flat[perm]
+    out = torch.zeros_like(xs)
+    for e in range(E):
+        out[es == e] = (xs[es == e] @ W[e]).cumsum(0)
+    return torch.zeros_like(x).index_add(0, perm // 2, out)
+
+
+def _accumulator_read_in_the_loop(x, scores, W):  # the zeros read before the last write
+    flat, perm, w = _sorted_slots(scores, 2)
+    xs, es = x.index_select(0, perm // 2), flat[perm]
+    out = torch.zeros_like(xs)
+    seen = []
+    for e in range(E):
+        out[es == e] = xs[es == e] @ W[e]
+        seen.append(out.sum())
+    return torch.zeros_like(x).index_add(0, perm // 2, out), torch.stack(seen)
+
+
+@pytest.mark.parametrize("fn", [_reads_another_experts_rows, _put_back_at_other_tokens, _unsorted_ids_as_masks,
+                                _a_running_sum_in_the_loop, _accumulator_read_in_the_loop])
+def test_sorted_mask_loops_outside_the_rule_stay(fn):
+    x, scores, W = torch.randn(T, d), torch.randn(T, E), torch.randn(E, d, d)
+    gm = traced(fn, x, scores, W)
+    assert "permuted_rows_put_back_to_rows" not in rules(canonicalize(gm))
+    same_value(gm, fn, x, scores, W)
+
+
 # --- each slot's token read from copies of arange(T) --------------------------------------------
 
 
@@ -767,3 +862,31 @@ def test_a_tiled_arange_read_at_slots_stays():
         gm = traced(fn, x, scores)
     assert "copies_at_slots_to_floor_div" not in rules(canonicalize(gm))
     same_value(gm, fn, x, scores)
+
+
+def _functional_writes(x, ids, read_between=False):
+    out = torch.zeros_like(x)
+    seen = None
+    for e in range(E):
+        rows = torch.where(ids == e)[0]
+        out = out.index_copy(0, rows, x[rows] * (e + 1)) if e % 2 else out.index_put((rows,), x[rows] - e)
+        if read_between and e == 1:
+            seen = out * 1
+    return out if seen is None else (out, seen)
+
+
+def test_functional_row_writes_into_fresh_zeros_become_mask_writes():
+    x, ids = torch.randn(T, d), torch.randint(0, E, (T,))
+    gm = traced(_functional_writes, x, ids)
+    assert "functional_row_writes_to_mask_writes" in rules(canonicalize(gm))
+    assert "index_copy" not in ops(gm) and "index_put" not in ops(gm), ops(gm)
+    same_value(gm, _functional_writes, x, ids)
+
+
+def test_functional_row_writes_read_between_stay():
+    x, ids = torch.randn(T, d), torch.randint(0, E, (T,))
+    fn = lambda x, ids: _functional_writes(x, ids, read_between=True)  # noqa: E731
+    gm = traced(fn, x, ids)
+    canonicalize(gm)
+    assert "index_copy" in ops(gm), ops(gm)  # the links after the read stay functional
+    same_value(gm, fn, x, ids)

@@ -22,7 +22,7 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import (ArgmaxTop2MoE, AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
+from .naive_models import (ArgmaxTop2MoE, SortedMaskLoopMoE, AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
                            DispatchCombineMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
                            OneHotTop1MoE, OwnMatmulExpertsMoE, StackedColumnsMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE, TokenMajorMoE)
 
@@ -1297,3 +1297,23 @@ def test_two_argmaxes_that_are_not_a_top2_stay(kwargs, reason, caplog):
 
 def test_top2_by_two_argmaxes_with_signed_weights_in_a_dense_combine_matches_eager():
     _check_rewrite(ArgmaxTop2MoE(weights="shifted", combine="dense"), "dense_experts")
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(loop="index_copy", experts="packed"), dict(loop="index_put", read="gather"),
+                                    dict(K=3, loop="index_copy", read="gather", experts="packed")],
+                         ids=["setitem-list", "index_copy-packed", "index_put-gather", "top3-index_copy-gather-packed"])
+def test_a_loop_over_sorted_slots_matches_eager(kwargs):
+    # slots sorted by expert and put back at perm // K: run unsorted, then read as DeepSeek-MoE's repeat loop
+    _check_rewrite(SortedMaskLoopMoE(**kwargs), "repeat_loop",
+                   op="sonic::moe_experts" if kwargs.get("experts") == "packed" else OP)
+
+
+def test_a_loop_over_sorted_slots_masked_by_unsorted_ids_is_left_alone(caplog):
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(SortedMaskLoopMoE(masks="unsorted"), _inputs()[0], "", caplog)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [dict(), dict(loop="index_copy", experts="packed")], ids=["setitem-list", "index_copy-packed"])
+def test_a_loop_over_sorted_slots_gpu_bf16(kwargs):
+    _check_gpu_bf16(lambda: SortedMaskLoopMoE(**kwargs), "repeat_loop")
