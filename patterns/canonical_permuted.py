@@ -62,7 +62,7 @@ def _divided(index, perm) -> int | None:
         return 1
     if not isinstance(index, fx.Node) or len(index.args) != 2 or index.args[0] is not perm or not is_int(index.args[1]):
         return None
-    floor = (index.op == "call_function" and index.target is operator.floordiv) or is_call(index, "floor_divide") or (
+    floor = is_call(index, "floordiv", "__floordiv__", "floor_divide") or (
         is_call(index, "div") and index.kwargs == {"rounding_mode": "floor"})
     return index.args[1] if floor and index.args[1] >= 1 and not (set(index.kwargs) - {"rounding_mode"}) else None
 
@@ -276,8 +276,7 @@ def _same_mask(a, b) -> bool:
     twice, which Dynamo traces twice)."""
     if a is b:
         return a is not None
-    return (isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.op == b.op == "call_function"
-            and a.target is b.target and a.target in (operator.eq, torch.eq) and a.args == b.args and not a.kwargs
+    return (is_call(a, "eq", "__eq__") and is_call(b, "eq", "__eq__") and a.args == b.args and not a.kwargs
             and not b.kwargs)
 
 
