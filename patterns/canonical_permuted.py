@@ -76,28 +76,28 @@ def _row_broadcast(idx) -> fx.Node | None:
 class _Rows:
     """The row-wise computation over rows permuted by `perm` (n of them) that a put-back reads."""
 
-    def __init__(self, gm: fx.GraphModule, perm: fx.Node, n, put_back: fx.Node):
+    def __init__(self, perm: fx.Node, n, put_back: fx.Node, order: dict):
         self.perm, self.n = perm, n
         self.inside: set[fx.Node] = set()
         self.leaves: dict[fx.Node, tuple[fx.Node, int]] = {}  # permuted read -> (tensor, K): its rows x[p // K]
-        self.position = {node: i for i, node in enumerate(gm.graph.nodes)}
-        self.tainted = self._tainted(gm, put_back)
+        self.position = order  # the canonical pass's order of the graph's calls
+        self.tainted = self._tainted(put_back)
 
-    def _tainted(self, gm: fx.GraphModule, put_back: fx.Node) -> set[fx.Node]:
-        """The nodes whose value depends on perm (a tensor another such node writes in place too;
-        the put-back aside)."""
-        tainted = {self.perm}
-        changed = True
-        while changed:
-            changed = False
-            for node in gm.graph.nodes:
-                if node in tainted or node is put_back:
+    def _tainted(self, put_back: fx.Node) -> set[fx.Node]:
+        """The nodes up to the put-back whose value depends on perm (a tensor one of them writes in
+        place too), found forward from perm."""
+        tainted, todo = {self.perm}, [self.perm]
+        limit = self.position[put_back]
+        while todo:
+            for user in todo.pop().users:
+                if user is put_back or user in tainted or self.position.get(user, limit + 1) > limit:
                     continue
-                if any(i in tainted for i in node.all_input_nodes):
-                    tainted.add(node)
-                    changed = True
-                    if writes_in_place(node) and isinstance(node.args[0], fx.Node) and node.args[0] not in tainted:
-                        tainted.add(node.args[0])
+                tainted.add(user)
+                todo.append(user)
+                target = user.args[0] if writes_in_place(user) and user.args else None
+                if isinstance(target, fx.Node) and target not in tainted:
+                    tainted.add(target)
+                    todo.append(target)
         return tainted
 
     def free(self, node) -> bool:
@@ -187,8 +187,8 @@ class _Rows:
         writes = [u for u in zeros.users if writes_in_place(u)]
         if not all(self._in_place_write(w, depth) for w in writes):
             return False
-        last = max((self.position[w] for w in writes), default=-1)
-        if any(self.position[u] < last for u in zeros.users if u not in writes):
+        last = max((self.position.get(w, -1) for w in writes), default=-1)
+        if any(self.position.get(u, -1) < last for u in zeros.users if u not in writes):
             return False
         self.inside.update(writes)
         return True
@@ -330,7 +330,7 @@ def permuted_rows_put_back_to_rows(gm: fx.GraphModule, node: fx.Node, order: dic
             return None
     elif zeros and later:
         return None
-    rows = _Rows(gm, perm, n, node)
+    rows = _Rows(perm, n, node, order)
     if not rows.rowwise(y) or not rows.leaves or not rows.read_alone(node) or not rows.free(z):
         return None
     made: dict[tuple[fx.Node, int], fx.Node] = {}
