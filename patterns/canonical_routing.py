@@ -54,6 +54,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from .canonical_layout import arange_as, arange_copies
 from .common import (ZEROS, NoMatch, RegionWalk, arg, dtype_of, example_value, flattens_indices, getitem_of,
@@ -755,6 +756,60 @@ def argmax_to_max(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     return f"{node.name} -> max({s.name}, -1)[1]"
 
 
+def _column_of_ids(index) -> fx.Node | None:
+    """ids [T] when `index` is their [T, 1] column: `ids.unsqueeze(-1)` (or `1`), `ids[:, None]`,
+    `ids.view(-1, 1)` / `reshape(-1, 1)`."""
+    if not isinstance(index, fx.Node) or len(shape_of(index)) != 2 or shape_of(index)[1] != 1 or not index.args:
+        return None
+    ids = index.args[0]
+    if is_call(index, "unsqueeze") and index.args[1:] in ((-1,), (1,)):
+        return ids
+    if is_getitem(index) and index.args[1] == (slice(None), None):
+        return ids
+    if is_call(index, "view", "reshape") and index.args[1:] in ((-1, 1), ((-1, 1),)):
+        return ids
+    return None
+
+
+def scattered_ones_to_one_hot(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`z = torch.zeros(T, E, dtype=D); z.scatter_(1, ids.unsqueeze(-1), 1)` (or `-1`, `ids[:, None]`,
+    `ids.view(-1, 1)`, the indices of a `max(s, -1, keepdim=True)`, zeros_like / new_zeros; fairseq's
+    and GShard ports' own `one_hot`) ->
+    `F.one_hot(ids, E).to(D)`: a 1 at each row's id, 0 elsewhere. ids [T] top-k / max indices over E
+    (each in [0, E)); z fresh zeros read only after the scatter."""
+    if not (is_call(node, "scatter_") and len(node.args) == 4 and not node.kwargs and node.args[3] in (1, 1.0, True)):
+        return None
+    z, dim, index, _ = node.args
+    ids = _column_of_ids(index)
+    found = getitem_of(index, 1)  # a top-1 taken with keepdim: its [T, 1] indices
+    kept = ids is None and is_call(found, "max") and arg(found, 2, "keepdim") is True and len(found.args) <= 3 \
+        and arg(found, 1, "dim") in (-1, 1) and _range_of(index) is not None
+    shape = shape_of(z) if isinstance(z, fx.Node) else None
+    if (ids is None and not kept) or not is_call(z, *ZEROS) or len(shape) != 2 or dim not in (1, -1) or not is_int(shape[1]):
+        return None
+    if kept:  # the same reduction without keepdim: the indices as [T]
+        plain = insert_call(gm, node, torch.max, (found.args[0], -1))
+        ids = insert_call(gm, node, operator.getitem, (plain, 1))
+        order[plain] = order[ids] = order[node]
+    if _range_of(ids) != shape[1] or not same_size(shape_of(ids)[0], shape[0]) or dtype_of(z) is None \
+            or any(order.get(u, len(order)) < order[node] for u in z.users if u is not node):  # read before the ones
+        if kept:
+            gm.graph.erase_node(ids)
+            gm.graph.erase_node(plain)
+        return None
+    one_hot = insert_call(gm, node, F.one_hot, (ids, shape[1]))
+    result = one_hot if dtype_of(z) == torch.int64 else insert_call(gm, node, torch.Tensor.to, (one_hot, dtype_of(z)))
+    for new in {one_hot, result}:
+        order[new] = order[node]
+    node.replace_all_uses_with(result)
+    z.replace_all_uses_with(result)
+    order.pop(node, None)
+    gm.graph.erase_node(node)  # an effect: _erase_if_dead would keep it
+    order.pop(z, None)
+    gm.graph.erase_node(z)
+    return f"{node.name} -> one_hot({ids.name}, {shape[1]})"
+
+
 def _bool_of(mask) -> fx.Node | None:
     """m when `mask` reads a 0/1 tensor m as booleans: `m.bool()`, `m.to(torch.bool)`, `m > 0`,
     `m != 0`, `m == 1`; else None."""
@@ -828,27 +883,33 @@ def second_max_to_topk(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | 
     first = getitem_of(ids1, 1)
     if (rank < 2 or arg(node, 1, "dim") not in (-1, rank - 1) or not is_call(first, "max") or len(first.args) > 3
             or first.kwargs.keys() - {"dim", "keepdim"} or arg(first, 1, "dim") not in (-1, rank - 1)
-            or arg(first, 2, "keepdim", False) is not False or not _same_order(first.args[0], s2)
-            or not all(is_getitem(u) and u.args[1] in (0, 1) for u in node.users)):
+            or arg(first, 2, "keepdim", False) is not False or not _same_order(first.args[0], s2)):
         return None
-    keepdim = arg(node, 2, "keepdim", False)
     E = shape_of(s2)[-1]
-    if keepdim not in (True, False) or not is_int(E) or E < 2:
+    # every max of the masked scores over the experts (Dynamo may trace the second argmax twice)
+    maxes = [u for u in node.args[0].users if is_call(u, "max") and len(u.args) <= 3 and arg(u, 1, "dim") in (-1, rank - 1)
+             and not u.kwargs.keys() - {"dim", "keepdim"} and arg(u, 2, "keepdim", False) in (True, False)]
+    if not is_int(E) or E < 2 or node not in maxes or not all(
+            is_getitem(g) and g.args[1] in (0, 1) for m in maxes for g in m.users):
         return None
     topk = insert_call(gm, ids1, torch.topk, (s2, 2), {"dim": -1})
     parts = [insert_call(gm, ids1, operator.getitem, (topk, i)) for i in (0, 1)]
     top = insert_call(gm, ids1, operator.getitem, (parts[1], (Ellipsis, 0)))
-    second = (Ellipsis, slice(1, 2)) if keepdim else (Ellipsis, 1)
     for new in (topk, *parts, top):
         order[new] = order[ids1]
     ids1.replace_all_uses_with(top)
-    for user in list(node.users):
-        picked = insert_call(gm, ids1, operator.getitem, (parts[user.args[1]], second))
-        order[picked] = order[ids1]
-        user.replace_all_uses_with(picked)
-    for dead in [*node.users, ids1]:
-        order.pop(dead, None)
-        gm.graph.erase_node(dead)
+    for m in maxes:
+        second = (Ellipsis, slice(1, 2)) if arg(m, 2, "keepdim", False) else (Ellipsis, 1)
+        for user in list(m.users):
+            picked = insert_call(gm, ids1, operator.getitem, (parts[user.args[1]], second))
+            order[picked] = order[ids1]
+            user.replace_all_uses_with(picked)
+            order.pop(user, None)
+            gm.graph.erase_node(user)
+    for dead in [*maxes, ids1]:
+        if not dead.users:
+            order.pop(dead, None)
+            gm.graph.erase_node(dead)
     if not first.users:
         order.pop(first, None)
         gm.graph.erase_node(first)

@@ -424,21 +424,30 @@ class ArgmaxTop2MoE(nn.Module):
     weights: "renormalised" (g / (g1 + g2)), "shifted" (g - 0.3: may be negative, so the loop's
              combine > 0 selects rows the top-2 does not always give; the dense combine takes any
              weights)
+    one_hot: "functional" (F.one_hot), "scatter" (fairseq's own: ones scattered into int64 zeros at
+             the argmaxes taken with keepdim=True)
     """
 
-    def __init__(self, d=16, n=8, E=6, mask="masked_fill", first="probs", combine="loop", weights="renormalised"):
+    def __init__(self, d=16, n=8, E=6, mask="masked_fill", first="probs", combine="loop", weights="renormalised",
+                 one_hot="functional"):
         super().__init__()
         self.E, self.mask, self.first, self.combine, self.weights = E, mask, first, combine, weights
+        self.one_hot = one_hot
         self.gate = nn.Linear(d, E, bias=False)
         self.other = nn.Linear(d, E, bias=False) if first == "other" else None
         self.experts = make_experts("gated", d, n, E, None, False)
+
+    def _one_hot(self, scores, ids):
+        if self.one_hot == "scatter":
+            return scores.new_zeros(scores.shape, dtype=torch.int64).scatter_(1, scores.argmax(1, keepdim=True), 1)
+        return F.one_hot(ids, num_classes=self.E)
 
     def forward(self, x):
         logits = self.gate(x)
         gates = F.softmax(logits, dim=1)
         scores = {"probs": gates, "logits": logits}.get(self.first)
         i1 = torch.argmax(scores if scores is not None else self.other(x), dim=1)
-        m1 = F.one_hot(i1, num_classes=self.E)
+        m1 = self._one_hot(scores if scores is not None else self.other(x), i1)
         if self.mask == "masked_fill":
             rest = logits.masked_fill(m1.bool(), float("-inf"))
         elif self.mask == "where":
@@ -448,7 +457,7 @@ class ArgmaxTop2MoE(nn.Module):
         else:
             rest = logits
         i2 = torch.argmax(rest, dim=1)
-        m2 = F.one_hot(i2, num_classes=self.E)
+        m2 = self._one_hot(rest, i2)
         g1, g2 = (gates * m1).sum(dim=1), (gates * m2).sum(dim=1)
         denom = torch.clamp(g1 + g2, min=torch.finfo(g1.dtype).eps)
         g1, g2 = g1 / denom, g2 / denom

@@ -890,3 +890,49 @@ def test_functional_row_writes_read_between_stay():
     canonicalize(gm)
     assert "index_copy" in ops(gm), ops(gm)  # the links after the read stay functional
     same_value(gm, fn, x, ids)
+
+
+def _scattered_one_hot(scores, spelling):
+    ids = scores.argmax(-1)
+    if spelling == "unsqueeze":
+        return torch.zeros(scores.shape[0], E, dtype=torch.int64).scatter_(1, ids.unsqueeze(-1), 1)
+    if spelling == "none_float":
+        z = torch.zeros_like(scores)
+        z.scatter_(-1, ids[:, None], 1)
+        return z * 2
+    if spelling == "keepdim":  # fairseq's one_hot of [T, 1] indices
+        return torch.zeros(scores.shape[0], E, dtype=torch.int64).scatter_(1, scores.argmax(1, keepdim=True), 1)
+    return scores.new_zeros(scores.shape[0], E).scatter_(1, ids.view(-1, 1), 1.0)
+
+
+@pytest.mark.parametrize("spelling", ["unsqueeze", "none_float", "view", "keepdim"])
+def test_ones_scattered_at_the_argmax_into_zeros_are_a_one_hot(spelling):
+    scores = torch.randn(T, E)
+    fn = lambda s: _scattered_one_hot(s, spelling)  # noqa: E731
+    gm = traced(fn, scores)
+    assert "scattered_ones_to_one_hot" in rules(canonicalize(gm))
+    assert "scatter_" not in ops(gm) and "one_hot" in ops(gm), ops(gm)
+    same_value(gm, fn, scores)
+
+
+def _ones_at_given_ids(scores, ids):  # ids not a top-k's: maybe out of range
+    return torch.zeros(scores.shape[0], E).scatter_(1, ids.unsqueeze(-1), 1)
+
+
+def _twos_at_the_argmax(scores, ids):
+    return torch.zeros(scores.shape[0], E).scatter_(1, scores.argmax(-1, keepdim=True), 2)
+
+
+def _read_before_the_ones(scores, ids):
+    z = torch.zeros(scores.shape[0], E)
+    before = z.sum()
+    z.scatter_(1, scores.argmax(-1).unsqueeze(-1), 1)
+    return z, before
+
+
+@pytest.mark.parametrize("fn", [_ones_at_given_ids, _twos_at_the_argmax, _read_before_the_ones])
+def test_other_scatters_stay(fn):
+    scores, ids = torch.randn(T, E), torch.randint(0, E, (T,))
+    gm = traced(fn, scores, ids)
+    assert "scattered_ones_to_one_hot" not in rules(canonicalize(gm))
+    same_value(gm, fn, scores, ids)

@@ -1059,11 +1059,11 @@ def test_expert_loop_gpu_bf16(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("combine", ["loop", "dense"])
-def test_top2_by_two_argmaxes_gpu_bf16(combine):
+@pytest.mark.parametrize("combine,one_hot", [("loop", "functional"), ("dense", "functional"), ("loop", "scatter")])
+def test_top2_by_two_argmaxes_gpu_bf16(combine, one_hot):
     # in bf16 the first argmax is over the logits: a bf16 softmax's rounding would tie experts the logits order
     idiom = "dense_experts" if combine == "dense" else "expert_loop"
-    _check_gpu_bf16(lambda: ArgmaxTop2MoE(first="logits", combine=combine), idiom)
+    _check_gpu_bf16(lambda: ArgmaxTop2MoE(first="logits", combine=combine, one_hot=one_hot), idiom)
 
 
 @pytest.mark.gpu
@@ -1275,13 +1275,16 @@ def test_rows_copied_by_an_arange_at_new_token_counts(make):
     assert len(rewritten) == 2, rewritten  # the static first call, then the symbolic one
 
 
-@pytest.mark.parametrize("mask,first,combine", [("masked_fill", "probs", "loop"), ("where", "logits", "loop"),
-                                                ("scatter", "probs", "dense"), ("masked_fill", "logits", "dense")])
-def test_top2_by_two_argmaxes_matches_eager(mask, first, combine):
+@pytest.mark.parametrize("mask,first,combine,one_hot", [("masked_fill", "probs", "loop", "functional"),
+                                                        ("where", "logits", "loop", "functional"),
+                                                        ("scatter", "probs", "dense", "functional"),
+                                                        ("masked_fill", "logits", "dense", "functional"),
+                                                        ("masked_fill", "probs", "loop", "scatter")])
+def test_top2_by_two_argmaxes_matches_eager(mask, first, combine, one_hot):
     # fairseq's top2gating: argmax, the second argmax with the first masked to -inf, a combine matrix
-    # of the two one_hots; read as one top-2
+    # of the two one_hots (F.one_hot or fairseq's own, ones scattered into zeros); read as one top-2
     idiom = "dense_experts" if combine == "dense" else "expert_loop"
-    _check_rewrite(ArgmaxTop2MoE(mask=mask, first=first, combine=combine), idiom)
+    _check_rewrite(ArgmaxTop2MoE(mask=mask, first=first, combine=combine, one_hot=one_hot), idiom)
 
 
 @pytest.mark.parametrize("kwargs,reason", [
