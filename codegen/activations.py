@@ -27,6 +27,7 @@ GATED = {
     "swiglu_softcap": True,
     "relu": False,  # relu(h)                                          (Switch Transformer, T5)
     "gelu_tanh": False,  # gelu_tanh(h)                                  (GPT-2-style MLPs)
+    "reglu": True,  # relu(g) * u                                     (ReGLU experts; T5 v1.1's ReGLU variant)
 }
 ACTIVATIONS = tuple(GATED)
 
@@ -87,7 +88,7 @@ def _unary_and_grad(name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if name == "relu2":
         r = torch.relu(x)
         return r * r, 2.0 * r
-    if name == "relu":  # torch's relu passes no gradient at 0
+    if name in ("relu", "reglu"):  # torch's relu passes no gradient at 0
         return torch.relu(x), (x > 0).to(x.dtype)
     raise AssertionError(name)
 

@@ -62,7 +62,7 @@ log = logging.getLogger("moe_compiler")
 # activation name -> the constexpr code of codegen/kernels/activation.py
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 assert tuple(_ACT_CODE) == ("swiglu", "geglu", "geglu_tanh", "swiglu_oai", "relu2", "gelu", "silu", "swiglu_clamp",
-                           "swiglu_softcap", "relu", "gelu_tanh")
+                           "swiglu_softcap", "relu", "gelu_tanh", "reglu")
 _IDENTITY = 15  # internal code: the up-projection kernel as a plain gathered GEMM (dA')
 
 # True when Triton was imported with TRITON_INTERPRET=1: kernels run on the CPU, on CPU tensors.

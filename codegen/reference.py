@@ -342,6 +342,7 @@ def _differentiable_activation(h: torch.Tensor, activation: str, flags: dict) ->
         "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
         "relu2": lambda t: torch.relu(t) ** 2,
         "relu": torch.relu,
+        "reglu": torch.relu,
     }
     if not GATED[activation]:
         return unary[activation](h)

@@ -90,6 +90,7 @@ LOOP_VARIANTS = {
     "nonzero-slice": dict(where="nonzero", scale="slice"),
     "cast-scale-up-first": dict(scale="cast", experts="gated_up_first"),
     "fused-chunk": dict(experts="fused"),
+    "reglu": dict(acts=[F.relu] * 4),  # relu(g) * u experts
     "fused-slicing-eq": dict(experts="fused_slice", where="eq"),
     "non-gated-gelu": dict(experts="plain"),
     "non-gated-relu2-functional": dict(experts="plain_relu2", combine="functional"),
@@ -1050,7 +1051,7 @@ def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["one_hot-index_none-inplace", "eq-unsqueeze-functional-zeros", "fused-chunk",
+@pytest.mark.parametrize("variant", ["one_hot-index_none-inplace", "eq-unsqueeze-functional-zeros", "fused-chunk", "reglu",
                                      "bias-gated", "bias-non-gated", "eq-setitem_iadd", "none_reshape-rows",
                                      "nonzero_columns-index_put", "argwhere_unbind-scatter_add-bias",
                                      "eq-bool_mask_none-gelu_tanh-bias"])

@@ -14,6 +14,7 @@ order of `codegen.activations.ACTIVATIONS`):
     8 swiglu_softcap  alpha tanh(g / alpha) * sigmoid(g) * limit tanh(u / limit)   (Inkling2)
     9 relu        relu(h)             (non-gated; no gradient at 0, as torch's)
     10 gelu_tanh  gelu_tanh(h)        (non-gated)
+    11 reglu      relu(g) * u         (no gradient through g at 0, as torch's relu)
     15 identity   h               (internal: lets the up-projection kernel serve as a plain gathered GEMM)
 
 Everything here is float32 math on float32 tiles; the callers upcast H and downcast the results.
@@ -97,6 +98,8 @@ def _act_fwd(g, u, alpha, limit, ACTIVATION: tl.constexpr):
         a = tl.maximum(g, 0.0)
     elif ACTIVATION == 10:
         a = _unary_fwd(g, 2)
+    elif ACTIVATION == 11:
+        a = tl.maximum(g, 0.0) * u
     else:
         a = g
     return a
@@ -144,6 +147,11 @@ def _act_bwd(g, u, da, alpha, limit, ACTIVATION: tl.constexpr):
         act_g, dact_g = _unary_fwd_and_grad(g, 2)
         a = act_g * u
         dg = da * u * dact_g
+        du = da * act_g
+    elif ACTIVATION == 11:
+        act_g = tl.maximum(g, 0.0)
+        a = act_g * u
+        dg = tl.where(g > 0.0, da * u, 0.0)
         du = da * act_g
     else:
         if ACTIVATION == 4:
