@@ -46,6 +46,15 @@ Rules (eager spelling -> canonical form; ids [T, K] the indices of a top-k over 
         # Y [T, E, d] every expert's output for every token (token-major), read at each token's
         # top-k ids (`torch.gather(Y, 1, ids[..., None].expand(-1, -1, d))` too) and weighted: the
         # same terms plus zeros, as a gate matrix the dense finders read (they then compute sparsely)
+    zeros(T, E).scatter_(1, ids[:, None], 1)      ->  F.one_hot(ids, E).to(dtype)
+        # ids top-k/max indices, the zeros fresh and read after the ones alone (fairseq's one_hot)
+    i1 = s1.argmax(-1); s2.masked_fill(one_hot(i1).bool(), -inf).argmax(-1)  ->  torch.topk(s2, 2)
+        # s1 is s2 or a float32/float64 softmax of it; ties as topk leaves them (fairseq's top2gating)
+    w0 * one_hot(ids[:, 0], E) + ... + w_{K-1} * one_hot(ids[:, K-1], E)
+                                                   ->  (one_hot(ids, E) * cat(w_k).unsqueeze(-1)).sum(1)
+        # every slot once: at most one nonzero term an entry
+    z.index_copy(0, where(m0)[0], v0).index_copy(0, where(m1)[0], v1)  ->  z[m0] = v0; z[m1] = v1; z
+        # z fresh zeros, each link read by the next alone
 """
 from __future__ import annotations
 
