@@ -96,8 +96,8 @@ from .canonical_routing import (add_of_rows_into_zeros_to_index_add, argmax_to_m
                                 sorted_prefix_to_topk, copies_at_slots_to_floor_div,
                                 gate_rows_column_to_column_rows, masked_scatter_rows_to_index_add,
                                 one_hot_count_to_any_hit, position_copy_to_mask_write,
-                                scale_after_row_writes_to_scaled_rows, scattered_ones_to_one_hot, second_max_to_topk, slot_one_hots_to_gate_matrix,
-                                slot_token_rows_to_repeat)
+                                scale_after_row_writes_to_scaled_rows, scattered_ones_to_one_hot, second_max_to_topk,
+                                slot_one_hots_to_gate_matrix, slot_token_rows_to_repeat)
 from .canonical_products import (addmm_to_matmul_plus_bias, broadcast_matmul_to_bmm, einsum_outer_to_product, einsum_to_bmm,
                                  einsum_weighted_sum_to_product, gathered_product_to_einsum, packed_linear_view_to_einsum,
                                  split_loop_to_grouped_mm)
@@ -965,8 +965,8 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 # the scatter rules before any_hit_where_to_hit_where: row_scatter_add_to_index_add compares the
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
-RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, unit_pieces_to_select, sorted_prefix_to_topk, argmax_to_max, scattered_ones_to_one_hot, second_max_to_topk,
-         slot_one_hots_to_gate_matrix, one_hot_count_to_any_hit,
+RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, unit_pieces_to_select, sorted_prefix_to_topk,
+         argmax_to_max, scattered_ones_to_one_hot, second_max_to_topk, slot_one_hots_to_gate_matrix, one_hot_count_to_any_hit,
          gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, masked_scatter_rows_to_index_add,
          nonzero_columns_to_where,
          boolean_index_to_where, scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add,

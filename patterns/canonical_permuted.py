@@ -34,7 +34,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .canonical_routing import _only_asserted, row_write
+from .canonical_routing import _only_asserted, floor_division, repeated_rows, row_mask, row_write
 from .common import (ZEROS, arg, dtype_of, getitem_of, insert_call, is_call, is_getitem, is_int, same_size, shape_of,
                      writes_in_place)
 
@@ -56,15 +56,11 @@ def _permutation_of_rows(perm, n) -> bool:
 
 
 def _divided(index, perm) -> int | None:
-    """K when `index` is perm itself (1) or `perm // K` (`torch.div(perm, K, rounding_mode="floor")`,
-    `torch.floor_divide`) with K a positive int; else None."""
+    """K when `index` is perm itself (1) or `perm // K` (`canonical_routing.floor_division`); else None."""
     if index is perm:
         return 1
-    if not isinstance(index, fx.Node) or len(index.args) != 2 or index.args[0] is not perm or not is_int(index.args[1]):
-        return None
-    floor = is_call(index, "floordiv", "__floordiv__", "floor_divide") or (
-        is_call(index, "div") and index.kwargs == {"rounding_mode": "floor"})
-    return index.args[1] if floor and index.args[1] >= 1 and not (set(index.kwargs) - {"rounding_mode"}) else None
+    divided = floor_division(index)
+    return divided[1] if divided is not None and divided[0] is perm else None
 
 
 def _row_broadcast(idx) -> fx.Node | None:
@@ -206,25 +202,12 @@ class _Rows:
     def _write(self, index, value, depth: int) -> bool:
         """Rows `index` (a row-wise boolean mask m, or `torch.where(m)[0]`) written with `value`
         computed from the rows m selects alone."""
-        mask = self._mask_of(index)
+        mask = row_mask(index)
         if mask is None or not self.rowwise(mask, depth - 1):
             return False
         if index is not mask:
             self.inside.update((index, index.args[0]))
         return self._selected(value, mask, depth - 1)
-
-    @staticmethod
-    def _mask_of(index) -> fx.Node | None:
-        """m when `index` is a 1-D boolean mask m or `torch.where(m)[0]` of one."""
-        if not isinstance(index, fx.Node):
-            return None
-        if len(shape_of(index)) == 1 and dtype_of(index) == torch.bool:
-            return index
-        found = getitem_of(index, 0)
-        if is_call(found, "where") and len(found.args) == 1 and not found.kwargs:
-            m = found.args[0]
-            return m if isinstance(m, fx.Node) and len(shape_of(m)) == 1 and dtype_of(m) == torch.bool else None
-        return None
 
     def _selected(self, node, mask: fx.Node, depth: int) -> bool:
         """Row j of `node` depends only on the j-th row that `mask` selects from row-wise tensors
@@ -240,7 +223,7 @@ class _Rows:
             t, index = (node.args[0], node.args[1]) if is_getitem(node) else (node.args[0], node.args[2])
             if is_call(node, "index_select") and (len(node.args) != 3 or node.args[1] != 0):
                 return False
-            ok = _same_mask(self._mask_of(index), mask) and isinstance(t, fx.Node) and self.rowwise(t, depth - 1)
+            ok = _same_mask(row_mask(index), mask) and isinstance(t, fx.Node) and self.rowwise(t, depth - 1)
             if ok and index is not mask:
                 self.inside.update((index, index.args[0]))
         elif is_getitem(node) and is_call(node.args[0], "chunk") and is_int(node.args[1]):
@@ -333,14 +316,10 @@ def permuted_rows_put_back_to_rows(gm: fx.GraphModule, node: fx.Node, order: dic
     rows = _Rows(perm, n, node, order)
     if not rows.rowwise(y) or not rows.leaves or not rows.read_alone(node) or not rows.free(z):
         return None
-    made: dict[tuple[fx.Node, int], fx.Node] = {}
-    for leaf, (t, k) in rows.leaves.items():
-        if k != 1 and (t, k) not in made:
-            made[t, k] = insert_call(gm, leaf, torch.repeat_interleave, (t, k), {"dim": 0})
-            order[made[t, k]] = order.get(leaf, order[node])
-        leaf.replace_all_uses_with(made.get((t, k), t))
-    t, k = rows.leaves.get(y, (y, 1))
-    result = made.get((t, k), t)  # y itself a permuted read: the rows it read
+    unpermuted = {leaf: repeated_rows(gm, t, k) if k != 1 else t for leaf, (t, k) in rows.leaves.items()}
+    for leaf, rows_read in unpermuted.items():
+        leaf.replace_all_uses_with(rows_read)
+    result = unpermuted.get(y, y)  # y itself a permuted read: the rows it read
     if K != 1:
         result = insert_call(gm, node, torch.reshape, (result, (T, K, *shape_of(y)[1:])))
         result = insert_call(gm, node, torch.sum, (result, 1))

@@ -390,25 +390,50 @@ def scale_after_row_writes_to_scaled_rows(gm: fx.GraphModule, node: fx.Node, ord
     return None
 
 
-def _column_of_vector(scale: fx.Node) -> fx.Node | None:
-    """s when `scale` is the [T, 1] column of a 1-D floating s: s[:, None], s.unsqueeze(-1),
-    s.view(-1, 1), s.reshape(-1, 1) (or (T, 1))."""
+def _column_of(column) -> fx.Node | None:
+    """s when `column` is the [T, 1] column of a 1-D s: s[:, None], s.unsqueeze(-1), s.view(-1, 1),
+    s.reshape(-1, 1) (or (T, 1))."""
     s = None
-    if is_getitem(scale) and scale.args[1] in ((slice(None), None), (Ellipsis, None)):
-        s = scale.args[0]
-    elif is_call(scale, "unsqueeze") and arg(scale, 1, "dim") in (-1, 1) and len(scale.args) + len(scale.kwargs) == 2:
-        s = scale.args[0]
-    elif is_call(scale, "view", "reshape") and len(shape_of(scale)) == 2 and shape_of(scale)[1] == 1:
-        s = scale.args[0]
-    if not isinstance(s, fx.Node) or len(shape_of(s)) != 1 or writes_in_place(scale):
+    if is_getitem(column) and column.args[1] in ((slice(None), None), (Ellipsis, None)):
+        s = column.args[0]
+    elif is_call(column, "unsqueeze") and arg(column, 1, "dim") in (-1, 1) and len(column.args) + len(column.kwargs) == 2:
+        s = column.args[0]
+    elif is_call(column, "view", "reshape") and len(shape_of(column)) == 2 and shape_of(column)[1] == 1:
+        s = column.args[0]
+    if not isinstance(s, fx.Node) or len(shape_of(s)) != 1 or writes_in_place(column):
         return None
-    dtype = dtype_of(s)
-    return s if dtype is not None and dtype.is_floating_point and isinstance(example_value(s), torch.Tensor) else None
+    return s if isinstance(example_value(s), torch.Tensor) else None
+
+
+def _column_of_vector(scale: fx.Node) -> fx.Node | None:
+    """s when `scale` is the [T, 1] column (`_column_of`) of a 1-D floating s."""
+    s = _column_of(scale)
+    dtype = dtype_of(s) if s is not None else None
+    return s if dtype is not None and dtype.is_floating_point else None
 
 
 # --- slots of flattened top-k ids: rows written by position, tokens read by position // K --------
 
 _FLOOR_DIV = ("floordiv", "floor_divide", "__floordiv__")
+
+
+def floor_division(index) -> tuple[fx.Node, int] | None:
+    """(a, K) when `index` is `a // K` (`torch.floor_divide`, `torch.div(a, K, rounding_mode="floor")`)
+    of a node a by a positive int K; else None."""
+    floor = is_call(index, *_FLOOR_DIV) and len(index.args) == 2 and not index.kwargs
+    floor |= is_call(index, "div") and len(index.args) == 2 and index.kwargs == {"rounding_mode": "floor"}
+    if not floor or not isinstance(index.args[0], fx.Node) or not is_int(index.args[1]) or index.args[1] < 1:
+        return None
+    return index.args[0], index.args[1]
+
+
+def repeated_rows(gm: fx.GraphModule, x: fx.Node, K: int) -> fx.Node:
+    """`x.repeat_interleave(K, dim=0)`, made once per (x, K) and graph, right after x."""
+    made = gm.meta.setdefault("sonic_slot_repeats", {})
+    if (x, K) not in made or made[(x, K)].graph is not gm.graph:
+        at = x.next if x.op != "placeholder" else next(n for n in gm.graph.nodes if n.op != "placeholder")
+        made[(x, K)] = insert_call(gm, at, torch.repeat_interleave, (x, K), {"dim": 0})
+    return made[(x, K)]
 
 
 def _where_rows(index) -> fx.Node | None:
@@ -452,6 +477,13 @@ def row_write(node) -> tuple[fx.Node, object, object] | None:
     return None
 
 
+def row_mask(index) -> fx.Node | None:
+    """m when `index` selects the rows where a 1-D boolean m holds: m itself or `torch.where(m)[0]`."""
+    if isinstance(index, fx.Node) and len(shape_of(index)) == 1 and dtype_of(index) == torch.bool:
+        return index
+    return _where_rows(index)
+
+
 def _functional_row_write(node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     """(base, m, value) of `base.index_copy(0, torch.where(m)[0], value)` or `base.index_put((rows,),
     value)` (rows `torch.where(m)[0]` or m itself), m a 1-D boolean mask over base's rows."""
@@ -459,8 +491,8 @@ def _functional_row_write(node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     if found is None:
         return None
     base, index, value = found
-    m = _where_rows(index) or (index if isinstance(index, fx.Node) and dtype_of(index) == torch.bool else None)
-    if m is None or not isinstance(base, fx.Node) or len(shape_of(m)) != 1 or not same_size(shape_of(m)[0], shape_of(base)[0]):
+    m = row_mask(index)
+    if m is None or not isinstance(base, fx.Node) or not same_size(shape_of(m)[0], shape_of(base)[0]):
         return None
     return base, m, value
 
@@ -504,19 +536,14 @@ def slot_token_rows_to_repeat(gm: fx.GraphModule, node: fx.Node, order: dict) ->
         x, index = node.args[0], node.args[2]
     else:
         return None
-    floor = is_call(index, *_FLOOR_DIV) and len(index.args) == 2 and not index.kwargs
-    floor |= is_call(index, "div") and len(index.args) == 2 and index.kwargs == {"rounding_mode": "floor"}
-    if not floor or not isinstance(x, fx.Node) or len(shape_of(x)) != 2:
+    divided = floor_division(index)
+    if divided is None or not isinstance(x, fx.Node) or len(shape_of(x)) != 2:
         return None
-    positions, K = index.args
+    positions, K = divided
     m = _where_rows(positions)
-    if m is None or not is_int(K) or K < 1 or not same_size(shape_of(m)[0], shape_of(x)[0] * K):
+    if m is None or not same_size(shape_of(m)[0], shape_of(x)[0] * K):
         return None
-    made = gm.meta.setdefault("sonic_slot_repeats", {})
-    if (x, K) not in made or made[(x, K)].graph is not gm.graph:
-        at = x.next if x.op != "placeholder" else next(n for n in gm.graph.nodes if n.op != "placeholder")
-        made[(x, K)] = insert_call(gm, at, torch.repeat_interleave, (x, K), {"dim": 0})
-    picked = insert_call(gm, node, operator.getitem, (made[(x, K)], m))
+    picked = insert_call(gm, node, operator.getitem, (repeated_rows(gm, x, K), m))
     node.replace_all_uses_with(picked)
     order[picked] = order[node]
     return f"{node.name} -> {x.name}.repeat_interleave({K}, 0)[{m.name}]"
@@ -765,21 +792,6 @@ def argmax_to_max(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     return f"{node.name} -> max({s.name}, -1)[1]"
 
 
-def _column_of_ids(index) -> fx.Node | None:
-    """ids [T] when `index` is their [T, 1] column: `ids.unsqueeze(-1)` (or `1`), `ids[:, None]`,
-    `ids.view(-1, 1)` / `reshape(-1, 1)`."""
-    if not isinstance(index, fx.Node) or len(shape_of(index)) != 2 or shape_of(index)[1] != 1 or not index.args:
-        return None
-    ids = index.args[0]
-    if is_call(index, "unsqueeze") and index.args[1:] in ((-1,), (1,)):
-        return ids
-    if is_getitem(index) and index.args[1] == (slice(None), None):
-        return ids
-    if is_call(index, "view", "reshape") and index.args[1:] in ((-1, 1), ((-1, 1),)):
-        return ids
-    return None
-
-
 def scattered_ones_to_one_hot(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`z = torch.zeros(T, E, dtype=D); z.scatter_(1, ids.unsqueeze(-1), 1)` (or `-1`, `ids[:, None]`,
     `ids.view(-1, 1)`, the indices of a `max(s, -1, keepdim=True)`, zeros_like / new_zeros; fairseq's
@@ -789,7 +801,7 @@ def scattered_ones_to_one_hot(gm: fx.GraphModule, node: fx.Node, order: dict) ->
     if not (is_call(node, "scatter_") and len(node.args) == 4 and not node.kwargs and node.args[3] in (1, 1.0, True)):
         return None
     z, dim, index, _ = node.args
-    ids = _column_of_ids(index)
+    ids = _column_of(index) if isinstance(index, fx.Node) else None  # ids top-k indices: checked below
     found = getitem_of(index, 1)  # a top-1 taken with keepdim: its [T, 1] indices
     kept = ids is None and is_call(found, "max") and arg(found, 2, "keepdim") is True and len(found.args) <= 3 \
         and arg(found, 1, "dim") in (-1, 1) and _range_of(index) is not None
