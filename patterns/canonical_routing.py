@@ -846,15 +846,24 @@ def _bool_of(mask) -> fx.Node | None:
     return None
 
 
+def _below_every(value, s) -> bool:
+    """Whether the number `value` is below every entry of s: -inf, or a negative number where s is
+    never negative (`verify.nonnegative`: softmax probabilities masked with -1, as some top-2
+    gatings write it)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        value == -math.inf or (value < 0 and isinstance(s, fx.Node) and nonnegative(s)))
+
+
 def _masked_out(node) -> tuple[fx.Node, fx.Node] | None:
-    """(s, ids) when `node` is s with each row's entry at ids set to -inf: `s.masked_fill(M, -inf)`,
-    `torch.where(M, -inf, s)` or `s.scatter(-1, ids[:, None], -inf)`, with M a boolean view of
-    `F.one_hot(ids, E)` (E = s's last dim); else None."""
-    if is_call(node, "masked_fill") and len(node.args) == 3 and not node.kwargs and node.args[2] == -math.inf:
+    """(s, ids) when `node` is s with each row's entry at ids set below every other (-inf, or a
+    negative number on scores never negative): `s.masked_fill(M, -inf)`, `torch.where(M, -inf, s)`
+    or `s.scatter(-1, ids[:, None], -inf)`, with M a boolean view of `F.one_hot(ids, E)` (E = s's
+    last dim); else None."""
+    if is_call(node, "masked_fill") and len(node.args) == 3 and not node.kwargs and _below_every(node.args[2], node.args[0]):
         s, mask = node.args[:2]
-    elif is_call(node, "where") and len(node.args) == 3 and not node.kwargs and node.args[1] == -math.inf:
+    elif is_call(node, "where") and len(node.args) == 3 and not node.kwargs and _below_every(node.args[1], node.args[2]):
         mask, _, s = node.args
-    elif is_call(node, "scatter") and len(node.args) == 4 and not node.kwargs and node.args[3] == -math.inf:
+    elif is_call(node, "scatter") and len(node.args) == 4 and not node.kwargs and _below_every(node.args[3], node.args[0]):
         s, dim, column = node.args[:3]
         rank = len(shape_of(s) or ())
         last = (column.args[1:] in ((-1,), (rank - 1,)) if is_call(column, "unsqueeze")

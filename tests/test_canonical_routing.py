@@ -590,7 +590,14 @@ def _two_argmaxes_where(logits):
     return i1, torch.where(F.one_hot(i1, E) == 1, float("-inf"), logits).argmax(-1)
 
 
-@pytest.mark.parametrize("fn", [_two_argmaxes, _two_argmaxes_scatter, _two_argmaxes_where])
+def _two_argmaxes_of_probabilities_masked_with_minus_one(logits):  # below every probability, as -inf is
+    probs = logits.softmax(-1)
+    i1 = probs.argmax(-1)
+    return i1, probs.masked_fill(F.one_hot(i1, E).bool(), -1.0).argmax(-1)
+
+
+@pytest.mark.parametrize("fn", [_two_argmaxes, _two_argmaxes_scatter, _two_argmaxes_where,
+                                _two_argmaxes_of_probabilities_masked_with_minus_one])
 def test_an_argmax_of_the_rest_after_an_argmax_becomes_a_top2(fn):
     logits = torch.randn(T, E)
     gm = traced(fn, logits)
@@ -609,6 +616,11 @@ def _masked_to_zero(logits):  # the first expert set to 0, not -inf: it may stay
     return logits.masked_fill(F.one_hot(i1, E).bool(), 0.0).argmax(-1)
 
 
+def _logits_masked_with_minus_one(logits):  # a logit may be below -1: the masked expert may win again
+    i1 = logits.argmax(-1)
+    return logits.masked_fill(F.one_hot(i1, E).bool(), -1.0).argmax(-1)
+
+
 def _first_of_a_bf16_softmax(logits):  # rounded probabilities tie more often than the logits do
     i1 = logits.softmax(-1, dtype=torch.bfloat16).argmax(-1)
     return logits.masked_fill(F.one_hot(i1, E).bool(), float("-inf")).argmax(-1)
@@ -619,8 +631,8 @@ def _masked_over_the_tokens(logits):
     return logits.masked_fill(F.one_hot(i1, E).bool(), float("-inf")).argmax(0)
 
 
-@pytest.mark.parametrize("fn", [_masked_by_another_argmax, _masked_to_zero, _first_of_a_bf16_softmax,
-                                _masked_over_the_tokens])
+@pytest.mark.parametrize("fn", [_masked_by_another_argmax, _masked_to_zero, _logits_masked_with_minus_one,
+                                _first_of_a_bf16_softmax, _masked_over_the_tokens])
 def test_other_second_argmaxes_stay(fn):
     gm = traced(fn, torch.randn(T, E))
     assert "second_max_to_topk" not in rules(canonicalize(gm))
