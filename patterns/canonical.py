@@ -631,6 +631,49 @@ def column_then_none_to_one_index(gm: fx.GraphModule, node: fx.Node, order: dict
     return f"{node.name} -> {inner.args[0].name}[:, {index[1]}, None]"
 
 
+# --- in-place arithmetic on a value nothing else reads --------------------------------------
+
+# Python's augmented assignments stay: `out[idx] += v` (getitem, iadd, setitem) is a row write the
+# loop finders read as written
+_INPLACE_ARITHMETIC = {"mul_": torch.mul, "add_": torch.add, "sub_": torch.sub, "div_": torch.div}
+# ops whose result may share its input's storage (or be the input itself: a cast to its own dtype)
+_ALIASING = ("view", "reshape", "view_as", "reshape_as", "type", "to", "contiguous", "unsqueeze", "squeeze",
+             "transpose", "permute", "t", "expand", "expand_as", "flatten", "unflatten", "narrow", "select",
+             "float", "half", "bfloat16", "double", "detach", "movedim")
+
+
+def fresh_inplace_to_functional(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`t.mul_(w)` (`add_`, `sub_`, `div_`) -> `torch.mul(t, w)` where the write is seen by
+    nothing else: t, and each tensor it may alias back to its first computed value (through views,
+    reshapes, casts to its own dtype, slices), is read by the next of that chain alone, and that
+    first value is computed in the graph (no input, no parameter, no buffer). DeepSeek-V2's
+    `new_x.view(T, K, -1).type(dtype).mul_(w).sum(1)`. The same values; no one else sees the write."""
+    name = node.target if node.op == "call_method" else None
+    if name not in _INPLACE_ARITHMETIC or len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return None
+    current, reader = node.args[0], node
+    while True:
+        if current.op not in ("call_function", "call_method") or list(current.users) != [reader] \
+                or writes_in_place(current):
+            return None
+        index = current.args[1] if is_getitem(current) else None
+        basic = is_getitem(current) and not any(
+            isinstance(i, fx.Node) for i in (index if isinstance(index, tuple) else (index,)))  # a view
+        if not (is_call(current, *_ALIASING) or basic):
+            break
+        if not isinstance(current.args[0], fx.Node):
+            return None
+        current, reader = current.args[0], current
+    if dtype_of(node.args[0]) is None or shape_of(node) != shape_of(node.args[0]):
+        return None  # a broadcast that would grow the value is no in-place op
+    functional = insert_call(gm, node, _INPLACE_ARITHMETIC[name], tuple(node.args))
+    order[functional] = order[node]
+    node.replace_all_uses_with(functional)
+    described = node.name
+    _erase(gm, node, order)  # a write in place no one reads: not erased as dead code
+    return f"{described} -> {_INPLACE_ARITHMETIC[name].__name__}({functional.args[0].name}, ...)"
+
+
 # --- sums started from zeros -----------------------------------------------------------------
 
 def zeros_plus_value_to_value(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
@@ -965,7 +1008,8 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 # the scatter rules before any_hit_where_to_hit_where: row_scatter_add_to_index_add compares the
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
-RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, unit_pieces_to_select, sorted_prefix_to_topk,
+RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, fresh_inplace_to_functional,
+         unit_pieces_to_select, sorted_prefix_to_topk,
          argmax_to_max, scattered_ones_to_one_hot, second_max_to_topk, slot_one_hots_to_gate_matrix, one_hot_count_to_any_hit,
          gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, masked_scatter_rows_to_index_add,
          nonzero_columns_to_where,
@@ -979,7 +1023,8 @@ RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, un
          keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,
          add_of_rows_into_zeros_to_index_add,
          index_put_accumulate_to_index_add, mask_count_to_counts, cast_cumsum_to_dtype, argsort_to_sort, histogram_of_sorted_values,
-         scatter_unsort_to_gather, gathered_product_to_einsum, reshape_through_elementwise, reshape_chain_to_base,
+         # a write put back into fresh rows now reads as a gather: in-place arithmetic on them again
+         scatter_unsort_to_gather, fresh_inplace_to_functional, gathered_product_to_einsum, reshape_through_elementwise, reshape_chain_to_base,
          packed_linear_view_to_einsum, einsum_to_bmm, einsum_weighted_sum_to_product, einsum_outer_to_product,
          broadcast_matmul_to_bmm, permuted_rows_put_back_to_rows,
          # token-major products laid out expert-major leave transposes: moved past elementwise code

@@ -1358,3 +1358,38 @@ def test_other_pieces_stay():
     gm = traced(_wider_pieces, W)
     assert "unit_pieces_to_select" not in [line.split(":")[0] for line in canonicalize(gm)]
     same_value(gm, _wider_pieces, W)
+
+
+def _scaled_in_place(y, w):  # DeepSeek-V2's moe_infer: rows, a view, a cast to their own dtype, then mul_
+    rows = y[torch.arange(y.shape[0]).flip(0)]
+    out = rows.view(-1, 2, y.shape[1]).type(torch.float32).mul_(w.unsqueeze(-1)).sum(1)
+    acc = (y.sum(0) * 2)[1:].add_(1.0)  # a slice of a fresh product
+    return out, acc
+
+
+def test_in_place_arithmetic_on_values_nothing_else_reads_becomes_functional():
+    y, w = torch.randn(8, 3), torch.randn(4, 2)
+    gm = traced(_scaled_in_place, y, w)
+    applied = [line.split(":")[0] for line in canonicalize(gm)]
+    assert applied.count("fresh_inplace_to_functional") == 2, applied
+    assert not {"mul_", "add_"} & set(ops(gm)), ops(gm)
+    same_value(gm, _scaled_in_place, y, w)
+
+
+def _written_where_seen(y, w):
+    view = y.view(-1, 2, 3)
+    view.mul_(2.0)  # the graph input itself
+    rows = y[torch.tensor([1, 0, 3, 2])]
+    seen = rows.view(2, 2, 3)
+    seen.mul_(w.unsqueeze(-1))  # rows is read below as well
+    fresh = y * 3
+    part = fresh[0]  # a view of fresh...
+    part.add_(1.0)
+    return rows.sum(0), seen.sum(1), fresh  # ...which is returned: the write is seen through it
+
+
+def test_in_place_arithmetic_whose_write_is_seen_stays():
+    y, w = torch.randn(4, 3), torch.randn(2, 2)
+    gm = traced(_written_where_seen, y.clone(), w)
+    assert "fresh_inplace_to_functional" not in [line.split(":")[0] for line in canonicalize(gm)]
+    assert [op for op in ops(gm) if op in ("mul_", "add_")] == ["mul_", "mul_", "add_"], ops(gm)
