@@ -117,6 +117,8 @@ def token_rounding_for(match: MoEMatch, options: SonicOptions) -> tuple[str | No
         return None, "off (expert-parallel sentinels: the slot form is taken by the dropped slots)"
     if match.group_offsets:
         return None, "off (rows grouped by expert upstream: no router in the region)"
+    if match.slot_keep is not None:
+        return None, "off (capacity-limited routing: the slot form is taken by the dropped slots)"
     if match.router_probs is None:
         log.warning("sonic.token_rounding: %s keeps plain top-k: its router does not rank by softmax/sigmoid "
                     "probabilities that the graph shows (%s)", match.module, match.router)

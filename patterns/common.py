@@ -72,6 +72,10 @@ class MoEMatch:
     # topk_weights is a [T, E] gate matrix the checker proved zero outside topk_ids: the rewrite
     # gathers the op's [T, K] weights from it (a squashed gate such as Llama 4's holds them nowhere else)
     gates: bool = False
+    # The gate matrix is not proven zero outside the top-k ids (a router's dense probabilities, which
+    # the region masks itself): the evaluation fills it there too, so a region that reads it there
+    # differs from the op, which reads it at the ids alone.
+    gates_dense: bool = False
     # The weights scale each expert's INPUT, not its output (Llama 4): out[t] = sum_k f_e(w[t, k] x[t]).
     # The rewrite runs the op on the T*K scaled rows with unit weights and sums each token's K rows.
     input_scaled: bool = False
@@ -91,6 +95,12 @@ class MoEMatch:
     # offs[e]; rows past offs[-1] are padding), topk_weights is None, T the rows and K 1. The
     # rewrite calls the op in the slot form, one slot per row (`codegen.ops.slots_from_offsets`).
     group_offsets: bool = False
+    # Capacity-limited routing (GShard, Switch): a slot past its expert's capacity adds nothing. The
+    # region's own nodes that say which slots are kept (nonzero: kept), as (node, kind) pairs: one
+    # pair for every slot, or one per slot in slot order. kind "token": [T], each token's slots;
+    # "slot": [T, K]; "flat": [T * K], the slots token by token; "expert": [T, E], read at the slot's id. The rewrite gives a dropped slot the id
+    # E (`kept_slot_ids`) and calls the op in the slot form, as for expert-parallel sentinels.
+    slot_keep: tuple[tuple[fx.Node, str], ...] | None = None
     verified: str = "-"  # what verification by evaluation found (`patterns.verify`), for the report
 
     def op_inputs(self) -> list[fx.Node]:
@@ -118,6 +128,8 @@ class MoEMatch:
             layout += ", ids >= E " + ("dropped" if self.sentinels == "drop" else "clamped to E-1") + " (expert parallel)"
         if self.group_offsets:
             layout += ", rows grouped by expert upstream (offsets)"
+        if self.slot_keep is not None:
+            layout += ", slots past an expert's capacity dropped"
         return {
             "activation": self.activation,
             "layout": layout,
@@ -701,7 +713,12 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         if token_rounding is not None:
             raise ValueError("token rounding does not apply to rows grouped by expert upstream")
         ids, weights, slot_token = slots_from_offsets(x, ids, match.shape["E"], apply=insert)
-    if match.sentinels == "drop":  # the slot form with the dropped slots as padding: the same steps as eager
+    if match.slot_keep is not None:  # capacity: a slot the region does not keep becomes a sentinel, dropped below
+        if token_rounding is not None:
+            raise ValueError("token rounding does not apply to capacity-limited routing")
+        ids = kept_slot_ids(ids, [(node, kind) for node, kind in match.slot_keep], match.shape["E"], apply=insert,
+                            token_dims=match.token_dims)
+    if match.sentinels == "drop" or match.slot_keep is not None:  # the slot form with the dropped slots as padding
         ids, weights, slot_token = drop_slots_from(ids, weights, match.shape["E"], K=shape_of(ids)[1], apply=insert)
     elif match.sentinels == "clamp":
         ids = insert(torch.clamp, (ids, 0, match.shape["E"] - 1))
@@ -751,6 +768,33 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         _replace_accumulator(graph, match, result)
     erase_dead(graph, match.region | {match.anchor})
     return call
+
+
+def _call(fn, args, kwargs=None):
+    return fn(*args, **(kwargs or {}))
+
+
+def kept_slot_ids(ids, keep, E: int, apply=_call, token_dims: bool = False):
+    """[T, K] ids with E (the sentinel `drop_slots_from` drops) at each slot `keep` does not keep:
+    `keep` as `MoEMatch.slot_keep` holds it, with values (the reference) or graph nodes (the
+    rewrite, `apply` its node inserter) in place of the nodes; `token_dims`: they keep the region's
+    [B, S, .] token dims, flattened here as the ids were."""
+    columns = []
+    for j, (kept, kind) in enumerate(keep):
+        if token_dims:
+            kept = apply(torch.flatten, (kept,) if kind == "token" else (kept, 0, -2))
+        slot_ids = ids if len(keep) == 1 else apply(torch.narrow, (ids, 1, j, 1))
+        if kind == "token":  # [T]: the token's slots
+            kept = apply(torch.unsqueeze, (kept, 1))
+        elif kind == "flat":  # [T * K]: the slots token by token
+            kept = apply(torch.Tensor.reshape_as, (kept, ids))
+        elif kind == "expert":  # [T, E]: at each slot's expert
+            kept = apply(torch.gather, (kept, 1, slot_ids))
+        elif len(keep) != 1:  # [T, K] given per slot: its own column
+            kept = apply(torch.narrow, (kept, 1, j, 1))
+        columns.append(apply(torch.ne, (kept, 0)))
+    kept = columns[0] if len(columns) == 1 else apply(torch.cat, (columns, 1))
+    return apply(torch.where, (kept, ids, E))
 
 
 def _stacked_list_biases(bias_lists, insert) -> tuple[fx.Node | None, fx.Node | None]:
@@ -907,11 +951,11 @@ def check_stacked_biases(b1, b2, *, E, w1_out, d, x_dtype) -> None:
 
 
 def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b1, b2, transposed, act, *, E, K, T, d,
-                 w_up=None, added_to=None, group_offsets=False, token_dims=False) -> MoEMatch:
+                 w_up=None, added_to=None, group_offsets=False, token_dims=False, w2_swapped=False) -> MoEMatch:
     """Legality shared by every idiom (dtypes, shapes, a closed region), then the typed match.
     `w_up`: the up projection's own stacked parameter, shaped as w1 (the gate) then; `added_to`: see
     MoEMatch (outside the region); `group_offsets`: topk_ids is the rows' [E] group offsets and
-    there are no weights (see MoEMatch); `token_dims`: see MoEMatch."""
+    there are no weights (see MoEMatch); `token_dims`, `w2_swapped`: see MoEMatch."""
     from moe_compiler.codegen.activations import GATED
 
     x_dtype = dtype_of(x)
@@ -932,7 +976,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
     expect(len(s1) == 3 and len(s2) == 3 and s1[0] == E == s2[0], f"expert weights {s1} / {s2} do not hold E={E} experts")
     w1_in, w1_out = (s1[1], s1[2]) if transposed else (s1[2], s1[1])
     w1_out *= 1 if w_up is None else 2
-    n, w2_out = (s2[1], s2[2]) if transposed else (s2[2], s2[1])
+    n, w2_out = (s2[1], s2[2]) if transposed != w2_swapped else (s2[2], s2[1])
     expect(w1_in == d and w2_out == d, f"expert weights {s1} / {s2} do not map d={d}")
     expect(w1_out == (2 * n if GATED[act["activation"]] else n), f"up-projection width {w1_out} does not fit n={n}")
     check_stacked_biases(b1, b2, E=E, w1_out=w1_out, d=d, x_dtype=x_dtype)
@@ -965,6 +1009,7 @@ def finish_match(idiom, site, walk, anchor, x, topk_ids, topk_weights, w1, w2, b
         dtype=x_dtype,
         group_offsets=group_offsets,
         token_dims=token_dims,
+        w2_swapped=w2_swapped,
         **site_fields(site, topk_ids, topk_weights, T, E, experts_module=module_path(site)),
     )
 

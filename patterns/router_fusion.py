@@ -96,7 +96,7 @@ def match_router(call: fx.Node, routing: tuple[fx.Node, fx.Node] | None = None) 
     slot_form = call.args[-1]  # slot_token, last in every form
     expect(not is_call(_src(ids), "sonic::round_routing_slots"),
            "token rounding reads the router probabilities (sonic::round_routing_slots)")
-    expect(slot_form is None, "the call takes the slot form (slots dropped: an expert-parallel plan's sentinels)")
+    expect(slot_form is None, "the call takes the slot form (slots dropped: an expert-parallel plan's sentinels, or a capacity)")
     if routing is not None:
         ids, weights = routing
     while _cast_dtype(weights) is not None:  # casts after the router stay in the graph

@@ -7,9 +7,10 @@ idiom looks for and did not find, so `explain` never says only "no MoE candidate
 graph that holds an MoE. Descriptive only: nothing here edits the graph or decides a rewrite.
 
 Capacity-limited routers (GShard, Switch, NLLB-MoE, st-moe) count each expert's tokens with a
-running sum over the tokens and drop those past a capacity. The op computes every routed token, so
-such a region is left alone, and the reason says so, also where a graph break leaves the experts in
-another graph (transformers' Switch Transformers).
+running sum over the tokens and drop those past a capacity. The op drops such slots where the
+evaluated finder proves the region equal to it with the region's own kept-slot values; a capacity
+region no finder took is left alone, and the reason says so, also where a graph break leaves the
+experts in another graph (transformers' Switch Transformers).
 """
 from __future__ import annotations
 
@@ -94,13 +95,20 @@ def _stacked_weights(reached: list[fx.Node], E: int) -> list[fx.Node]:
 
 
 def _capacity(reached: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
-    """(cumsum, comparison) of a running count over the tokens compared with a bound."""
+    """(cumsum, comparison) of a running count over the tokens (a dim before the last, the
+    experts') compared with a bound."""
     for node in reached:
-        if is_call(node, "cumsum") and arg(node, 1, "dim") in (0, -2):
+        if is_call(node, "cumsum") and counts_over_tokens(node):
             for user in _forward(node):
                 if is_call(user, *_COMPARE):
                     return node, user
     return None
+
+
+def counts_over_tokens(cumsum: fx.Node) -> bool:
+    """Whether a cumsum runs over a dim before the last (the tokens, not the experts)."""
+    dim, rank = arg(cumsum, 1, "dim"), len(shape_of(cumsum))
+    return isinstance(dim, int) and rank >= 2 and dim % rank != rank - 1
 
 
 def _reason(router: fx.Node, reached: list[fx.Node], stacked: list[fx.Node], linears: list[fx.Node], E: int) -> str:
@@ -109,8 +117,9 @@ def _reason(router: fx.Node, reached: list[fx.Node], stacked: list[fx.Node], lin
     if capacity is not None:
         return (f"{head}, but the routing is capacity-limited: a running count of each expert's tokens "
                 f"({capacity[0].name}, a cumsum over the tokens) is compared with a bound ({capacity[1].name}), so "
-                f"tokens past an expert's capacity are dropped; the op computes every routed token and has no "
-                f"capacity, so the layer is left alone")
+                f"tokens past an expert's capacity are dropped; the op drops such slots only where the region "
+                f"evaluates equal to it with the region's own kept-slot values (the evaluated finder), and none "
+                f"did here, so the layer is left alone")
     ops = sorted({n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
                   for n in reached if any(w in n.all_input_nodes for w in stacked)})
     if stacked:

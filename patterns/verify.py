@@ -38,7 +38,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from .common import PRODUCTS, MoEMatch, NoMatch, example_value, is_call, shape_of, writes_in_place
+from .common import PRODUCTS, MoEMatch, NoMatch, backward_slice, example_value, is_call, shape_of, writes_in_place
 
 log = logging.getLogger("moe_compiler")
 
@@ -130,6 +130,8 @@ class _Region:
         self.inputs: list[fx.Node] = list(dict.fromkeys(named))
         ours = len(self.inputs)
         members = (match.region | {match.anchor}) - set(self.inputs)
+        kept = [node for node, _ in match.slot_keep or ()]  # capacity: the region's own kept-slot nodes, output too
+        members |= backward_slice(kept, stop=set(self.inputs))
         members |= _computed_from_inputs(members, set(self.inputs))
         self.nodes = nodes = [n for n in match.anchor.graph.nodes if n in members]
         self.inputs += [i for n in nodes for i in n.all_input_nodes if i not in members and i not in self.inputs]
@@ -148,15 +150,17 @@ class _Region:
             env[node] = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, env.__getitem__),
                                           fx.node.map_arg(node.kwargs, env.__getitem__), name=f"n{i}")
         # an in-place combine: the accumulator's value once every add ran (the anchor returns None)
-        graph.output(env[match.accumulator if match.accumulator is not None else match.anchor])
+        result = env[match.accumulator if match.accumulator is not None else match.anchor]
+        graph.output((result, *(env[node] for node in kept)) if kept else result)
         self.module = fx.GraphModule(match.anchor.graph.owning_module or torch.nn.Module(), graph)
         value = example_value(match.x)
         self.device = value.device if isinstance(value, torch.Tensor) and not on_cpu else torch.device("cpu")
 
     def signature(self) -> str:
         fields = {k: str(getattr(self.match, k)) for k in ("activation", "interleaved", "transposed", "alpha",
-                                                             "limit", "gates", "input_scaled", "flat_top1",
+                                                             "limit", "gates", "gates_dense", "input_scaled", "flat_top1",
                                                              "sentinels", "group_offsets")}
+        fields["slot_keep"] = str([kind for _, kind in self.match.slot_keep or ()])
         fields["nonnegative_weights"] = str(self.nonnegative_weights)
         metas = [(tuple(map(_concrete, shape_of(n))), str(getattr(example_value(n), "dtype", type(example_value(n)))))
                  for n in self.inputs]
@@ -221,8 +225,11 @@ class _Region:
         """'equal', or the first routing of `run`'s results on which the op (as the match now says)
         differs, with the error."""
         for routing, values, got in runs:
+            kept = None
+            if self.match.slot_keep is not None:  # (the result, the kept-slot values the reference drops by)
+                got, *kept = got
             try:
-                want = self._reference(values)
+                want = self._reference(values, kept)
             except (NoMatch, torch.OutOfMemoryError):
                 raise
             except Exception as exc:
@@ -255,8 +262,12 @@ class _Region:
                 value = value.to(example_value(node).dtype)
             elif node is m.topk_weights:
                 value = weights.reshape(T) if m.flat_top1 else weights
-                if m.gates:  # a [T, E] gate matrix, zero outside the chosen experts
-                    value = torch.zeros(T, E, dtype=torch.float64).scatter_(1, ids, weights)
+                if m.gates:  # a [T, E] gate matrix, zero outside the chosen experts (or not: `gates_dense`)
+                    base = torch.zeros(T, E, dtype=torch.float64)
+                    if m.gates_dense:
+                        base = torch.randn(T, E, generator=generator, dtype=torch.float64)
+                        base = base.abs() if self.nonnegative_weights else base
+                    value = base.scatter_(1, ids, weights)
             else:
                 values.append(fixed[node])
                 continue
@@ -265,9 +276,12 @@ class _Region:
             values.append(_laid_out_as(node, value.to(self.device)))
         return values
 
-    def _reference(self, values: list) -> torch.Tensor:
-        """What the op computes on the same inputs, in float64."""
+    def _reference(self, values: list, kept: list | None = None) -> torch.Tensor:
+        """What the op computes on the same inputs, in float64; `kept`: the values of the region's
+        kept-slot nodes (`MoEMatch.slot_keep`), whose other slots add nothing."""
         from moe_compiler.codegen.reference import torch_moe_experts
+
+        from .common import kept_slot_ids
 
         m = self.match
         at = {node: value for node, value in zip(self.inputs, values)}
@@ -301,7 +315,10 @@ class _Region:
         flags = dict(activation=m.activation, interleaved=m.interleaved, transposed=m.transposed, alpha=m.alpha,
                      limit=m.limit)
         ids = ids.long()
-        if m.sentinels == "drop" or m.group_offsets:  # a dropped slot adds nothing: weight 0 on a real expert, exactly
+        if kept is not None:
+            ids = kept_slot_ids(ids, [(value, kind) for value, (_, kind) in zip(kept, m.slot_keep)], w1.shape[0],
+                                token_dims=m.token_dims)
+        if m.sentinels == "drop" or m.group_offsets or kept is not None:  # a dropped slot adds nothing: weight 0 on a real expert, exactly
             keep = ids < w1.shape[0]
             ids, weights = torch.where(keep, ids, 0), torch.where(keep, weights, 0)
         elif m.sentinels == "clamp":

@@ -1786,8 +1786,11 @@ class CapacityDispatchMoE(Router):
     among its expert's tokens (a running count over the tokens), buffers [E, C, d] filled by an
     einsum, stacked experts on the buffers, and a combine einsum weighted by the top-1 gate.
 
-    capacity: "tokens" (C = T: no token can be dropped, so this is the op's computation) or "half"
-              (C = T // 2, positions past it dropped by a mask: not the op)
+    capacity: "tokens" (C = T: no token can be dropped), "half" (C = T // 2) or a number (C itself):
+              positions past C dropped by a mask, which the op honours as its kept slots
+    dropped:  "zero" (a dropped token gets nothing from the experts), "passthrough" (it keeps its
+              input, as transformers' Switch Transformers does: not the op), "misrouted" (the combine
+              is not masked by the capacity: a dropped token reads its expert's last row, not the op)
     bias:     stacked [E, f] and [E, d] biases on the projections (an empty slot maps to them; its
               combine weight is 0)
     dispatch: "mask" (the one-hot slots), "positive" (GShard's `combine > 0`: the slots whose weight is
@@ -1796,9 +1799,9 @@ class CapacityDispatchMoE(Router):
               gate's token is not dispatched under "positive", so that layer is not the op)
     """
 
-    def __init__(self, d=16, n=8, E=4, capacity="tokens", bias=True, dispatch="mask", gate_from="probs"):
+    def __init__(self, d=16, n=8, E=4, capacity="tokens", bias=True, dispatch="mask", gate_from="probs", dropped="zero"):
         super().__init__(d, E, 1)
-        self.capacity, self.dispatch, self.gate_from = capacity, dispatch, gate_from
+        self.capacity, self.dispatch, self.gate_from, self.dropped = capacity, dispatch, gate_from, dropped
         self.wi = stacked_param(E, n, d, "in_out")
         self.wo = stacked_param(E, d, n, "in_out")
         self.bi = nn.Parameter(torch.randn(E, n) * 0.1) if bias else None
@@ -1811,12 +1814,12 @@ class CapacityDispatchMoE(Router):
         scores = probs if self.gate_from == "probs" else self.gate(x)
         gate = scores.gather(-1, top[:, None]).squeeze(-1)
         mask = F.one_hot(top, self.E).to(x.dtype)  # [T, E]
-        C = T if self.capacity == "tokens" else T // 2
+        C = T if self.capacity == "tokens" else T // 2 if self.capacity == "half" else self.capacity
         position = ((torch.cumsum(mask, dim=0) - 1.0) * mask).sum(-1).long()  # [T]
         kept = (position < C).to(x.dtype)
-        slot = F.one_hot(position.clamp(max=C - 1), C).to(x.dtype) * kept[:, None]
-        dispatch = mask[:, :, None] * slot[:, None, :]  # [T, E, C]
-        combine = dispatch * gate[:, None, None]
+        slot = F.one_hot(position.clamp(max=C - 1), C).to(x.dtype)
+        dispatch = mask[:, :, None] * (slot * kept[:, None])[:, None, :]  # [T, E, C]
+        combine = (mask[:, :, None] * slot[:, None, :] if self.dropped == "misrouted" else dispatch) * gate[:, None, None]
         if self.dispatch == "positive":
             dispatch = (combine > 0).to(x.dtype)
         buffers = torch.einsum("tec,td->ecd", dispatch, x)
@@ -1824,6 +1827,54 @@ class CapacityDispatchMoE(Router):
         h = F.gelu(h + self.bi[:, None] if self.bi is not None else h)
         y = torch.einsum("ecf,efd->ecd", h, self.wo)
         y = y + self.bo[:, None] if self.bo is not None else y
+        out = torch.einsum("tec,ecd->td", combine, y)
+        if self.dropped == "passthrough":
+            out = out + (1 - kept)[:, None] * x
+        return out
+
+
+class CapacityTop2MoE(Router):
+    """GShard's top-2 with a capacity C: each expert's first choices counted over the tokens, its
+    second choices counted after all of them, slots at a position >= C dropped (nothing added);
+    [E, C, d] buffers filled by a dispatch einsum, stacked SwiGLU experts, a combine einsum with
+    the renormalised top-2 weights.
+
+    masks:   "expert" (each slot's [T, E] one_hot masked by the capacity), "token" (each slot's [T]
+             kept flag built from its position)
+    counts:  "int" (one_hot's int64), "float" (the one_hots as floats: float counts compared with C)
+    combine: "kept" (dropped slots weigh 0), "unmasked" (with masks "token", the combine weighs
+             every slot: a dropped one reads its expert's last buffer row; not the op)
+    """
+
+    def __init__(self, d=16, n=8, E=4, capacity=4, masks="expert", counts="int", combine="kept"):
+        super().__init__(d, E, 2)
+        self.capacity, self.masks, self.counts, self.combine = capacity, masks, counts, combine
+        self.w13 = stacked_param(E, 2 * n, d, "in_out")  # [E, d, 2n]
+        self.w2 = stacked_param(E, d, n, "in_out")  # [E, n, d]
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        C, E = self.capacity, self.E
+        first, second = F.one_hot(ids[:, 0], E), F.one_hot(ids[:, 1], E)  # [T, E] int64
+        if self.counts == "float":
+            first, second = first.float(), second.float()
+        at_first = torch.cumsum(first, dim=0) - 1
+        at_second = torch.cumsum(second, dim=0) - 1 + first.sum(0, keepdim=True)
+        if self.masks == "expert":
+            first, second = first * (at_first < C), second * (at_second < C)
+            kept = [first.sum(1), second.sum(1)]
+        else:
+            kept = [((at_first * first).sum(1) < C).long(), ((at_second * second).sum(1) < C).long()]
+        dispatch = combine = 0
+        for mask, at, keep, k in zip((first, second), (at_first, at_second), kept, range(2)):
+            position = F.one_hot((at * mask).sum(1).long().clamp(max=C - 1), C)  # [T, C]
+            slots = (mask * keep[:, None])[:, :, None] * position[:, None, :]  # [T, E, C]
+            dispatch = dispatch + slots.to(x.dtype)
+            weighed = slots if self.combine == "kept" else mask[:, :, None] * position[:, None, :]
+            combine = combine + weighed.to(x.dtype) * w[:, k, None, None]
+        buffers = torch.einsum("tec,td->ecd", dispatch, x)
+        g, u = torch.einsum("ecd,edf->ecf", buffers, self.w13).chunk(2, dim=-1)
+        y = torch.einsum("ecf,efd->ecd", F.silu(g) * u, self.w2)
         return torch.einsum("tec,ecd->td", combine, y)
 
 
@@ -1835,13 +1886,14 @@ class SlotGatherMoE(Router):
              weight: not the op)
     clamp:   the gate clamped at this value before the silu (a threshold random probes may not
              cross: not an activation the op computes)
+    down:    "in_out" (as the first projection), "out_in" (the down weights in the other orientation)
     """
 
-    def __init__(self, d=16, n=8, E=4, K=2, weights="own", clamp=None):
+    def __init__(self, d=16, n=8, E=4, K=2, weights="own", clamp=None, down="in_out"):
         super().__init__(d, E, K)
-        self.weights, self.clamp = weights, clamp
+        self.weights, self.clamp, self.down = weights, clamp, down
         self.w13 = stacked_param(E, 2 * n, d, "in_out")  # [E, d, 2n]
-        self.w2 = stacked_param(E, d, n, "in_out")  # [E, n, d]
+        self.w2 = stacked_param(E, d, n, down)  # [E, n, d]; "out_in" (the other orientation): [E, d, n]
 
     def forward(self, x):
         _, w, ids = self.route(x)
@@ -1850,7 +1902,169 @@ class SlotGatherMoE(Router):
             e = ids[:, k]
             g, u = torch.einsum("td,tdf->tf", x, self.w13[e]).chunk(2, dim=-1)
             g = g.clamp(max=self.clamp) if self.clamp is not None else g
-            y = torch.einsum("tf,tfd->td", F.silu(g) * u, self.w2[e])
+            y = torch.einsum("tf,tfd->td" if self.down == "in_out" else "tf,tdf->td", F.silu(g) * u, self.w2[e])
             slot = (k + 1) % self.K if self.weights == "swapped" else k
             out = out + w[:, slot, None] * y
         return out
+
+
+class CapacityListMoE(Router):
+    """Capacity-limited dispatch into [E, C, d] buffers run by a ModuleList of experts (fairseq's,
+    DeepSpeed's and GShard's MOELayer with Linear experts): each slot's position among its expert's
+    slots (first choices counted before second ones), slots at a position >= C dropped.
+
+    K:        1 (Switch, DeepSpeed top1gating) or 2 (GShard top-2)
+    capacity: C; T or more drops nothing
+    weights:  "gate_matrix" (the softmax probabilities times each slot's kept one_hot, [T, E], as
+              DeepSpeed's combine weights), "columns" (one [T] weight per slot, renormalised over
+              the two before any drop, as written per slot), "dense" (the probabilities unmasked:
+              a dropped slot's token still weighs its expert's row at position 0: not the op)
+    experts:  "chunk" (the buffers chunked along E and zipped with the experts, outputs cat),
+              "index" (buffers[e] per expert, outputs stacked), "shifted" (expert e runs on expert
+              e + 1's buffer: not the op)
+    act:      "gelu" (Linear, GELU, Linear with biases), "swiglu" (gate, up and down Linears, no bias)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, capacity=4, weights="gate_matrix", experts="chunk", act="gelu"):
+        super().__init__(d, E, K)
+        self.capacity, self.weights, self.layout, self.act = capacity, weights, experts, act
+        if act == "gelu":
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, n), nn.GELU(), nn.Linear(n, d)) for _ in range(E))
+        else:
+            self.experts = nn.ModuleList(GatedExpert(d, n) for _ in range(E))
+
+    def forward(self, x):
+        E, C = self.E, self.capacity
+        probs = F.softmax(self.gate(x), dim=-1)
+        ids = probs.topk(self.K, dim=-1).indices
+        masks = [F.one_hot(ids[:, k], E) for k in range(self.K)]  # [T, E] int64 per slot
+        before = 0
+        dispatch = combine = 0
+        columns = [(probs * m).sum(-1) for m in masks]
+        total = sum(columns)
+        for k, mask in enumerate(masks):
+            at = torch.cumsum(mask, dim=0) - 1 + before  # each token's position among its expert's slots
+            before = before + mask.sum(0, keepdim=True)
+            mask = mask * torch.lt(at, C)
+            where = F.one_hot((at * mask).sum(-1), C).float()  # [T, C]
+            slots = torch.einsum("te,tc->tec", mask.float(), where)
+            dispatch = dispatch + slots
+            if self.weights == "gate_matrix":
+                combine = combine + torch.einsum("te,tc->tec", probs * mask.float(), where)
+            elif self.weights == "columns":
+                combine = combine + (columns[k] / total)[:, None, None] * slots
+            else:
+                combine = combine + torch.einsum("te,tc->tec", probs * masks[k].float(), where)
+        buffers = torch.einsum("tec,td->ecd", dispatch.to(x.dtype), x)
+        if self.layout == "chunk":
+            outs = torch.cat([expert(b) for b, expert in zip(buffers.chunk(E, dim=0), self.experts)], dim=0)
+        else:
+            shift = 1 if self.layout == "shifted" else 0
+            outs = torch.stack([self.experts[e](buffers[(e + shift) % E]) for e in range(E)])
+        return torch.einsum("tec,ecd->td", combine.to(x.dtype), outs)
+
+
+class SlotPriorityCapacityMoE(Router):
+    """Top-k slots flattened token by token, each slot's position among its expert's slots counted
+    over the flat slots (token-major priority), slots at a position >= C dropped: rows added into a
+    flat [E * C + 1, d] buffer at e * C + position (a dropped slot's at the spare last row), stacked
+    SwiGLU experts by bmm on the [E, C, d] view, a zero row appended for the spare, each slot's row
+    read back by index_select, weighted and summed per token.
+
+    spill: False, or True (a dropped slot's row is added into its expert's last row instead of the
+           spare: the token kept there computes on a sum of two rows; not the op)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, capacity=4, spill=False):
+        super().__init__(d, E, K)
+        self.capacity, self.spill = capacity, spill
+        self.w1 = stacked_param(E, n, d, "in_out")  # [E, d, n]
+        self.w3 = stacked_param(E, n, d, "in_out")
+        self.w2 = stacked_param(E, d, n, "in_out")  # [E, n, d]
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        E, C, K = self.E, self.capacity, self.K
+        slots = ids.flatten()  # token-major: token t's K slots at t * K ...
+        counts = torch.cumsum(F.one_hot(slots, E), dim=0)  # [T * K, E]
+        position = counts.gather(1, slots[:, None]).squeeze(1) - 1
+        kept = position < C
+        spare = torch.full_like(slots, E * C)
+        row = torch.where(kept, slots * C + position, (slots + 1) * C - 1 if self.spill else spare)
+        rows = x.repeat_interleave(K, dim=0)
+        buffer = x.new_zeros(E * C + 1, x.shape[1]).index_add(0, row, rows)
+        experts_in = buffer[:E * C].view(E, C, -1)
+        y = torch.bmm(F.silu(torch.bmm(experts_in, self.w1)) * torch.bmm(experts_in, self.w3), self.w2)
+        y = torch.cat([y.reshape(E * C, -1), y.new_zeros(1, y.shape[-1])])
+        out = y.index_select(0, row) * w.flatten()[:, None]
+        return out.view(-1, K, out.shape[-1]).sum(1)
+
+
+class SortedRowsGatheredMoE(Router):
+    """DeepSeek-V2's `moe_infer` over gathered weights: the flat slots sorted by expert, each sorted
+    slot's token `x[perm // K]` through its expert's gathered weights (einsum over `W[ids]`), the
+    rows put back into `torch.empty_like` at perm, then scaled in place:
+    `rows.view(T, K, -1).type(x.dtype).mul_(w.unsqueeze(-1)).sum(1)`.
+
+    scaled: "in_place" (as above), "read_too" (the scaled rows' storage also feeds the output, so the
+            write is seen twice: the in-place scale stays, and so does the layer)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, scaled="in_place"):
+        super().__init__(d, E, K)
+        self.scaled = scaled
+        self.w1 = stacked_param(E, n, d, "out_in")  # [E, n, d]
+        self.w3 = stacked_param(E, n, d, "out_in")
+        self.w2 = stacked_param(E, d, n, "out_in")  # [E, d, n]
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        perm = ids.view(-1).argsort()
+        tokens, experts = x[perm // self.K], ids.view(-1)[perm]
+        g = torch.einsum("rd,rnd->rn", tokens, self.w1[experts])
+        u = torch.einsum("rd,rnd->rn", tokens, self.w3[experts])
+        y = torch.einsum("rn,rdn->rd", F.silu(g) * u, self.w2[experts])
+        rows = torch.empty_like(y)
+        rows[perm] = y
+        view = rows.view(*ids.shape, -1).type(x.dtype)
+        out = view.mul_(w.unsqueeze(-1)).sum(dim=1)
+        return out + rows.sum(0) if self.scaled == "read_too" else out
+
+
+class GroupedTokensMoE(Router):
+    """Tokens kept in [G, S] groups, never flattened (Mesh-TensorFlow's and T5X's layout): a top-2
+    over [G, S, E] scores, each group's positions counted over its own tokens (second choices after
+    every first one), slots at a position >= C dropped, [E, G, C, d] buffers filled and read back
+    by 4-D einsums, stacked GELU experts with biases.
+
+    capacity: C per expert and group (S or more drops nothing)
+    """
+
+    def __init__(self, d=16, n=8, E=4, capacity=1):
+        super().__init__(d, E, 2)
+        self.capacity = capacity
+        self.wi = stacked_param(E, n, d, "in_out")  # [E, d, n]
+        self.wo = stacked_param(E, d, n, "in_out")  # [E, n, d]
+        self.bi = nn.Parameter(torch.randn(E, n) * 0.1)
+        self.bo = nn.Parameter(torch.randn(E, d) * 0.1)
+
+    def forward(self, x):
+        x = x.view(3, -1, x.shape[-1])  # [G, S, d]
+        probs = F.softmax(self.gate(x), dim=-1)
+        w, ids = torch.topk(probs, 2, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        E, C = self.E, self.capacity
+        seen = 0
+        dispatch = combine = 0
+        for k in range(2):
+            mask = F.one_hot(ids[..., k], E)  # [G, S, E]
+            at = torch.cumsum(mask, dim=1) - 1 + seen
+            seen = seen + mask.sum(1, keepdim=True)
+            mask = mask * (at < C)
+            slots = mask[..., None] * F.one_hot((at * mask).sum(-1), C)[..., None, :]  # [G, S, E, C]
+            dispatch = dispatch + slots.to(x.dtype)
+            combine = combine + slots.to(x.dtype) * w[..., k, None, None]
+        buffers = torch.einsum("gsec,gsd->egcd", dispatch, x)
+        h = F.gelu(torch.einsum("egcd,edn->egcn", buffers, self.wi) + self.bi[:, None, None])
+        y = torch.einsum("egcn,end->egcd", h, self.wo) + self.bo[:, None, None]
+        return torch.einsum("gsec,egcd->gsd", combine, y).reshape(-1, x.shape[-1])

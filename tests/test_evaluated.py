@@ -10,7 +10,8 @@ import moe_compiler.patterns.verify as verify
 import moe_compiler
 
 from .helpers import assert_close_to_eager
-from .naive_models import CapacityDispatchMoE, PermutedTop1MoE, SlotGatherMoE, TokenMajorMoE
+from .naive_models import (CapacityDispatchMoE, CapacityListMoE, CapacityTop2MoE, GroupedTokensMoE, PermutedTop1MoE,
+                           SlotGatherMoE, SlotPriorityCapacityMoE, SortedRowsGatheredMoE, TokenMajorMoE)
 from .test_naive_patterns import FLAG, _check_gpu_bf16, _check_rewrite, _compile, _inputs, _out_and_grads, assert_left_alone
 
 
@@ -19,6 +20,58 @@ def test_switch_dispatch_that_cannot_drop_is_found_by_evaluation(bias):
     # [T, E, C] one-hot dispatch and combine, C = T: every token keeps its slot, so it is the op
     report = _check_rewrite(CapacityDispatchMoE(bias=bias), "evaluated", op="sonic::moe_experts")
     assert report.rewritten[0].details["verified"].startswith("evaluated equal"), str(report)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: CapacityDispatchMoE(capacity="half"),
+    lambda: CapacityDispatchMoE(capacity=2),  # 12 tokens, 4 experts of 2 slots: at least 4 tokens dropped
+    lambda: CapacityDispatchMoE(capacity=2, bias=False, dispatch="positive"),
+    # a dropped token keeps its input (transformers' Switch Transformers): that add stays in the graph
+    lambda: CapacityDispatchMoE(capacity=2, dropped="passthrough"),
+], ids=["half", "two", "positive", "passthrough"])
+def test_switch_dispatch_that_drops_tokens_is_found_with_its_kept_slots(make):
+    """Slots past an expert's capacity add nothing: the region's own kept-slot values say which,
+    and the op drops the others (the crowded routing drops tokens; so do these inputs)."""
+    report = _check_rewrite(make(), "evaluated", op="sonic::moe_experts")
+    assert "capacity dropped" in report.rewritten[0].details["layout"], str(report)
+
+
+@pytest.mark.parametrize("masks,counts", [("expert", "int"), ("token", "int"), ("expert", "float")])
+def test_gshard_top2_with_capacity_is_found_with_each_slots_kept_mask(masks, counts):
+    """Second choices counted after every first choice: one kept mask per slot (24 slots, 16 places:
+    at least 8 dropped on these inputs)."""
+    report = _check_rewrite(CapacityTop2MoE(masks=masks, counts=counts), "evaluated", op="sonic::moe_experts")
+    assert "capacity dropped" in report.rewritten[0].details["layout"], str(report)
+
+
+@pytest.mark.parametrize("capacity", [1, 4], ids=["drops", "no-drop"])
+def test_tokens_kept_in_groups_are_found_with_each_groups_capacity(capacity):
+    """[G, S] tokens never flattened: the op runs on their [T, .] views, each group's kept slots
+    flattened as its ids are (3 groups of 4 tokens, 8 slots a group: C = 1 keeps 4 of them, C = 4
+    every one)."""
+    report = _check_rewrite(GroupedTokensMoE(capacity=capacity), "evaluated", op="sonic::moe_experts")
+    assert ("capacity dropped" in report.rewritten[0].details["layout"]) == (capacity == 1), str(report)
+
+
+def test_slot_priority_capacity_over_a_flat_buffer_is_found_with_its_flat_kept_slots():
+    """Positions counted over the flattened slots, kept as one [T * K] flag: 24 slots, 16 places."""
+    report = _check_rewrite(SlotPriorityCapacityMoE(), "evaluated", op="sonic::moe_experts_split")
+    assert "capacity dropped" in report.rewritten[0].details["layout"], str(report)
+
+
+@pytest.mark.parametrize("options", [
+    dict(),  # GShard top-2, fairseq-style chunks zipped with the experts, DeepSpeed's [T, E] combine weights
+    dict(K=1),  # DeepSpeed's top1gating
+    dict(weights="columns"),  # one [T] weight per slot, the later one computed after the first is read
+    dict(act="swiglu"),  # gate, up and down Linears
+    dict(capacity=12),  # C = T: nothing to drop
+], ids=["top2", "top1", "columns", "swiglu", "no-drop"])
+def test_capacity_dispatch_into_module_list_experts_is_found_by_evaluation(options):
+    """E experts' Linears on [E, C, d] buffers: their weights as per-expert lists, each expert's in
+    the order read; the weights a [T, E] matrix read at the ids (filled outside them in the
+    evaluation) or one column per slot; 24 slots in 16 places (K=1: 12 tokens in 16) on these inputs."""
+    report = _check_rewrite(CapacityListMoE(**options), "evaluated", op="sonic::moe_experts_list")
+    assert "per-expert list" in report.rewritten[0].details["layout"], str(report)
 
 
 def test_dispatch_by_positive_weights_is_found_where_the_weights_are_never_negative():
@@ -51,14 +104,30 @@ def test_rows_permuted_by_expert_and_put_back_are_found_by_evaluation():
     _check_rewrite(PermutedTop1MoE(), "evaluated", op="sonic::moe_experts_split")
 
 
-def test_slot_loop_over_gathered_weights_is_found_by_evaluation():
-    _check_rewrite(SlotGatherMoE(), "evaluated", op="sonic::moe_experts")
+def test_sorted_rows_put_back_and_scaled_in_place_are_found_by_evaluation():
+    """DeepSeek-V2's moe_infer: the in-place scale of the put-back rows is functional (nothing else
+    sees it), the put-back a gather through the inverse permutation, which the region fills."""
+    _check_rewrite(SortedRowsGatheredMoE(), "evaluated", op="sonic::moe_experts_split")
 
 
-def test_a_layer_a_finder_refuses_is_found_by_evaluation():
-    """A view of the up projection's own [T, E, f] layout keeps that einsum as written, so dense_bmm
-    finds no bmm pair and says so; evaluated on its own the region is the op's, and is rewritten."""
-    model = TokenMajorMoE(view=True)
+@pytest.mark.parametrize("down", ["in_out", "out_in"])
+def test_slot_loop_over_gathered_weights_is_found_by_evaluation(down):
+    """out_in: the down weights stored the other way round from the first ones (megablocks' pair of
+    [E, f, d] parameters), handed to the op as a transposed view."""
+    report = _check_rewrite(SlotGatherMoE(down=down), "evaluated", op="sonic::moe_experts")
+    assert ("other orientation" in report.rewritten[0].details["layout"]) == (down == "out_in"), str(report)
+
+
+@pytest.mark.parametrize("make,refused", [
+    # a view of the up projection's own [T, E, f] layout keeps that einsum as written: no bmm pair
+    (lambda: TokenMajorMoE(view=True), "dense_bmm"),
+    # outputs of buffers[e] stacked: the combine einsum is no gate-weighted sum over stacked outputs
+    (lambda: CapacityListMoE(experts="index", act="swiglu"), "dense_experts"),
+], ids=["token-major-view", "capacity-buffers-indexed"])
+def test_a_layer_a_finder_refuses_is_found_by_evaluation(make, refused):
+    """A finder refuses the layer and says so; evaluated on its own the region is the op's, and is
+    rewritten."""
+    model = make()
     x, cotangent = _inputs()
     params = dict(model.named_parameters())
     with torch._dynamo.config.patch(**{FLAG: True}):
@@ -66,15 +135,25 @@ def test_a_layer_a_finder_refuses_is_found_by_evaluation():
         with moe_compiler.capture() as report:
             got = _out_and_grads(_compile(model, "aot_eager"), x, cotangent, params)
     assert [r.idiom for r in report.rewritten] == ["evaluated"], str(report)
-    assert [r.idiom for r in report.rejected] == ["dense_bmm"], str(report)
+    assert [r.idiom for r in report.rejected] == [refused], str(report)
     assert_close_to_eager(got[0], eager[0], what="output")
     for name in eager[1]:
         assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
 
 
 @pytest.mark.parametrize("make,reason", [
-    # half the tokens' capacity: the crowded routing drops tokens the op computes
-    (lambda: CapacityDispatchMoE(capacity="half"), "no hypothesis evaluated equal"),
+    # the combine weighs dropped tokens too: they read their expert's last buffer row
+    (lambda: CapacityDispatchMoE(capacity="half", dropped="misrouted"), "capacity-limited"),
+    (lambda: CapacityTop2MoE(masks="token", combine="unmasked"), "capacity-limited"),
+    # the probabilities weigh a dropped slot's token (at its expert's row 0): read outside the kept ids
+    (lambda: CapacityListMoE(weights="dense"), "capacity-limited"),
+    # dropped slots' rows added into their expert's last row: the token kept there reads a sum
+    (lambda: SlotPriorityCapacityMoE(spill=True), "capacity-limited"),
+    # the rows scaled in place are read again: the write stays, and so does the layer
+    (lambda: SortedRowsGatheredMoE(scaled="read_too"), "no hypothesis"),
+    # expert e runs on expert e + 1's buffer
+    (lambda: CapacityListMoE(experts="shifted"), "is not sum_e gates"),
+    (lambda: CapacityListMoE(K=1, capacity=12, experts="shifted"), "is not sum_e gates"),
     # `combine > 0` over raw logits: a token with a negative gate is not dispatched
     (lambda: CapacityDispatchMoE(dispatch="positive", gate_from="logits"), "no hypothesis evaluated equal"),
     # slot k's output weighted by the other slot's weight
@@ -97,8 +176,12 @@ def test_a_region_too_large_to_evaluate_stays(caplog, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make", [CapacityDispatchMoE, SlotGatherMoE, lambda: CapacityDispatchMoE(dispatch="positive")],
-                         ids=["capacity", "slots", "positive"])
+@pytest.mark.parametrize("make", [CapacityDispatchMoE, SlotGatherMoE, lambda: CapacityDispatchMoE(dispatch="positive"),
+                                  lambda: CapacityDispatchMoE(capacity=2), CapacityTop2MoE, CapacityListMoE,
+                                  lambda: CapacityListMoE(weights="columns", act="swiglu"), GroupedTokensMoE,
+                                  SlotPriorityCapacityMoE, SortedRowsGatheredMoE, lambda: SlotGatherMoE(down="out_in")],
+                         ids=["capacity", "slots", "positive", "capacity-drops", "top2-capacity-drops", "list-capacity",
+                              "list-columns", "grouped-tokens", "flat-slots", "sorted-rows", "down-swapped"])
 def test_found_by_evaluation_gpu_bf16(make):
     _check_gpu_bf16(make, "evaluated")
 
