@@ -91,8 +91,8 @@ import torch.nn.functional as F
 from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, elementwise_of_transpose_to_transpose,
                                same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
-from .canonical_routing import (add_of_rows_into_zeros_to_index_add, argmax_to_max, gate_nonzero_to_any_hit,
-                                functional_row_writes_to_mask_writes, gathered_outputs_to_gate_matrix,
+from .canonical_routing import (add_of_rows_into_zeros_to_index_add, amax_to_max_values, argmax_to_max,
+                                gate_nonzero_to_any_hit, functional_row_writes_to_mask_writes, gathered_outputs_to_gate_matrix,
                                 sorted_prefix_to_topk, copies_at_slots_to_floor_div,
                                 gate_rows_column_to_column_rows, masked_scatter_rows_to_index_add,
                                 one_hot_count_to_any_hit, position_copy_to_mask_write,
@@ -1010,7 +1010,8 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
 RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, fresh_inplace_to_functional,
          unit_pieces_to_select, sorted_prefix_to_topk,
-         argmax_to_max, scattered_ones_to_one_hot, second_max_to_topk, slot_one_hots_to_gate_matrix, one_hot_count_to_any_hit,
+         argmax_to_max, amax_to_max_values, scattered_ones_to_one_hot, second_max_to_topk, slot_one_hots_to_gate_matrix,
+         one_hot_count_to_any_hit,
          gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, masked_scatter_rows_to_index_add,
          nonzero_columns_to_where,
          boolean_index_to_where, scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add,

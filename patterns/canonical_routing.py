@@ -770,26 +770,60 @@ def sorted_prefix_to_topk(gm: fx.GraphModule, node: fx.Node, order: dict) -> str
     return f"{node.name} -> topk({s.name}, {K})"
 
 
+def _last_dim_reduction(node: fx.Node, name: str) -> tuple[fx.Node, bool] | None:
+    """(s, keepdim) when `node` is `name(s, dim=-1)` (method or function, keepdim given or not) over
+    the last dim of a tensor of two or more dims; else None."""
+    if not is_call(node, name) or node.kwargs.keys() - {"dim", "keepdim"} or len(node.args) > 3:
+        return None
+    s = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    rank = len(shape_of(s) or ()) if isinstance(s, fx.Node) else 0
+    if rank < 2 or dim not in (-1, rank - 1, (-1,), (rank - 1,)) or keepdim not in (True, False):
+        return None
+    return s, keepdim
+
+
 def argmax_to_max(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`torch.argmax(s, dim=-1)` (`s.argmax(-1)`, keepdim too) -> `torch.max(s, dim=-1)[1]`: both give
     the index of each row's largest score, the first one where scores tie (documented for both), so
     a top-1 written with argmax reaches the finders as the `max` they read. Only over the last dim of
     a floating tensor of two or more dims (a row of scores per token)."""
-    if not is_call(node, "argmax") or node.kwargs.keys() - {"dim", "keepdim"} or len(node.args) > 3:
+    read = _last_dim_reduction(node, "argmax")
+    if read is None or dtype_of(read[0]) is None or not dtype_of(read[0]).is_floating_point:
         return None
-    s = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    rank = len(shape_of(s) or ())
-    dtype = dtype_of(s)
-    if not isinstance(s, fx.Node) or rank < 2 or dim not in (-1, rank - 1) or keepdim not in (True, False) \
-            or dtype is None or not dtype.is_floating_point:
-        return None
+    s, keepdim = read
     found = insert_call(gm, node, torch.max, (s, -1), {"keepdim": True} if keepdim else {})
     ids = insert_call(gm, node, operator.getitem, (found, 1))
     order[found] = order[ids] = order[node]
     node.replace_all_uses_with(ids)
     return f"{node.name} -> max({s.name}, -1)[1]"
+
+
+def amax_to_max_values(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`torch.amax(s, dim=-1)` (`s.amax(-1)`, keepdim too) -> `torch.max(s, -1)[0]` of the `max(s, -1)`
+    the graph already takes over the same scores (a top-1's ids, T5X's router): the same values, so
+    the weight reads the router's own max. Where a row's largest scores tie, the gradient goes to the
+    max's index (the expert the top-1 picks) rather than split among the tied entries, as a top-k's
+    values give it."""
+    read = _last_dim_reduction(node, "amax")
+    if read is None:
+        return None
+    s, keepdim = read
+    rank = len(shape_of(s))
+    found = next((u for u in s.users if is_call(u, "max") and len(u.args) == 2 and u.args[1] in (-1, rank - 1)
+                  and u.kwargs.get("keepdim", False) in (True, False) and not u.kwargs.keys() - {"keepdim"}
+                  and order.get(u, len(order)) < order[node]), None)
+    if found is None:
+        return None
+    values = insert_call(gm, node, operator.getitem, (found, 0))
+    order[values] = order[node]
+    kept = found.kwargs.get("keepdim", False)
+    if keepdim != kept:  # the max's values with the amax's dims
+        values = insert_call(gm, node, torch.unsqueeze if keepdim else torch.squeeze, (values, -1))
+        order[values] = order[node]
+    node.replace_all_uses_with(values)
+    return f"{node.name} -> max({s.name}, -1)[0]"
 
 
 def scattered_ones_to_one_hot(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:

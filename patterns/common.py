@@ -693,7 +693,9 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
 
     x, ids, weights, slot_token = match.x, match.topk_ids, match.topk_weights, None
     if match.token_dims:  # [B, S, .] -> [T, .]: views of the region's own inputs (no size baked in)
-        x, ids, weights = (insert(torch.flatten, (t, 0, -2)) for t in (x, ids, weights))
+        x = insert(torch.flatten, (x, 0, -2))
+        ids = insert(torch.flatten, (ids,) if match.flat_top1 else (ids, 0, -2))  # a top-1's [B, S] ids: [T]
+        weights = insert(torch.flatten, (weights,) if match.flat_top1 and not match.gates else (weights, 0, -2))
     if match.flat_top1:  # [T] ids (and weights, unless a gate matrix holds them) as [T, 1]
         ids = insert(torch.unsqueeze, (ids, -1))
         weights = weights if match.gates else insert(torch.unsqueeze, (weights, -1))

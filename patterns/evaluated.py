@@ -102,7 +102,6 @@ def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scori
     top1 = _leads(shape, tok, 0)
     expect(dtype_of(ids) in (torch.int32, torch.int64) and (top1 or _leads(shape, tok, 1)),
            "the ids are not [T, K] or [T] (or [B, S, K])")
-    expect(not (top1 and len(tok) > 1), "a top-1 over tokens in more than one dim")
     token_dims = len(tok) > 1
     T, K = _product(tok), 1 if top1 else shape[-1]
     stacked = [p for p in params if len(shape_of(p)) == 3]

@@ -285,8 +285,10 @@ class _Region:
 
         m = self.match
         at = {node: value for node, value in zip(self.inputs, values)}
-        if m.token_dims:  # the op's [T, .] views of x and the routing; its result viewed back below
-            at.update({n: at[n].reshape(-1, at[n].shape[-1]) for n in (m.x, m.topk_ids, m.topk_weights)})
+        if m.token_dims:  # the op's [T, .] views of x and the routing ([T] of a top-1's); its result viewed back below
+            at[m.x] = at[m.x].reshape(-1, at[m.x].shape[-1])
+            for n, flat in ((m.topk_ids, m.flat_top1), (m.topk_weights, m.flat_top1 and not m.gates)):
+                at[n] = at[n].reshape(-1) if flat else at[n].reshape(-1, at[n].shape[-1])
         x = at[m.x]
         if m.group_offsets:  # row r runs the expert whose group holds it (E past the last group: dropped below)
             offsets = at[m.topk_ids]

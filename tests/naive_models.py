@@ -2038,10 +2038,11 @@ class GroupedTokensMoE(Router):
     by 4-D einsums, stacked GELU experts with biases.
 
     capacity: C per expert and group (S or more drops nothing)
+    K:        2, or 1 (T5X's Switch: the argmax, weighted by the `amax` of the probabilities)
     """
 
-    def __init__(self, d=16, n=8, E=4, capacity=1):
-        super().__init__(d, E, 2)
+    def __init__(self, d=16, n=8, E=4, capacity=1, K=2):
+        super().__init__(d, E, K)
         self.capacity = capacity
         self.wi = stacked_param(E, n, d, "in_out")  # [E, d, n]
         self.wo = stacked_param(E, d, n, "in_out")  # [E, n, d]
@@ -2051,12 +2052,15 @@ class GroupedTokensMoE(Router):
     def forward(self, x):
         x = x.view(3, -1, x.shape[-1])  # [G, S, d]
         probs = F.softmax(self.gate(x), dim=-1)
-        w, ids = torch.topk(probs, 2, dim=-1)
-        w = w / w.sum(-1, keepdim=True)
+        if self.K == 1:
+            ids, w = probs.argmax(-1, keepdim=True), torch.amax(probs, dim=-1, keepdim=True)
+        else:
+            w, ids = torch.topk(probs, 2, dim=-1)
+            w = w / w.sum(-1, keepdim=True)
         E, C = self.E, self.capacity
         seen = 0
         dispatch = combine = 0
-        for k in range(2):
+        for k in range(self.K):
             mask = F.one_hot(ids[..., k], E)  # [G, S, E]
             at = torch.cumsum(mask, dim=1) - 1 + seen
             seen = seen + mask.sum(1, keepdim=True)

@@ -555,6 +555,25 @@ def test_an_argmax_over_the_experts_becomes_a_max(fn):
     same_value(gm, fn, scores)
 
 
+def _top1_weighted_by_amax(scores):  # T5X's Switch router: the argmax, weighted by the largest probability
+    probs = scores.view(2, -1, E).softmax(-1)
+    return probs.argmax(-1), torch.amax(probs, dim=-1), probs.amax(-1, keepdim=True)
+
+
+def _amax_of_other_scores(scores):  # the max is over the probabilities, the amax over the scores
+    return scores.softmax(-1).argmax(-1), torch.amax(scores, dim=-1), scores.amax(0)
+
+
+def test_an_amax_beside_a_max_of_the_same_scores_reads_its_values():
+    scores = torch.randn(T, E)
+    gm = traced(_top1_weighted_by_amax, scores)
+    assert rules(canonicalize(gm)).count("amax_to_max_values") == 2
+    assert "amax" not in ops(gm), ops(gm)
+    same_value(gm, _top1_weighted_by_amax, scores)
+    gm = traced(_amax_of_other_scores, scores)
+    assert "amax_to_max_values" not in rules(canonicalize(gm))
+
+
 def _argmax_flat(scores):
     return torch.argmax(scores)  # over every element
 

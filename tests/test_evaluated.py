@@ -10,8 +10,8 @@ import moe_compiler.patterns.verify as verify
 import moe_compiler
 
 from .helpers import assert_close_to_eager
-from .naive_models import (CapacityDispatchMoE, CapacityListMoE, CapacityTop2MoE, GroupedTokensMoE, PermutedTop1MoE,
-                           SlotGatherMoE, SlotPriorityCapacityMoE, SortedRowsGatheredMoE, TokenMajorMoE)
+from .naive_models import (CapacityDispatchMoE, CapacityListMoE, CapacityTop2MoE, GatheredMoE, GroupedTokensMoE,
+                           PermutedTop1MoE, SlotGatherMoE, SlotPriorityCapacityMoE, SortedRowsGatheredMoE, TokenMajorMoE)
 from .test_naive_patterns import FLAG, _check_gpu_bf16, _check_rewrite, _compile, _inputs, _out_and_grads, assert_left_alone
 
 
@@ -44,12 +44,13 @@ def test_gshard_top2_with_capacity_is_found_with_each_slots_kept_mask(masks, cou
     assert "capacity dropped" in report.rewritten[0].details["layout"], str(report)
 
 
-@pytest.mark.parametrize("capacity", [1, 4], ids=["drops", "no-drop"])
-def test_tokens_kept_in_groups_are_found_with_each_groups_capacity(capacity):
+@pytest.mark.parametrize("capacity,K", [(1, 2), (4, 2), (1, 1), (4, 1)], ids=["drops", "no-drop", "top1-drops", "top1"])
+def test_tokens_kept_in_groups_are_found_with_each_groups_capacity(capacity, K):
     """[G, S] tokens never flattened: the op runs on their [T, .] views, each group's kept slots
-    flattened as its ids are (3 groups of 4 tokens, 8 slots a group: C = 1 keeps 4 of them, C = 4
-    every one)."""
-    report = _check_rewrite(GroupedTokensMoE(capacity=capacity), "evaluated", op="sonic::moe_experts")
+    flattened as its ids are (3 groups of 4 tokens, 4K slots a group in 4C places: C = 1 drops at
+    least 4 of 8 slots, or 0 to 3 of a top-1's 4, C = 4 none). The top-1 weighs by `amax` of the
+    probabilities, read as the values of the argmax's max."""
+    report = _check_rewrite(GroupedTokensMoE(capacity=capacity, K=K), "evaluated", op="sonic::moe_experts")
     assert ("capacity dropped" in report.rewritten[0].details["layout"]) == (capacity == 1), str(report)
 
 
@@ -123,7 +124,9 @@ def test_slot_loop_over_gathered_weights_is_found_by_evaluation(down):
     (lambda: TokenMajorMoE(view=True), "dense_bmm"),
     # outputs of buffers[e] stacked: the combine einsum is no gate-weighted sum over stacked outputs
     (lambda: CapacityListMoE(experts="index", act="swiglu"), "dense_experts"),
-], ids=["token-major-view", "capacity-buffers-indexed"])
+    # gathered weights whose down projection is stored the other way round: "two orientations"
+    (lambda: GatheredMoE(gate_up="plain", down_orient="in_out"), "gathered_weights"),
+], ids=["token-major-view", "capacity-buffers-indexed", "gathered-down-swapped"])
 def test_a_layer_a_finder_refuses_is_found_by_evaluation(make, refused):
     """A finder refuses the layer and says so; evaluated on its own the region is the op's, and is
     rewritten."""

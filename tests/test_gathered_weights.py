@@ -97,7 +97,6 @@ NEGATIVE = {
     "up-rows-differ": (dict(up_rows="scaled"), "not only the up-projection output"),
     "y-read-elsewhere": (dict(y_read=True), "read more than once"),
     "summed-over-d": (dict(sum_dim=2), "not summed over each token's K experts"),
-    "orientation-mismatch": (dict(gate_up="plain", down_orient="in_out"), "two orientations"),
     "gather-read-elsewhere": (dict(gather_read=True), "read more than once"),
     # x.repeat(K, 1): slot (t, k) multiplies row (t K + k) mod T, not x[t]
     "bmm-rows-tiled": (dict(products="bmm_tiled"), "none found its first projection in those forms"),
