@@ -73,7 +73,8 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
         products = reached + [n for n in _feeding(reached) if n not in reached and n not in scoring]
         params = _params(products, E)
         stacked = [p for p in params if len(shape_of(p)) == 3]
-        linears = _linear_weights(reached, E) if len(stacked) not in (2, 3) else None
+        # Linears on dispatched rows (what the ids reach), else on every token (what feeds the combine)
+        linears = (_linear_weights(reached, E) or _linear_weights(products, E)) if len(stacked) not in (2, 3) else None
         if len(stacked) not in (2, 3) and linears is None:
             continue  # no experts this finder reads (stacked [E, ., .] weights, or E experts' Linears on routed rows)
         try:
@@ -401,12 +402,12 @@ def _stacked_guesses(stacked: list[fx.Node], biases: list[fx.Node], d: int):
                 yield _Guess(inputs, w1_out, n, w_up is not None, stacked=(w1, w_up, w2, transposed, b1, b2, swapped))
 
 
-def _linear_weights(reached: list[fx.Node], E: int) -> tuple[list[fx.Node], dict] | None:
-    """(weights, bias of each) of the `linear` calls on what the ids reach (a ModuleList's experts on
-    dispatched rows): 2-D graph inputs in the order first read, each with the call's own bias or
-    None; None unless there are two or three per expert."""
+def _linear_weights(nodes: list[fx.Node], E: int) -> tuple[list[fx.Node], dict] | None:
+    """(weights, bias of each) of the `linear` calls among `nodes` (a ModuleList's experts on
+    dispatched rows, or on every token): 2-D graph inputs in the order first read, each with the
+    call's own bias or None; None unless there are two or three per expert."""
     weights, bias_of = [], {}
-    for node in reached:
+    for node in nodes:
         if not is_call(node, "linear") or len(node.args) < 2:
             continue
         weight, bias = node.args[1], arg(node, 2, "bias")

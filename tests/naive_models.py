@@ -2072,3 +2072,26 @@ class GroupedTokensMoE(Router):
         h = F.gelu(torch.einsum("egcd,edn->egcn", buffers, self.wi) + self.bi[:, None, None])
         y = torch.einsum("egcn,end->egcd", h, self.wo) + self.bo[:, None, None]
         return torch.einsum("gsec,egcd->gsd", combine, y).reshape(-1, x.shape[-1])
+
+
+class EveryTokenListMoE(Router):
+    """A ModuleList of experts each run on every token, expert e's output scaled by its weight
+    summed over the slots (`w[:, j] * (ids[:, j] == e)`, Python's sum over j) and added up.
+
+    combine: "slots" (as above), "next_expert" (expert e's output weighted by expert e + 1's
+             weight: not the op)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, combine="slots"):
+        super().__init__(d, E, K)
+        self.combine = combine
+        self.experts = nn.ModuleList(GatedExpert(d, n) for _ in range(E))
+
+    def forward(self, x):
+        _, w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = (e + 1) % self.E if self.combine == "next_expert" else e
+            weight = sum(w[:, j] * (ids[:, j] == chosen).to(x.dtype) for j in range(self.K))
+            out = out + weight[:, None] * expert(x)
+        return out

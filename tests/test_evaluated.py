@@ -10,8 +10,9 @@ import moe_compiler.patterns.verify as verify
 import moe_compiler
 
 from .helpers import assert_close_to_eager
-from .naive_models import (CapacityDispatchMoE, CapacityListMoE, CapacityTop2MoE, GatheredMoE, GroupedTokensMoE,
-                           PermutedTop1MoE, SlotGatherMoE, SlotPriorityCapacityMoE, SortedRowsGatheredMoE, TokenMajorMoE)
+from .naive_models import (CapacityDispatchMoE, CapacityListMoE, CapacityTop2MoE, EveryTokenListMoE, GatheredMoE,
+                           GroupedTokensMoE, PermutedTop1MoE, SlotGatherMoE, SlotPriorityCapacityMoE,
+                           SortedRowsGatheredMoE, TokenMajorMoE)
 from .test_naive_patterns import FLAG, _check_gpu_bf16, _check_rewrite, _compile, _inputs, _out_and_grads, assert_left_alone
 
 
@@ -72,6 +73,13 @@ def test_capacity_dispatch_into_module_list_experts_is_found_by_evaluation(optio
     the order read; the weights a [T, E] matrix read at the ids (filled outside them in the
     evaluation) or one column per slot; 24 slots in 16 places (K=1: 12 tokens in 16) on these inputs."""
     report = _check_rewrite(CapacityListMoE(**options), "evaluated", op="sonic::moe_experts_list")
+    assert "per-expert list" in report.rewritten[0].details["layout"], str(report)
+
+
+def test_module_list_experts_on_every_token_are_found_by_evaluation():
+    """Each expert's Linears read every token (no rows dispatched), its weight summed over the slots:
+    the Linears are found among what feeds the combine."""
+    report = _check_rewrite(EveryTokenListMoE(), "evaluated", op="sonic::moe_experts_list")
     assert "per-expert list" in report.rewritten[0].details["layout"], str(report)
 
 
@@ -150,6 +158,8 @@ def test_a_layer_a_finder_refuses_is_found_by_evaluation(make, refused):
     (lambda: CapacityTop2MoE(masks="token", combine="unmasked"), "capacity-limited"),
     # the probabilities weigh a dropped slot's token (at its expert's row 0): read outside the kept ids
     (lambda: CapacityListMoE(weights="dense"), "capacity-limited"),
+    # expert e's output weighted by expert e + 1's weight
+    (lambda: EveryTokenListMoE(combine="next_expert"), "no hypothesis"),
     # dropped slots' rows added into their expert's last row: the token kept there reads a sum
     (lambda: SlotPriorityCapacityMoE(spill=True), "capacity-limited"),
     # the rows scaled in place are read again: the write stays, and so does the layer
