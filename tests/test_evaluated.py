@@ -193,10 +193,10 @@ def test_a_region_too_large_to_evaluate_stays(caplog, monkeypatch):
                                   lambda: CapacityDispatchMoE(capacity=2), CapacityTop2MoE, CapacityListMoE,
                                   lambda: CapacityListMoE(weights="columns", act="swiglu"), GroupedTokensMoE,
                                   SlotPriorityCapacityMoE, SortedRowsGatheredMoE, lambda: SlotGatherMoE(down="out_in"),
-                                  lambda: GroupedTokensMoE(K=1)],
+                                  lambda: GroupedTokensMoE(K=1), EveryTokenListMoE],
                          ids=["capacity", "slots", "positive", "capacity-drops", "top2-capacity-drops", "list-capacity",
                               "list-columns", "grouped-tokens", "flat-slots", "sorted-rows", "down-swapped",
-                              "grouped-top1"])
+                              "grouped-top1", "every-token-list"])
 def test_found_by_evaluation_gpu_bf16(make):
     _check_gpu_bf16(make, "evaluated")
 
