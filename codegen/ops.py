@@ -781,6 +781,29 @@ def drop_slots_from(topk_ids, topk_weights, E: int, *, K: int | None = None, app
     return ids, apply(torch.reshape, (topk_weights, (-1,))), slot_token
 
 
+def kept_slot_ids(ids, keep, E: int, apply=_call, token_dims: bool = False):
+    """[T, K] ids with E (the sentinel `drop_slots_from` drops) at each slot `keep` does not keep:
+    `keep` as `patterns.common.MoEMatch.slot_keep` holds it, with values (the reference) or graph
+    nodes (the rewrite, `apply` its node inserter) in place of the nodes; `token_dims`: they keep the region's
+    [B, S, .] token dims, flattened here as the ids were."""
+    columns = []
+    for j, (kept, kind) in enumerate(keep):
+        if token_dims:
+            kept = apply(torch.flatten, (kept,) if kind == "token" else (kept, 0, -2))
+        slot_ids = ids if len(keep) == 1 else apply(torch.narrow, (ids, 1, j, 1))
+        if kind == "token":  # [T]: the token's slots
+            kept = apply(torch.unsqueeze, (kept, 1))
+        elif kind == "flat":  # [T * K]: the slots token by token
+            kept = apply(torch.Tensor.reshape_as, (kept, ids))
+        elif kind == "expert":  # [T, E]: at each slot's expert
+            kept = apply(torch.gather, (kept, 1, slot_ids))
+        elif len(keep) != 1:  # [T, K] given per slot: its own column
+            kept = apply(torch.narrow, (kept, 1, j, 1))
+        columns.append(apply(torch.ne, (kept, 0)))
+    kept = columns[0] if len(columns) == 1 else apply(torch.cat, (columns, 1))
+    return apply(torch.where, (kept, ids, E))
+
+
 def slots_from_offsets(x, offsets, E: int, apply=_call) -> tuple:
     """Rows that arrive grouped by expert (`torch._grouped_mm`'s layout: row r belongs to expert e
     where offsets[e-1] <= r < offsets[e], with 0 before the first) as the slot form `moe_experts`

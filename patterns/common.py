@@ -99,7 +99,7 @@ class MoEMatch:
     # region's own nodes that say which slots are kept (nonzero: kept), as (node, kind) pairs: one
     # pair for every slot, or one per slot in slot order. kind "token": [T], each token's slots;
     # "slot": [T, K]; "flat": [T * K], the slots token by token; "expert": [T, E], read at the slot's id. The rewrite gives a dropped slot the id
-    # E (`kept_slot_ids`) and calls the op in the slot form, as for expert-parallel sentinels.
+    # E (`codegen.ops.kept_slot_ids`) and calls the op in the slot form, as for expert-parallel sentinels.
     slot_keep: tuple[tuple[fx.Node, str], ...] | None = None
     verified: str = "-"  # what verification by evaluation found (`patterns.verify`), for the report
 
@@ -665,7 +665,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     the op's `nograd` overload (`codegen.nograd`: the same op without its Python autograd layer).
     """
     from moe_compiler.codegen.nograd import overload
-    from moe_compiler.codegen.ops import drop_slots_from, slots_from_offsets, validate_moe_inputs
+    from moe_compiler.codegen.ops import drop_slots_from, kept_slot_ids, slots_from_offsets, validate_moe_inputs
     from moe_compiler.codegen.token_rounding import M_TILE
 
     graph = gm.graph
@@ -718,8 +718,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
     if match.slot_keep is not None:  # capacity: a slot the region does not keep becomes a sentinel, dropped below
         if token_rounding is not None:
             raise ValueError("token rounding does not apply to capacity-limited routing")
-        ids = kept_slot_ids(ids, [(node, kind) for node, kind in match.slot_keep], match.shape["E"], apply=insert,
-                            token_dims=match.token_dims)
+        ids = kept_slot_ids(ids, match.slot_keep, match.shape["E"], apply=insert, token_dims=match.token_dims)
     if match.sentinels == "drop" or match.slot_keep is not None:  # the slot form with the dropped slots as padding
         ids, weights, slot_token = drop_slots_from(ids, weights, match.shape["E"], K=shape_of(ids)[1], apply=insert)
     elif match.sentinels == "clamp":
@@ -770,33 +769,6 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         _replace_accumulator(graph, match, result)
     erase_dead(graph, match.region | {match.anchor})
     return call
-
-
-def _call(fn, args, kwargs=None):
-    return fn(*args, **(kwargs or {}))
-
-
-def kept_slot_ids(ids, keep, E: int, apply=_call, token_dims: bool = False):
-    """[T, K] ids with E (the sentinel `drop_slots_from` drops) at each slot `keep` does not keep:
-    `keep` as `MoEMatch.slot_keep` holds it, with values (the reference) or graph nodes (the
-    rewrite, `apply` its node inserter) in place of the nodes; `token_dims`: they keep the region's
-    [B, S, .] token dims, flattened here as the ids were."""
-    columns = []
-    for j, (kept, kind) in enumerate(keep):
-        if token_dims:
-            kept = apply(torch.flatten, (kept,) if kind == "token" else (kept, 0, -2))
-        slot_ids = ids if len(keep) == 1 else apply(torch.narrow, (ids, 1, j, 1))
-        if kind == "token":  # [T]: the token's slots
-            kept = apply(torch.unsqueeze, (kept, 1))
-        elif kind == "flat":  # [T * K]: the slots token by token
-            kept = apply(torch.Tensor.reshape_as, (kept, ids))
-        elif kind == "expert":  # [T, E]: at each slot's expert
-            kept = apply(torch.gather, (kept, 1, slot_ids))
-        elif len(keep) != 1:  # [T, K] given per slot: its own column
-            kept = apply(torch.narrow, (kept, 1, j, 1))
-        columns.append(apply(torch.ne, (kept, 0)))
-    kept = columns[0] if len(columns) == 1 else apply(torch.cat, (columns, 1))
-    return apply(torch.where, (kept, ids, E))
 
 
 def _stacked_list_biases(bias_lists, insert) -> tuple[fx.Node | None, fx.Node | None]:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import operator
 
 import torch
@@ -53,7 +54,8 @@ import torch.fx as fx
 from moe_compiler.codegen.activations import GATED
 
 from .common import (MoEMatch, NoMatch, RegionWalk, Rejection, arg, backward_slice, dtype_of, example_value, expect,
-                     finish_match, insert_call, is_call, module_path, op_name, same_size, shape_of, writes_in_place)
+                     finish_match, insert_call, is_call, module_path, op_name, same_shape, same_size, shape_of,
+                     writes_in_place)
 from .module_list import ExpertMLP, finish_list_match
 from .unmatched import _COMPARE, _feeding, _forward, _routers, counts_over_tokens
 
@@ -104,7 +106,7 @@ def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scori
     expect(dtype_of(ids) in (torch.int32, torch.int64) and (top1 or _leads(shape, tok, 1)),
            "the ids are not [T, K] or [T] (or [B, S, K])")
     token_dims = len(tok) > 1
-    T, K = _product(tok), 1 if top1 else shape[-1]
+    T, K = math.prod(tok), 1 if top1 else shape[-1]
     stacked = [p for p in params if len(shape_of(p)) == 3]
     biases = [p for p in params if len(shape_of(p)) == 2]
     xs = _hidden_states(scoring, reached, tok)
@@ -162,14 +164,7 @@ def _evaluate(match: MoEMatch, acts: list[dict]) -> MoEMatch | str:
 
 def _leads(shape, tok: tuple, extra: int) -> bool:
     """Whether `shape` is the token dims `tok` and `extra` dims more."""
-    return len(shape) == len(tok) + extra and all(same_size(a, b) for a, b in zip(shape, tok))
-
-
-def _product(sizes: tuple):
-    total = 1
-    for size in sizes:
-        total = total * size
-    return total
+    return len(shape) == len(tok) + extra and same_shape(tuple(shape[:len(tok)]), tok)
 
 
 def _hidden_states(scoring: set[fx.Node], reached: list[fx.Node], tok: tuple) -> list[fx.Node]:
@@ -326,7 +321,7 @@ def _anchors(reached: list[fx.Node], x: fx.Node, forward: dict) -> list[fx.Node]
         shape = shape_of(node)
         if node not in on_all or not shape or dtype_of(node) is None or not dtype_of(node).is_floating_point:
             continue
-        if len(shape) == len(sx) and all(same_size(a, b) for a, b in zip(shape, sx)):
+        if same_shape(shape, sx):
             found.append(node)
     return found[::-1][:2 * _MAX_CANDIDATES]
 

@@ -279,9 +279,8 @@ class _Region:
     def _reference(self, values: list, kept: list | None = None) -> torch.Tensor:
         """What the op computes on the same inputs, in float64; `kept`: the values of the region's
         kept-slot nodes (`MoEMatch.slot_keep`), whose other slots add nothing."""
+        from moe_compiler.codegen.ops import kept_slot_ids
         from moe_compiler.codegen.reference import torch_moe_experts
-
-        from .common import kept_slot_ids
 
         m = self.match
         at = {node: value for node, value in zip(self.inputs, values)}
