@@ -38,7 +38,10 @@ and the evaluation decides. The crowded routing drops slots at any capacity belo
 kept-slot guess, or a combine that still weighs a dropped slot, differs. It runs on the CPU
 whatever the graph's device: a wrong guess may index out of range, which the CPU reports as an
 error and a CUDA kernel as a device-side assert that ends the process's use of the GPU. A region
-too large to evaluate is left alone.
+too large for the CPU, in a graph on CUDA (a capacity layer at a model's size), is split: its
+routing part (all it computes from neither the hidden states nor the expert weights) runs on the
+CPU, the rest on the GPU, reading only indices the CPU computed and proved in range
+(`verify.placed`, `indices`). A region too large for that too is left alone.
 """
 from __future__ import annotations
 

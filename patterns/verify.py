@@ -27,7 +27,12 @@ float64 kernel (`torch._grouped_mm`) run as a per-group matmul.
 
 A region that raises is rejected. One whose estimated cost exceeds `MAX_FLOPS` or `MAX_BYTES`
 (on CUDA also half the free memory), or that runs out of memory, keeps the finder's structural
-proof alone, and the report says so. Results are cached by the region's structure, so the 48 identical layers of a
+proof alone, and the report says so. A region that must be evaluated on the CPU (`on_cpu`: a
+guess, which may index out of range) but is too large for it, in a graph on CUDA, is split
+(`placed`): what it computes from the routing alone (ids, weights, counts, masks, positions) runs
+on the CPU, the rest (every value computed from the hidden states or the expert weights) on the
+GPU, and each index the GPU part reads is one the CPU computed and `indices.check` proves in range
+first. Results are cached by the region's structure, so the 48 identical layers of a
 model graph are evaluated once.
 """
 from __future__ import annotations
@@ -38,6 +43,7 @@ import logging
 import torch
 import torch.fx as fx
 
+from . import indices
 from .common import PRODUCTS, MoEMatch, NoMatch, backward_slice, example_value, is_call, shape_of, writes_in_place
 
 log = logging.getLogger("moe_compiler")
@@ -56,12 +62,10 @@ def verify(match: MoEMatch, on_cpu: bool = False) -> str:
     `on_cpu`: evaluate on the CPU whatever device the graph runs on, every device the region names
     read as the CPU (a region that is only a guess may index out of range: on the CPU that raises,
     where a CUDA kernel's device-side assert would end the process's use of the GPU)."""
-    region = _Region(match, on_cpu)
-    cost, size = region.estimate()
-    if not region.fits(cost, size):
-        log.info("sonic.verify: %s not evaluated (%.3g GFLOP, %.3g GB of float64 inputs): structural checks only",
-                 match.module, cost / 1e9, size / 1e9)
-        return f"structural only (evaluation would take {cost / 1e9:.3g} GFLOP)"
+    region = placed(match, on_cpu)
+    if isinstance(region, str):
+        log.info("sonic.verify: %s not evaluated (%s): structural checks only", match.module, region)
+        return f"structural only (evaluation would take {region})"
     key = region.signature()
     if key in _cache:
         outcome = _cache[key]
@@ -76,7 +80,8 @@ def verify(match: MoEMatch, on_cpu: bool = False) -> str:
             return "structural only (out of memory evaluating it)"
     if outcome != "equal":
         raise NoMatch(f"evaluated against the op, the region differs: {outcome}")
-    return f"evaluated equal on {len(_routings(match))} routings"
+    where = " (the routing's part on the CPU, the rest on the GPU)" if region.on_host is not None else ""
+    return f"evaluated equal on {len(_routings(match))} routings{where}"
 
 
 def first_equal(match: MoEMatch, variants: list[dict], on_cpu: bool = False) -> dict | str:
@@ -84,10 +89,9 @@ def first_equal(match: MoEMatch, variants: list[dict], on_cpu: bool = False) -> 
     activation and its parameters) whose op the region evaluates equal to, set on the match; or
     why none is. The region runs once, on the routings `verify` uses; a region too large to
     evaluate says so."""
-    region = _Region(match, on_cpu)
-    cost, size = region.estimate()
-    if not region.fits(cost, size):
-        return f"too large to evaluate ({cost / 1e9:.3g} GFLOP)"
+    region = placed(match, on_cpu)
+    if isinstance(region, str):
+        return f"too large to evaluate ({region})"
     with _nondeterministic_allowed():
         runs = region.run()
         if isinstance(runs, str):
@@ -98,6 +102,22 @@ def first_equal(match: MoEMatch, variants: list[dict], on_cpu: bool = False) -> 
             if region.compare(runs) == "equal":
                 return variant
     return "no variant equal"
+
+
+def placed(match: MoEMatch, on_cpu: bool = False) -> _Region | str:
+    """The region, placed where it is evaluated: on its graph's device (on the CPU with `on_cpu`),
+    or, too large for the CPU, split between the CPU and its graph's GPU; or its cost, where it
+    is too large for either."""
+    region = _Region(match, on_cpu)
+    cost, size = region.estimate()
+    if region.fits(cost, size):
+        return region
+    value = example_value(match.x)
+    if on_cpu and isinstance(value, torch.Tensor) and value.device.type == "cuda":
+        split = _Region(match, split=True)
+        if split.refusal is None and split.fits_split():
+            return split
+    return f"{cost / 1e9:.3g} GFLOP"
 
 
 def _routings(match: MoEMatch) -> tuple[str, ...]:
@@ -123,7 +143,7 @@ def _nondeterministic_allowed():
 class _Region:
     """The region's nodes as a graph of their own, inputs first in a fixed order."""
 
-    def __init__(self, match: MoEMatch, on_cpu: bool = False):
+    def __init__(self, match: MoEMatch, on_cpu: bool = False, split: bool = False):
         self.match, self.on_cpu = match, on_cpu
         self.nonnegative_weights = not match.group_offsets and nonnegative(match.topk_weights)
         named = [*match.op_inputs(), *([match.added_to] if match.added_to is not None else [])]
@@ -155,6 +175,29 @@ class _Region:
         self.module = fx.GraphModule(match.anchor.graph.owning_module or torch.nn.Module(), graph)
         value = example_value(match.x)
         self.device = value.device if isinstance(value, torch.Tensor) and not on_cpu else torch.device("cpu")
+        self.on_host: set[fx.Node] | None = None  # split: the region graph's nodes run on the CPU
+        self.on_gpu: set[fx.Node] = set()  # split: the graph's nodes (and inputs) evaluated on the GPU
+        self.refusal: str | None = None  # split: why it cannot be
+        if split:
+            self._split(env)
+        self.routing_device = torch.device("cpu") if split else self.device
+
+    def _split(self, env: dict[fx.Node, fx.Node]) -> None:
+        """Place each node: on the GPU what reads the hidden states or the expert weights (every
+        tensor input but the routing's ids and weights) and the float tensors made from no tensor
+        (`torch.zeros(T, d)`), on the CPU the rest."""
+        routing = {self.match.topk_ids, self.match.topk_weights}
+        on_gpu = {n for n in self.inputs if n not in routing and isinstance(example_value(n), torch.Tensor)}
+        for node in self.nodes:
+            made = example_value(node)
+            reads = [i for i in node.all_input_nodes if isinstance(example_value(i), torch.Tensor)]
+            if any(i in on_gpu for i in reads) or (not reads and isinstance(made, torch.Tensor)
+                                                    and made.is_floating_point()):
+                on_gpu.add(node)
+                if writes_in_place(node) and node.args and node.args[0] not in on_gpu:
+                    self.refusal = f"{node.name} writes on the GPU into a value computed on the CPU"
+        self.on_gpu = on_gpu
+        self.on_host = {env[n] for n in self.nodes if n not in on_gpu}
 
     def signature(self) -> str:
         fields = {k: str(getattr(self.match, k)) for k in ("activation", "interleaved", "transposed", "alpha",
@@ -164,7 +207,7 @@ class _Region:
         fields["nonnegative_weights"] = str(self.nonnegative_weights)
         metas = [(tuple(map(_concrete, shape_of(n))), str(getattr(example_value(n), "dtype", type(example_value(n)))))
                  for n in self.inputs]
-        return repr((self.module.code, metas, sorted(fields.items()), str(self.device)))
+        return repr((self.module.code, metas, sorted(fields.items()), str(self.device), self.on_host is not None))
 
     def fits(self, cost: float, size: float) -> bool:
         """Whether an evaluation of `estimate`'s cost and size is within the limits of the region's
@@ -175,12 +218,29 @@ class _Region:
             room = min(room, torch.cuda.mem_get_info(self.device)[0] // 2)
         return cost <= MAX_FLOPS[device] and size <= room
 
-    def estimate(self) -> tuple[float, float]:
-        """(float64 multiply-adds x2 over every routing, bytes of the float64 inputs)."""
+    def fits_split(self) -> bool:
+        """Whether the split region's CPU part fits the CPU's limits and the rest the GPU's (and
+        half its free memory)."""
+        host = [n for n in self.nodes if n not in self.on_gpu]
+        routing = [n for n in self.inputs if n in (self.match.topk_ids, self.match.topk_weights)]
+        host_cost, host_size = self.estimate(host, routing)
+        gpu_cost, gpu_size = self.estimate([n for n in self.nodes if n in self.on_gpu],
+                                           [n for n in self.inputs if n not in routing])
+        room = MAX_BYTES["cuda"]
+        if self.device.type == "cuda":
+            room = min(room, torch.cuda.mem_get_info(self.device)[0] // 2)
+        return host_cost <= MAX_FLOPS["cpu"] and host_size <= MAX_BYTES["cpu"] and gpu_cost <= MAX_FLOPS["cuda"] \
+            and gpu_size <= room
+
+    def estimate(self, nodes: list[fx.Node] | None = None, inputs: list[fx.Node] | None = None) -> tuple[float, float]:
+        """(float64 multiply-adds x2 over every routing, bytes of the float64 inputs), of the whole
+        region or of `nodes` reading `inputs`."""
+        nodes = self.nodes if nodes is None else nodes
+        inputs = self.inputs if inputs is None else inputs
         T, K, E = (_concrete(self.match.shape[k]) for k in ("T", "K", "E"))
         per_expert = max(1, T * K // max(E, 1))
         flops = 0.0
-        for node in self.nodes:
+        for node in nodes:
             if is_call(node, *PRODUCTS):
                 out = shape_of(node)
                 first = shape_of(node.args[0]) if node.args else ()
@@ -188,8 +248,8 @@ class _Region:
                 for s in out:
                     numel *= _concrete(s, per_expert)
                 flops += 2 * numel * (_concrete(first[-1], per_expert) if first else 1)
-        largest = max((_numel(n, per_expert) for n in self.nodes), default=0)
-        size = sum(8 * _numel(n) for n in self.inputs) + 3 * 8 * largest  # a few intermediates live at once
+        largest = max((_numel(n, per_expert) for n in nodes), default=0)
+        size = sum(8 * _numel(n) for n in inputs) + 3 * 8 * largest  # a few intermediates live at once
         return flops * len(_routings(self.match)), float(size)
 
     def evaluate(self) -> str:
@@ -214,9 +274,11 @@ class _Region:
         for routing in _routings(self.match):
             try:
                 values = self._inputs(routing, generator, fixed)
-                runs.append((routing, values, _Float64(self.module, self.on_cpu).run(*values)))
+                runs.append((routing, values, _Float64(self.module, self.on_cpu, self.on_host, self.device).run(*values)))
             except (NoMatch, torch.OutOfMemoryError):
                 raise
+            except indices.Unprovable as exc:  # the GPU part would read an index the CPU did not check
+                return f"too large to evaluate on the CPU, and on the GPU {exc}"
             except Exception as exc:  # a region that cannot run on its own is not one we can vouch for
                 return f"it cannot be evaluated on its own ({type(exc).__name__}: {str(exc)[:200]})"
         return runs
@@ -228,6 +290,8 @@ class _Region:
             kept = None
             if self.match.slot_keep is not None:  # (the result, the kept-slot values the reference drops by)
                 got, *kept = got
+            if self.on_host is not None:  # split: the reference runs on the GPU, with the CPU's values moved there
+                values, kept = _moved(values, self.device), _moved(kept, self.device)
             try:
                 want = self._reference(values, kept)
             except (NoMatch, torch.OutOfMemoryError):
@@ -247,7 +311,7 @@ class _Region:
         T, K, E = (_concrete(m.shape[k]) for k in ("T", "K", "E"))
         if m.group_offsets:
             offsets = _offsets(routing, T, E, generator).to(example_value(m.topk_ids).dtype)
-            return [_laid_out_as(m.topk_ids, offsets.to(self.device)) if node is m.topk_ids else fixed[node]
+            return [_laid_out_as(m.topk_ids, offsets.to(self.routing_device)) if node is m.topk_ids else fixed[node]
                     for node in self.inputs]
         ids, weights = _routing(routing, T, K, E, generator)
         if self.nonnegative_weights:  # the graph never gives negative weights: the region need not take them
@@ -273,7 +337,7 @@ class _Region:
                 continue
             if m.token_dims:  # [T, .] -> the node's [B, S, .]
                 value = value.reshape(tuple(_concrete(s) for s in shape_of(node)))
-            values.append(_laid_out_as(node, value.to(self.device)))
+            values.append(_laid_out_as(node, value.to(self.routing_device)))
         return values
 
     def _reference(self, values: list, kept: list | None = None) -> torch.Tensor:
@@ -497,20 +561,30 @@ def _numel(node: fx.Node, unknown: int = 1) -> int:
 
 class _Float64(fx.Interpreter):
     """Runs a region with every float dtype read as float64, and `_grouped_mm` as per-group matmuls;
-    `on_cpu`: every device it names read as the CPU, and a move to CUDA refused."""
+    `on_cpu`: every device it names read as the CPU, and a move to CUDA refused. `on_host` (split):
+    those nodes run so, the others on `device`, each reading the CPU's values moved there once,
+    after `indices.check` proved the indices among them in range."""
 
-    def __init__(self, module, on_cpu: bool = False):
+    def __init__(self, module, on_cpu: bool = False, on_host: set[fx.Node] | None = None, device=None):
         super().__init__(module)
-        self.on_cpu = on_cpu
+        self.on_cpu, self.on_host, self.device = on_cpu, on_host, device
+        self.moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a CPU value: (it, its GPU copy)
 
     def run_node(self, n: fx.Node):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         args, kwargs = _as_float64((args, kwargs))
-        if self.on_cpu:
+        on_cpu = self.on_cpu
+        if self.on_host is not None and n.op in ("call_function", "call_method"):
+            on_cpu = n in self.on_host
+            if not on_cpu:
+                if not is_call(n, *_GROUPED_MM):  # (the per-group matmul reads offs on the host)
+                    indices.check(n, args, kwargs)
+                args, kwargs = self._to_device((args, kwargs))
+        if on_cpu:
             if n.op == "call_method" and n.target == "cuda":
                 raise RuntimeError("the region moves a tensor to CUDA")
             args, kwargs = _to_cpu_devices((args, kwargs))
-        if n.op == "call_function" and is_call(n, "_grouped_mm", "aten::_grouped_mm", "transformers::grouped_mm_fallback"):
+        if n.op == "call_function" and is_call(n, *_GROUPED_MM):
             return _grouped_mm(*args, **kwargs)
         if n.op == "call_method" and n.target in _FLOAT_CASTS and isinstance(args[0], torch.Tensor) \
                 and args[0].is_floating_point() and len(args) == 1 and not kwargs:
@@ -519,6 +593,30 @@ class _Float64(fx.Interpreter):
             with self._set_current_node(n):
                 return getattr(self, n.op)(n.target, args, kwargs)
         return super().run_node(n)
+
+
+    def _to_device(self, tree):
+        if isinstance(tree, torch.Tensor) and tree.device.type == "cpu":
+            if id(tree) not in self.moved:
+                self.moved[id(tree)] = (tree, tree.to(self.device))
+            return self.moved[id(tree)][1]
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self._to_device(t) for t in tree)
+        if isinstance(tree, dict):
+            return {k: self._to_device(v) for k, v in tree.items()}
+        return tree
+
+
+_GROUPED_MM = ("_grouped_mm", "aten::_grouped_mm", "transformers::grouped_mm_fallback")
+
+
+def _moved(tree, device):
+    """Every tensor in `tree` on `device`."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_moved(t, device) for t in tree)
+    return tree
 
 
 def _to_cpu_devices(tree):

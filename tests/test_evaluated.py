@@ -2,9 +2,12 @@
 where a hypothesis of the op's arguments evaluates equal to the region; lookalikes stay."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
+import moe_compiler.patterns.indices as indices
 import moe_compiler.patterns.verify as verify
 
 import moe_compiler
@@ -201,6 +204,33 @@ def test_found_by_evaluation_gpu_bf16(make):
     _check_gpu_bf16(make, "evaluated")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [lambda: CapacityListMoE(d=1024, n=1024, E=8, K=2, capacity=640),
+                                  lambda: SlotPriorityCapacityMoE(d=1024, n=512, E=8, K=2, capacity=640)],
+                         ids=["list-capacity", "flat-slots"])
+def test_a_region_too_large_for_the_cpu_is_evaluated_split_on_the_gpu(make):
+    """Capacity at a model's size (4096 tokens, 8192 slots in 5120 places) in bf16 on CUDA: too
+    large to evaluate on the CPU, so its routing part runs there and the rest on the GPU; found,
+    dropped slots and all, and as close to the fp32 model as eager bf16 is."""
+    torch.manual_seed(0)
+    fp32 = make().cuda()
+    bf16 = make().to("cuda", torch.bfloat16)
+    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in fp32.state_dict().items()})
+    x, cotangent = torch.randn(4096, 1024, device="cuda"), torch.randn(4096, 1024, device="cuda")
+    xb, cb = x.to(torch.bfloat16), cotangent.to(torch.bfloat16)
+    verify._cache.clear()
+    truth = _out_and_grads(fp32, x, cotangent, dict(fp32.named_parameters()))
+    eager = _out_and_grads(bf16, xb, cb, dict(bf16.named_parameters()))
+    with moe_compiler.capture() as report:
+        got = _out_and_grads(_compile(bf16, "inductor"), xb, cb, dict(bf16.named_parameters()))
+    assert [r.idiom for r in report.rewritten] == ["evaluated"], str(report)
+    details = report.rewritten[0].details
+    assert "the routing's part on the CPU" in details["verified"] and "capacity dropped" in details["layout"], str(report)
+    assert_close_to_eager(got[0], eager[0], truth[0], torch.bfloat16, "output")
+    for name in truth[1]:
+        assert_close_to_eager(got[1][name], eager[1][name], truth[1][name], torch.bfloat16, f"grad {name}")
+
+
 def test_a_region_computed_partly_under_no_grad_is_left_alone():
     """The first projections computed under torch.no_grad: eager trains no gate/up weight and no x
     through them, the op placed at the combine would. The switch is a node no value reads: the
@@ -224,3 +254,80 @@ def test_a_region_computed_partly_under_no_grad_is_left_alone():
         _compile(model, "aot_eager")(x.requires_grad_(True))
     assert not report.rewritten, str(report)
     assert any("computed under another grad mode" in r.reason for r in report.rejected), str(report)
+
+
+def _split_always(monkeypatch):
+    """Every guessed region split as a large one on a GPU is: its routing part on the CPU, the rest
+    on the graph's device (here the CPU as well), each index that part reads checked first."""
+    checked = []
+
+    def spy(node, args, kwargs):
+        checked.append(str(node.target))
+        return check(node, args, kwargs)
+
+    check = indices.check
+    monkeypatch.setattr(indices, "check", spy)
+    monkeypatch.setattr(verify, "placed", lambda match, on_cpu=False: verify._Region(match, split=True))
+    verify._cache.clear()
+    return checked
+
+
+@pytest.mark.parametrize("make,op,reads", [
+    (CapacityListMoE, "sonic::moe_experts_list", "einsum"),  # [T, E, C] masks from the ids, on the CPU
+    (SlotPriorityCapacityMoE, "sonic::moe_experts_split", "index_add"),  # rows added at e * C + position
+    (SortedRowsGatheredMoE, "sonic::moe_experts_split", "getitem"),  # rows gathered by the sorted order
+], ids=["list-capacity", "flat-slots", "sorted-rows"])
+def test_a_region_split_between_the_cpu_and_the_device_evaluates_as_one(monkeypatch, make, op, reads):
+    """The split evaluation (what a region too large for the CPU gets on a GPU) finds what the
+    whole one finds, and the device part's reads pass the index check."""
+    checked = _split_always(monkeypatch)
+    report = _check_rewrite(make(), "evaluated", op=op)
+    assert "the routing's part on the CPU" in report.rewritten[0].details["verified"], str(report)
+    assert any(reads in target for target in checked), sorted(set(checked))
+
+
+@pytest.mark.parametrize("make,reason", [
+    (lambda: CapacityDispatchMoE(capacity="half", dropped="misrouted"), "capacity-limited"),
+    (lambda: CapacityTop2MoE(masks="token", combine="unmasked"), "capacity-limited"),
+    (lambda: CapacityListMoE(weights="dense"), "capacity-limited"),
+    (lambda: SlotPriorityCapacityMoE(spill=True), "capacity-limited"),
+    (lambda: CapacityDispatchMoE(dispatch="positive", gate_from="logits"), "no hypothesis evaluated equal"),
+    (lambda: SlotGatherMoE(weights="swapped"), "no hypothesis evaluated equal"),
+], ids=["misrouted", "unmasked", "dense", "spill", "logits", "swapped"])
+def test_a_split_region_that_differs_stays(monkeypatch, caplog, make, reason):
+    _split_always(monkeypatch)
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(make(), _inputs()[0], reason, caplog)
+
+
+def _call(target, *args, method=False):
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(f"a{i}") if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    node = graph.call_method(target, tuple(inputs)) if method else graph.call_function(target, tuple(inputs))
+    return node, args
+
+
+def test_indices_read_on_the_device_are_proven_in_range_first():
+    t, idx = torch.zeros(4, 6), torch.tensor([0, 3, 1])
+    ok = [_call("index_select", t, 1, torch.tensor([5, 0]), method=True), _call(torch.gather, t, 1, idx[None]),
+          _call(operator.getitem, t, (slice(None), idx)), _call(operator.getitem, t, (Ellipsis, torch.tensor([-6]))),
+          _call(operator.getitem, t, (None, idx)), _call(operator.getitem, t, torch.ones(4, dtype=torch.bool)),
+          _call(operator.setitem, t, idx, 1.0), _call("index_add_", t, 0, idx, torch.ones(3, 6), method=True),
+          _call(torch.nn.functional.embedding, idx, t), _call(torch.mul, t[:3, 0], idx), _call(torch.mul, t, t)]
+    for node, args in ok:
+        indices.check(node, args, {})
+    out_of_range = [_call("index_select", t, 0, torch.tensor([4]), method=True),
+                    _call(torch.gather, t, 0, torch.tensor([[-1]])),
+                    _call(operator.getitem, t, (slice(None), torch.tensor([6]))),
+                    _call(operator.getitem, t, (Ellipsis, torch.tensor([-7]))),
+                    _call(operator.setitem, t, torch.tensor([4]), 1.0),
+                    _call("scatter_add_", t, 1, torch.tensor([[6]]), torch.ones(1, 1), method=True),
+                    _call(torch.nn.functional.embedding, torch.tensor([4]), t)]
+    for node, args in out_of_range:
+        with pytest.raises(IndexError):
+            indices.check(node, args, {})
+    unknown = [_call(torch.take, t, idx), _call(torch.bincount, idx),
+               _call("index_select", t, 0, idx.to("meta"), method=True)]  # an index not computed on the CPU
+    for node, args in unknown:
+        with pytest.raises(indices.Unprovable):
+            indices.check(node, args, {})
