@@ -23,7 +23,7 @@ class RegionRecord:
 class Report:
     records: list[RegionRecord] = dataclasses.field(default_factory=list)
     graphs: int = 0
-    # `explain`: Dynamo's graph breaks while tracing, one line each (what broke, and where when Dynamo
+    # Dynamo's graph breaks while the block traced, one line each (what broke, and where when Dynamo
     # says): a layer split across graphs, or a frame left to eager, is never seen whole by a finder
     graph_breaks: list[str] = dataclasses.field(default_factory=list)
 
@@ -68,13 +68,51 @@ _active: list[Report] = []
 
 @contextlib.contextmanager
 def capture():
-    """Collect the records of every graph compiled inside the block: `with capture() as report:`."""
+    """Collect the records of every graph compiled inside the block, and Dynamo's graph breaks
+    there: `with capture() as report:`."""
+    from torch._dynamo.utils import counters
+
     report = Report()
+    before = {key: dict(counters[key]) for key in _BREAK_COUNTERS}
     _active.append(report)
     try:
         yield report
     finally:
         _active.remove(report)
+        lines: dict[str, str] = {}  # first line -> the fullest line with that start
+        for key in _BREAK_COUNTERS:
+            for reason, count in counters[key].items():
+                if count > before[key].get(reason, 0):
+                    head, line = _break_line(reason)
+                    if len(line) > len(lines.get(head, "")):
+                        lines[head] = line
+        report.graph_breaks.extend(lines.values())
+        if not report.graph_breaks:  # a top-k returned from its graph, with no break in sight: no router compiled apart
+            report.records = [r for r in report.records if APART not in r.reason]
+
+
+APART = "its ids leave this graph"  # the start of `patterns.unmatched`'s note on a router compiled apart from its experts
+
+
+_BREAK_COUNTERS = ("graph_break", "unimplemented")  # Dynamo's counters of graph-break reasons
+
+
+def _break_line(reason: str) -> tuple[str, str]:
+    """(first line, one line) of a Dynamo graph-break reason: its first line, and each 'frame skipped'
+    context."""
+    lines = [ln.strip() for ln in str(reason).splitlines() if ln.strip()]
+    head = lines[0] if lines else str(reason)
+    skipped = [ln.split("Developer debug context:", 1)[1].strip() for ln in lines
+               if "Developer debug context:" in ln and "frame skipped" in ln]
+    line = head + (f" ({'; '.join(skipped)})" if skipped else "")
+    if "data-dependent" in head.lower():
+        line += f": {_DATA_DEPENDENT}"
+    return head, line
+
+
+_DATA_DEPENDENT = ("a Python branch on a tensor's value; in an expert loop usually one that skips an expert with no "
+                   "tokens (`if idx.numel() == 0: continue`, `if mask.any():`), which can go: an expert run on zero "
+                   "rows adds nothing")
 
 
 def publish(records: list[RegionRecord]) -> None:

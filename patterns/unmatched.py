@@ -17,9 +17,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from moe_compiler.diagnostics import APART
+
 from .common import Rejection, arg, dtype_of, getitem_of, is_call, module_path, shape_of
 
 IDIOM = "unmatched"
+_MAX_EXPERTS = 1024  # a top-k over more scores than this is not taken for a router (a vocabulary's)
 _SLICE_LIMIT = 4000  # nodes walked forward from the ids: a whole MoE layer, not a whole model
 _COMPARE = ("lt", "le", "gt", "ge", "__lt__", "__le__", "__gt__", "__ge__")
 _COMBINES = ("index_add", "index_add_", "scatter_add", "scatter_add_", "setitem", "index_put", "index_put_")
@@ -35,6 +38,8 @@ def explain_unmatched(gm: fx.GraphModule) -> list[Rejection]:
         linears = [n for n in reached if is_call(n, "linear")]
         feeds_experts = stacked or len({n.args[1] for n in linears if len(n.args) > 1}) >= 2
         if not feeds_experts and _capacity(reached) is None:
+            if E <= _MAX_EXPERTS and any(u.op == "output" for n in (ids, *reached) for u in n.users):
+                out.append(Rejection(IDIOM, module_path(router), _returned(router, E)))
             continue  # a top-k that feeds no experts (sampling, a metric); a capacity router is named anyway
         out.append(Rejection(IDIOM, module_path(router), _reason(router, reached, stacked, linears, E)))
     return out
@@ -109,6 +114,15 @@ def counts_over_tokens(cumsum: fx.Node) -> bool:
     """Whether a cumsum runs over a dim before the last (the tokens, not the experts)."""
     dim, rank = arg(cumsum, 1, "dim"), len(shape_of(cumsum))
     return isinstance(dim, int) and rank >= 2 and dim % rank != rank - 1
+
+
+def _returned(router: fx.Node, E: int) -> str:
+    return (f"{router.name} picks among E={E} scores and {APART} with no expert reading them: "
+            f"if they route tokens to experts, that code was traced apart from them (Dynamo compiled the "
+            f"modules one by one after leaving the layer's own frame to Python, or a graph break split "
+            f"it; the graph breaks are listed below). A branch on a tensor's value inside the expert loop "
+            f"(`if idx.numel() == 0: continue`, `if mask.any():`) is the usual cause: an expert run on zero "
+            f"rows adds nothing, so without the branch the layer traces as one graph")
 
 
 def _reason(router: fx.Node, reached: list[fx.Node], stacked: list[fx.Node], linears: list[fx.Node], E: int) -> str:

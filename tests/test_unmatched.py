@@ -3,6 +3,7 @@ expert weights is reported with the closest idiom, a capacity-limited router wit
 left alone, and a top-k that feeds no experts with nothing."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -159,6 +160,65 @@ def test_explain_names_the_graph_break_that_hides_a_layer():
     assert not report.rewritten
     text = str(report)
     assert "Data-dependent branching" in text and "frame skipped: forward" in text, text
+
+
+class SkipsIdleExpertsOwnRouter(SkipsIdleExperts):
+    """The same loop behind a router module of its own (makeMoE's NoisyTopkRouter): Dynamo leaves the
+    layer's frame to Python and compiles the router and each expert apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = Router()
+
+    def forward(self, x):
+        w, ids = self.router(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            mask = (ids == e).any(-1)
+            if mask.any():
+                out[mask] += self.experts[e](x[mask]) * (w * (ids == e)).sum(-1, keepdim=True)[mask]
+        return out
+
+
+class Router(nn.Module):
+    def __init__(self, scores=E):
+        super().__init__()
+        self.gate = nn.Linear(d, scores, bias=False)
+
+    def forward(self, x):
+        return self.gate(x).softmax(-1).topk(K, -1)
+
+
+@pytest.mark.parametrize("make", [SkipsIdleExperts, SkipsIdleExpertsOwnRouter])
+def test_a_compiled_layer_split_by_a_branch_reports_the_break_and_what_to_change(make):
+    """Under torch.compile too (not only `explain`): the break, why, and the branch to drop; a
+    router compiled apart is named, its ids leaving its graph."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True), \
+            moe_compiler.capture() as report:
+        torch.compile(make(), backend="sonic")(torch.randn(T, d))
+    text = str(report)
+    assert not report.rewritten and "Data-dependent branching" in text and "an expert run on zero rows" in text, text
+    routers = [r for r in report.rejected if "its ids leave this graph" in r.reason]
+    assert len(routers) == (make is SkipsIdleExpertsOwnRouter), text
+
+
+def test_a_top_k_over_a_vocabulary_returned_from_its_graph_is_no_router():
+    """A graph break in sight, but 2048 scores: a vocabulary's top-k, not a router's."""
+    class Sampling(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = Router(scores=2048)
+
+        def forward(self, x):
+            values, ids = self.router(x)
+            torch._dynamo.graph_break()
+            return values * 2, ids
+
+    torch._dynamo.reset()
+    with moe_compiler.capture() as report:
+        torch.compile(Sampling(), backend="sonic")(torch.randn(T, d))
+    assert report.graph_breaks and not report.records, str(report)
 
 
 def test_explain_lists_no_graph_break_where_there_is_none():
