@@ -89,7 +89,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .canonical_layout import (copied_rows_to_repeat, copies_added_back_to_sum, elementwise_of_transpose_to_transpose,
-                               inactive_dropout_to_self, same_device_move_to_self, transpose_pair_to_base)
+                               same_device_move_to_self, transpose_pair_to_base)
 from .canonical_opaque import ORIGINAL, opaque_op_to_torch
 from .canonical_routing import (add_of_rows_into_zeros_to_index_add, amax_to_max_values, argmax_to_max,
                                 gate_nonzero_to_any_hit, functional_row_writes_to_mask_writes, gathered_outputs_to_gate_matrix,
@@ -1008,7 +1008,7 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 
 # the scatter rules before any_hit_where_to_hit_where: row_scatter_add_to_index_add compares the
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
-RULES = [opaque_op_to_torch, same_device_move_to_self, inactive_dropout_to_self, merge_duplicate_reads, fresh_inplace_to_functional,
+RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, fresh_inplace_to_functional,
          unit_pieces_to_select, sorted_prefix_to_topk,
          argmax_to_max, amax_to_max_values, scattered_ones_to_one_hot, second_max_to_topk, slot_one_hots_to_gate_matrix,
          one_hot_count_to_any_hit,

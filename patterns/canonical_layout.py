@@ -251,18 +251,6 @@ def same_device_move_to_self(gm: fx.GraphModule, node: fx.Node, order: dict) -> 
     return f"{node.name} -> {t.name}"
 
 
-def inactive_dropout_to_self(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """`F.dropout(t, p, training=False)` (an `nn.Dropout` in eval mode), or with p = 0 -> `t`: it
-    returns t's values (a dropout that trains draws a mask: not the op, and it stays)."""
-    if not (node.op == "call_function" and is_call(node, "dropout")) or not node.args:
-        return None
-    p, training = arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
-    if not (training is False or p == 0) or not isinstance(example_value(node.args[0]), torch.Tensor):
-        return None
-    node.replace_all_uses_with(node.args[0])
-    return f"{node.name} -> {node.args[0].name}"
-
-
 # -- rows copied by index: arange(T) tiled E times, or each of its values repeated K times ----------
 
 class Copies(NamedTuple):

@@ -1393,20 +1393,3 @@ def test_in_place_arithmetic_whose_write_is_seen_stays():
     gm = traced(_written_where_seen, y.clone(), w)
     assert "fresh_inplace_to_functional" not in [line.split(":")[0] for line in canonicalize(gm)]
     assert [op for op in ops(gm) if op in ("mul_", "add_")] == ["mul_", "mul_", "add_"], ops(gm)
-
-
-@pytest.mark.parametrize("p,training,gone", [(0.1, False, True), (0.0, True, True), (0.1, True, False)],
-                         ids=["eval", "p0", "training"])
-def test_a_dropout_that_keeps_its_input_becomes_its_input(p, training, gone):
-    """An `nn.Dropout` in eval mode (or of p = 0) returns its input: the expert's Linears then meet as
-    they do without it. A dropout that trains draws a mask, and stays."""
-    def expert(x, w1, w2):
-        return F.dropout(F.relu(x @ w1), p, training) @ w2
-
-    args = (torch.randn(T, d), torch.randn(d, 6), torch.randn(6, d))
-    gm = traced(expert, *args)
-    canonicalize(gm)
-    assert ("dropout" in ops(gm)) == (not gone), ops(gm)
-    if gone:
-        assert ops(gm) == ops(traced(lambda x, w1, w2: F.relu(x @ w1) @ w2, *args))
-        same_value(gm, expert, *args)
