@@ -143,6 +143,21 @@ def _erase_if_dead(graph: fx.Graph, node: fx.Node, order: dict) -> None:
 
 # --- index pairs of a mask, by columns of nonzero ---------------------------------------------
 
+def nonzero_tuple_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`m.nonzero(as_tuple=True)` (or `torch.nonzero(m, as_tuple=True)`) -> `torch.where(m)`: the same
+    tuple of index vectors, documented as equal."""
+    if not is_call(node, "nonzero") or node.kwargs != {"as_tuple": True} or len(node.args) != 1:
+        return None
+    mask = node.args[0]
+    if not isinstance(mask, fx.Node) or not isinstance(example_value(node), tuple):
+        return None
+    where = insert_call(gm, node, torch.where, (mask,))
+    where.meta["example_value"] = example_value(node)
+    order[where] = order[node]
+    node.replace_all_uses_with(where)
+    return f"{node.name} -> torch.where({mask.name})"
+
+
 def nonzero_columns_to_where(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`p = torch.nonzero(m)` (or `m.nonzero()`, `torch.argwhere(m)`) read only as columns `p[:, c]`
     -> `torch.where(m)[c]`: the same int64 indices in the same (row-major) order. Every use must be
@@ -1013,7 +1028,7 @@ RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, fr
          argmax_to_max, amax_to_max_values, scattered_ones_to_one_hot, second_max_to_topk, slot_one_hots_to_gate_matrix,
          one_hot_count_to_any_hit,
          gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, masked_scatter_rows_to_index_add,
-         nonzero_columns_to_where,
+         nonzero_tuple_to_where, nonzero_columns_to_where,
          boolean_index_to_where, scatter_reduce_sum_to_scatter_add, row_scatter_add_to_index_add,
          # rows permuted by expert, put back: here for the loop rules after it, again below for
          # products respelled by then

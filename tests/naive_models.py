@@ -698,7 +698,8 @@ class AnyHitLoopMoE(Router):
 
     rows:    "mask" (x[sel], out[sel] += ...), "where" (tok = torch.where(sel)[0]; index_add_),
              "nonzero" (tok = sel.nonzero().squeeze(-1); out[tok] += ...), "where-scatter_add"
-             (out.scatter_add_(0, tok[:, None].expand(-1, d), y))
+             (out.scatter_add_(0, tok[:, None].expand(-1, d), y)), "nonzero_tuple-scatter_add" (tok =
+             sel.nonzero(as_tuple=True)[0], scatter_add_)
     coef:    "whole" ((w * hit).sum(-1), read at the rows) or "rows" ((w[tok] * hit[tok]).sum(-1, keepdim=True):
              the rows first; with rows "where" and "where-scatter_add")
     rows "masked_scatter": x[sel] scaled by w[hit] (the [T, K] mask's elements: one per token), put
@@ -724,14 +725,17 @@ class AnyHitLoopMoE(Router):
                 y = self.experts[e](x[sel]) * w[hit].unsqueeze(-1)
                 out = out + torch.zeros_like(x).masked_scatter(sel.unsqueeze(-1).expand_as(x), y)
                 continue
-            tok = sel.nonzero().squeeze(-1) if self.rows == "nonzero" else torch.where(sel)[0]
+            if self.rows == "nonzero_tuple-scatter_add":  # ERNIE-4.5's loop
+                tok = sel.nonzero(as_tuple=True)[0]
+            else:
+                tok = sel.nonzero().squeeze(-1) if self.rows == "nonzero" else torch.where(sel)[0]
             if self.coef == "rows":
                 y = self.experts[e](x[tok]) * (w[tok] * (ids[tok] == e)).sum(-1, keepdim=True)
             else:
                 y = self.experts[e](x[tok]) * coef[tok].unsqueeze(-1)
             if self.rows == "where":
                 out.index_add_(0, tok, y)
-            elif self.rows == "where-scatter_add":
+            elif self.rows in ("where-scatter_add", "nonzero_tuple-scatter_add"):
                 out.scatter_add_(0, tok.unsqueeze(1).expand(-1, x.shape[1]), y)
             else:
                 out[tok] += y

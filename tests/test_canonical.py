@@ -1393,3 +1393,21 @@ def test_in_place_arithmetic_whose_write_is_seen_stays():
     gm = traced(_written_where_seen, y.clone(), w)
     assert "fresh_inplace_to_functional" not in [line.split(":")[0] for line in canonicalize(gm)]
     assert [op for op in ops(gm) if op in ("mul_", "add_")] == ["mul_", "mul_", "add_"], ops(gm)
+
+
+def test_nonzero_as_a_tuple_becomes_torch_where():
+    def tuple_form(ids, x):
+        tok = (ids == 1).any(-1).nonzero(as_tuple=True)[0]
+        return x[tok] * 2
+
+    def where_form(ids, x):
+        return x[torch.where((ids == 1).any(-1))[0]] * 2
+
+    args = (torch.randint(0, E, (T, K)), torch.randn(T, d))
+    gm = traced(tuple_form, *args)
+    assert "nonzero" in ops(gm)
+    canonicalize(gm)
+    want = traced(where_form, *args)
+    canonicalize(want)
+    assert [o for o in ops(gm) if o != "sym_size"] == [o for o in ops(want) if o != "sym_size"], (ops(gm), ops(want))
+    same_value(gm, tuple_form, *args)

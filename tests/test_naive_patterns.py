@@ -186,6 +186,7 @@ ANY_HIT_VARIANTS = {
     "nonzero-iadd-fused": dict(rows="nonzero", experts="fused"),
     "mask-top3": dict(K=3),
     "where-scatter_add": dict(rows="where-scatter_add"),
+    "nonzero_tuple-scatter_add": dict(rows="nonzero_tuple-scatter_add"),
     "where-scatter_add-rows_coef": dict(rows="where-scatter_add", coef="rows"),
     "where-rows_coef": dict(rows="where", coef="rows", experts="plain"),
     "masked_scatter-fused-top3": dict(rows="masked_scatter", experts="fused", K=3),
@@ -1087,7 +1088,7 @@ def test_expert_loop_per_column_gpu_bf16(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["mask", "nonzero-iadd-fused", "masked_scatter-fused-top3"])
+@pytest.mark.parametrize("variant", ["mask", "nonzero-iadd-fused", "masked_scatter-fused-top3", "nonzero_tuple-scatter_add"])
 def test_expert_loop_any_hit_gpu_bf16(variant):
     _check_gpu_bf16(lambda: AnyHitLoopMoE(**ANY_HIT_VARIANTS[variant]), "expert_loop")
 
