@@ -102,7 +102,7 @@ from .canonical_products import (addmm_to_matmul_plus_bias, broadcast_matmul_to_
                                  einsum_weighted_sum_to_product, gathered_product_to_einsum, packed_linear_view_to_einsum,
                                  split_loop_to_grouped_mm)
 from .canonical_permuted import permuted_rows_put_back_to_rows
-from .canonical_views import reshape_chain_to_base, reshape_through_elementwise, unit_pieces_to_select
+from .canonical_views import reshape_chain_to_base, reshape_through_elementwise, slices_cat_to_whole, unit_pieces_to_select
 from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, flattens_indices, getitem_of, insert_call, is_call,
                      is_getitem, is_int, op_name, same_shape, same_size, shape_of, storage_of, unit_slice,
                      writes_in_place)
@@ -1025,7 +1025,8 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
 RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, fresh_inplace_to_functional,
          unit_pieces_to_select, sorted_prefix_to_topk,
-         argmax_to_max, amax_to_max_values, scattered_ones_to_one_hot, second_max_to_topk, slot_one_hots_to_gate_matrix,
+         argmax_to_max, amax_to_max_values, scattered_ones_to_one_hot, second_max_to_topk, slices_cat_to_whole,
+         slot_one_hots_to_gate_matrix,
          one_hot_count_to_any_hit,
          gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, masked_scatter_rows_to_index_add,
          nonzero_tuple_to_where, nonzero_columns_to_where,

@@ -892,7 +892,8 @@ def _masked_out(node) -> tuple[fx.Node, fx.Node] | None:
     """(s, ids) when `node` is s with each row's entry at ids set below every other (-inf, or a
     negative number on scores never negative): `s.masked_fill(M, -inf)`, `torch.where(M, -inf, s)`
     or `s.scatter(-1, ids[:, None], -inf)`, with M a boolean view of `F.one_hot(ids, E)` (E = s's
-    last dim); else None."""
+    last dim); or `s.scatter(-1, i, -inf)` with i the [..., 1] ids of a `max(-1, keepdim=True)`
+    (PhiMoE's sparsemixer), ids then i itself; else None."""
     if is_call(node, "masked_fill") and len(node.args) == 3 and not node.kwargs and _below_every(node.args[2], node.args[0]):
         s, mask = node.args[:2]
     elif is_call(node, "where") and len(node.args) == 3 and not node.kwargs and _below_every(node.args[1], node.args[2]):
@@ -904,6 +905,10 @@ def _masked_out(node) -> tuple[fx.Node, fx.Node] | None:
                 else is_getitem(column) and column.args[1] in ((Ellipsis, None), (slice(None),) * (rank - 1) + (None,)))
         if dim in (-1, rank - 1) and last:  # ids.unsqueeze(-1), ids[:, None], ids[..., None]
             return (s, column.args[0]) if same_shape(shape_of(column.args[0]), shape_of(s)[:-1]) else None
+        kept = getitem_of(column, 1)  # the [..., 1] ids of a max that keeps its dim
+        if dim in (-1, rank - 1) and is_call(kept, "max") and arg(kept, 2, "keepdim", False) is True \
+                and same_shape(shape_of(column), tuple(shape_of(s)[:-1]) + (1,)):
+            return s, column
         return None
     else:
         return None
@@ -933,7 +938,9 @@ def second_max_to_topk(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | 
     """`i1 = s1.max(-1)[1]` and `s2.masked_fill(F.one_hot(i1, E).bool(), -inf).max(-1)` (the top-2 of
     fairseq's and DeepSpeed's `top2gating`: argmax, then argmax of the rest) -> `t = torch.topk(s2, 2,
     dim=-1)`, i1 -> `t[1][..., 0]`, the second max -> `t[0][..., 1], t[1][..., 1]`: each row's largest
-    entry and the largest of the others. s1 is s2 or a float32/float64 softmax of it (argmax of
+    entry and the largest of the others. With `keepdim=True` on both maxes and the first masked out
+    by a scatter at its [..., 1] ids (PhiMoE's sparsemixer in eval), the slices `[..., 0:1]` and
+    `[..., 1:2]` instead. s1 is s2 or a float32/float64 softmax of it (argmax of
     `softmax(logits)`, second argmax over the logits): the same order. Where scores tie, either may
     pick or order the tied experts differently (as torch.topk leaves unspecified); a tie only the
     softmax makes (two logits that round to one probability) too."""
@@ -945,9 +952,10 @@ def second_max_to_topk(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | 
     s2, ids1 = found
     rank = len(shape_of(s2))
     first = getitem_of(ids1, 1)
+    kept = len(shape_of(ids1) or ()) == rank  # the first max keeps its dim: [..., 1] ids
     if (rank < 2 or arg(node, 1, "dim") not in (-1, rank - 1) or not is_call(first, "max") or len(first.args) > 3
             or first.kwargs.keys() - {"dim", "keepdim"} or arg(first, 1, "dim") not in (-1, rank - 1)
-            or arg(first, 2, "keepdim", False) is not False or not _same_order(first.args[0], s2)):
+            or arg(first, 2, "keepdim", False) is not kept or not _same_order(first.args[0], s2)):
         return None
     E = shape_of(s2)[-1]
     # every max of the masked scores over the experts (Dynamo may trace the second argmax twice)
@@ -958,7 +966,7 @@ def second_max_to_topk(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | 
         return None
     topk = insert_call(gm, ids1, torch.topk, (s2, 2), {"dim": -1})
     parts = [insert_call(gm, ids1, operator.getitem, (topk, i)) for i in (0, 1)]
-    top = insert_call(gm, ids1, operator.getitem, (parts[1], (Ellipsis, 0)))
+    top = insert_call(gm, ids1, operator.getitem, (parts[1], (Ellipsis, slice(0, 1) if kept else 0)))
     for new in (topk, *parts, top):
         order[new] = order[ids1]
     ids1.replace_all_uses_with(top)

@@ -354,3 +354,33 @@ def unit_pieces_to_select(gm: fx.GraphModule, node: fx.Node, order: dict) -> str
     order[picked] = order[node]
     node.replace_all_uses_with(picked)
     return f"{node.name} -> {W.name}[{e}]"
+
+
+def slices_cat_to_whole(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`torch.cat((t[..., 0:a], t[..., a:b], ..., t[..., y:n]), dim=-1)` -> `t`: consecutive slices
+    of one tensor's last dim, from 0 to its size, put back together are its values (PhiMoE's ids,
+    each max's [..., 1] index concatenated, once both are slices of one top-k)."""
+    if not is_call(node, "cat") or len(node.args) not in (1, 2) or node.kwargs.keys() - {"dim"}:
+        return None
+    pieces, dim = node.args[0], arg(node, 1, "dim", 0)
+    if not isinstance(pieces, (list, tuple)) or len(pieces) < 2 or not all(is_getitem(p) for p in pieces):
+        return None
+    base = pieces[0].args[0]
+    rank = len(shape_of(base) or ())
+    if rank == 0 or dim not in (-1, rank - 1) or not isinstance(base, fx.Node):
+        return None
+    start = 0
+    for piece in pieces:
+        index = piece.args[1]
+        if piece.args[0] is not base or not isinstance(index, tuple) or not index:
+            return None
+        last = index[-1]
+        lead = index[:-1]
+        if lead not in ((Ellipsis,), (slice(None),) * (rank - 1)) or not isinstance(last, slice) \
+                or last.step not in (None, 1) or (last.start or 0) != start or not is_int(last.stop):
+            return None
+        start = last.stop
+    if not isinstance(shape_of(base)[-1], int) or start != shape_of(base)[-1] or dtype_of(node) != dtype_of(base):
+        return None
+    node.replace_all_uses_with(base)
+    return f"{node.name} -> {base.name}"

@@ -114,6 +114,42 @@ class Router(nn.Module):
         return probs, (w / w.sum(-1, keepdim=True) if self.renormalize else w).to(x.dtype), ids
 
 
+class SparseMixerMoE(nn.Module):
+    """PhiMoE's sparsemixer routing as it runs in eval: the largest logit (max with keepdim), its
+    weight the softmax of the logits within a relative jitter band of it, read at its id; then the
+    same for the largest of the others (the first scattered to -inf), the two ids concatenated;
+    experts by a loop over `torch.where(one_hot[e])` with index_add.
+
+    masking: "scatter" (the first id scattered to -inf, as PhiMoE), "none" (the second max over the
+             logits as they are: the first expert twice, not a top-2; left alone)
+    """
+
+    def __init__(self, d=16, n=8, E=6, jitter=0.01, masking="scatter"):
+        super().__init__()
+        self.E, self.jitter, self.masking = E, jitter, masking
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = make_experts("gated", d, n, E)
+
+    def _pick(self, scores, masked):
+        with torch.no_grad():
+            top, ids = masked.max(dim=-1, keepdim=True)
+            band = ((top - scores) / scores.abs().clamp(min=top)) > 2 * self.jitter
+        return ids, F.softmax(masked.masked_fill(band, float("-inf")), dim=-1).gather(-1, ids)
+
+    def forward(self, x):
+        scores = self.gate(x)
+        i1, w1 = self._pick(scores, scores)
+        rest = torch.scatter(scores, -1, i1, float("-inf")) if self.masking == "scatter" else scores
+        i2, w2 = self._pick(scores, rest)
+        ids, w = torch.cat((i1, i2), dim=-1), torch.cat((w1, w2), dim=-1)
+        out = torch.zeros_like(x)
+        hot = F.one_hot(ids, self.E).permute(2, 0, 1)
+        for e in range(self.E):
+            tok, slot = torch.where(hot[e])
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
 class LoopMoE(Router):
     """for e in range(E): rows of expert e, expert e on them, index_add into the output.
 

@@ -615,8 +615,20 @@ def _two_argmaxes_of_probabilities_masked_with_minus_one(logits):  # below every
     return i1, probs.masked_fill(F.one_hot(i1, E).bool(), -1.0).argmax(-1)
 
 
+def _sparsemixer_ids(logits):  # PhiMoE's eval routing: both maxes keep their dim, the ids concatenated
+    v1, i1 = logits.max(dim=-1, keepdim=True)
+    v2, i2 = torch.scatter(logits, -1, i1, float("-inf")).max(dim=-1, keepdim=True)
+    return torch.cat((i1, i2), dim=-1), v2
+
+
+def _kept_max_then_a_plain_argmax(logits):
+    _, i1 = logits.max(dim=-1, keepdim=True)
+    return i1, torch.scatter(logits, -1, i1, float("-inf")).argmax(-1)
+
+
 @pytest.mark.parametrize("fn", [_two_argmaxes, _two_argmaxes_scatter, _two_argmaxes_where,
-                                _two_argmaxes_of_probabilities_masked_with_minus_one])
+                                _two_argmaxes_of_probabilities_masked_with_minus_one, _sparsemixer_ids,
+                                _kept_max_then_a_plain_argmax])
 def test_an_argmax_of_the_rest_after_an_argmax_becomes_a_top2(fn):
     logits = torch.randn(T, E)
     gm = traced(fn, logits)
@@ -650,8 +662,14 @@ def _masked_over_the_tokens(logits):
     return logits.masked_fill(F.one_hot(i1, E).bool(), float("-inf")).argmax(0)
 
 
+def _scattered_at_a_kept_max_of_other_scores(logits):
+    _, i1 = (logits * torch.arange(E)).max(dim=-1, keepdim=True)
+    return torch.scatter(logits, -1, i1, float("-inf")).max(dim=-1, keepdim=True)[1]
+
+
 @pytest.mark.parametrize("fn", [_masked_by_another_argmax, _masked_to_zero, _logits_masked_with_minus_one,
-                                _first_of_a_bf16_softmax, _masked_over_the_tokens])
+                                _first_of_a_bf16_softmax, _masked_over_the_tokens,
+                                _scattered_at_a_kept_max_of_other_scores])
 def test_other_second_argmaxes_stay(fn):
     gm = traced(fn, torch.randn(T, E))
     assert "second_max_to_topk" not in rules(canonicalize(gm))
@@ -967,3 +985,48 @@ def test_other_scatters_stay(fn):
     gm = traced(fn, scores, ids)
     assert "scattered_ones_to_one_hot" not in rules(canonicalize(gm))
     same_value(gm, fn, scores, ids)
+
+
+def test_the_ids_of_two_kept_maxes_concatenated_are_the_top2_ids():
+    """PhiMoE's ids: once both maxes are slices of one top-k, their concatenation is its indices."""
+    logits = torch.randn(T, E)
+    gm = traced(_sparsemixer_ids, logits)
+    applied = rules(canonicalize(gm))
+    assert "second_max_to_topk" in applied and "slices_cat_to_whole" in applied, applied
+    assert "cat" not in ops(gm), ops(gm)
+    same_value(gm, _sparsemixer_ids, logits)
+
+
+def _slices_with_a_gap(t):
+    return torch.cat((t[..., 0:1], t[..., 2:3]), dim=-1)
+
+
+def _slices_short_of_the_end(t):
+    return torch.cat((t[:, 0:1], t[:, 1:2]), dim=1)
+
+
+def _slices_out_of_order(t):
+    return torch.cat((t[..., 1:3], t[..., 0:1], t[..., 3:]), dim=-1)
+
+
+def _slices_of_two_tensors(t):
+    return torch.cat((t[..., 0:2], (t * 2)[..., 2:]), dim=-1)
+
+
+def _slices_along_another_dim(t):
+    return torch.cat((t[0:5], t[5:]), dim=-1)
+
+
+def test_slices_put_back_whole_are_the_tensor():
+    t = torch.randn(T, 4)
+    fn = lambda t: torch.cat((t[..., 0:1], t[:, 1:3], t[..., 3:4]), dim=-1) * 2  # noqa: E731
+    gm = traced(fn, t)
+    assert "slices_cat_to_whole" in rules(canonicalize(gm)) and "cat" not in ops(gm), ops(gm)
+    same_value(gm, fn, t)
+
+
+@pytest.mark.parametrize("fn", [_slices_with_a_gap, _slices_short_of_the_end, _slices_out_of_order, _slices_of_two_tensors,
+                                _slices_along_another_dim])
+def test_other_concatenated_slices_stay(fn):
+    gm = traced(fn, torch.randn(T, 4))
+    assert "slices_cat_to_whole" not in rules(canonicalize(gm)) and "cat" in ops(gm), ops(gm)

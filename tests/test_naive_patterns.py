@@ -22,7 +22,7 @@ from moe_compiler.backend import sonic_backend
 from moe_compiler.testing import FP32_RTOL
 
 from .helpers import assert_close_to_eager, profiled_op_names
-from .naive_models import (ArgmaxTop2MoE, SortedMaskLoopMoE, AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
+from .naive_models import (ArgmaxTop2MoE, SparseMixerMoE, SortedMaskLoopMoE, AnyHitLoopMoE, MembershipLoopMoE, ScaledAfterLoopMoE, BatchedDenseMoE, BatchedGatheredMoE, BmmMoE, DeepSeekRefMoE, DenseMoE,
                            DispatchCombineMoE, GptOssDenseMoE, LoopMoE, PerKLoopMoE, RepeatLoopMoE, SplitLoopMoE,
                            OneHotTop1MoE, OwnMatmulExpertsMoE, StackedColumnsMoE, StackedLoopMoE, SwitchLoopMoE, TiledBmmMoE, TokenMajorMoE)
 
@@ -191,6 +191,21 @@ ANY_HIT_VARIANTS = {
     "where-rows_coef": dict(rows="where", coef="rows", experts="plain"),
     "masked_scatter-fused-top3": dict(rows="masked_scatter", experts="fused", K=3),
 }
+
+
+def test_phimoe_sparsemixer_top2_by_two_kept_maxes_matches_eager():
+    """Two maxes with keepdim, the first scattered to -inf before the second, ids concatenated: a top-2."""
+    _check_rewrite(SparseMixerMoE(), "expert_loop")
+
+
+def test_a_second_max_over_unmasked_scores_stays(caplog):
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(SparseMixerMoE(masking="none"), _inputs()[0], "topk", caplog)
+
+
+@pytest.mark.gpu
+def test_phimoe_sparsemixer_gpu_bf16():
+    _check_gpu_bf16(SparseMixerMoE, "expert_loop")
 
 
 @pytest.mark.parametrize("variant", ANY_HIT_VARIANTS)
