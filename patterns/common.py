@@ -735,7 +735,9 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         stacked = tuple(cast(t) for t in (match.w1, match.w_up, down))
         call = experts("moe_experts_split", _split_call_args(match, stacked, x, ids, weights, slot_token))
     elif match.expert_lists is None:
-        w1, w2, b1, b2 = (cast(t) for t in (match.w1, down, match.b1, match.b2))
+        b1, b2 = (insert(torch.squeeze, (b, 1)) if b is not None and len(shape_of(b)) == 3 else b  # [E, 1, w] -> [E, w]
+                  for b in (match.b1, match.b2))
+        w1, w2, b1, b2 = (cast(t) for t in (match.w1, down, b1, b2))
         fakes = [example_value(a) for a in (x, ids, weights, w1, w2, b1, b2)]
         validate_moe_inputs(*fakes, activation=match.activation, transposed=match.transposed,
                             slot_token=example_value(slot_token))
@@ -918,9 +920,12 @@ def summed_per_token(rows: fx.Node, walk: RegionWalk, T, K) -> fx.Node:
 
 
 def check_stacked_biases(b1, b2, *, E, w1_out, d, x_dtype) -> None:
-    """Stacked expert biases, where present: b1 [E, w1_out], b2 [E, d], in the hidden states' dtype."""
+    """Stacked expert biases, where present: b1 [E, w1_out], b2 [E, d] (or [E, 1, width], each expert's
+    bias kept as a row its [C, width] rows broadcast with: the op reads its [E, width] view), in the
+    hidden states' dtype."""
     for bias, width, name in ((b1, w1_out, "up"), (b2, d, "down")):
-        expect(bias is None or shape_of(bias) == (E, width), f"{name} bias {shape_of(bias)} is not [E={E}, {width}]")
+        expect(bias is None or shape_of(bias) in ((E, width), (E, 1, width)),
+               f"{name} bias {shape_of(bias)} is not [E={E}, {width}]")
         expect(bias is None or dtype_of(bias) == x_dtype, f"{name} bias dtype {dtype_of(bias)} differs from {x_dtype}")
 
 

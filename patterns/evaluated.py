@@ -77,7 +77,7 @@ def find(gm: fx.GraphModule) -> list[MoEMatch | Rejection]:
         scoring = set(_feeding([router])) | {router}
         products = reached + [n for n in _feeding(reached) if n not in reached and n not in scoring]
         params = _params(products, E)
-        stacked = [p for p in params if len(shape_of(p)) == 3]
+        stacked = [p for p in params if len(shape_of(p)) == 3 and not _row_bias(p)]
         # Linears on dispatched rows (what the ids reach), else on every token (what feeds the combine)
         linears = (_linear_weights(reached, E) or _linear_weights(products, E)) if len(stacked) not in (2, 3) else None
         if len(stacked) not in (2, 3) and linears is None:
@@ -100,6 +100,13 @@ def _params(nodes: list[fx.Node], E: int) -> list[fx.Node]:
     return found
 
 
+def _row_bias(p: fx.Node) -> bool:
+    """An [E, 1, width] parameter: a bias kept with a unit row dim (tutel's batched_fc1_bias),
+    added to each expert's [C, width] rows; the op reads it as its [E, width] view."""
+    shape = shape_of(p)
+    return len(shape) == 3 and shape[1] == 1
+
+
 def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scoring: set[fx.Node],
             params: list[fx.Node], linears: tuple | None) -> MoEMatch:
     # the token dims: the scores' leading dims ([T], or [B, S] where the code never flattens them)
@@ -110,8 +117,8 @@ def _search(router: fx.Node, ids: fx.Node, E: int, reached: list[fx.Node], scori
            "the ids are not [T, K] or [T] (or [B, S, K])")
     token_dims = len(tok) > 1
     T, K = math.prod(tok), 1 if top1 else shape[-1]
-    stacked = [p for p in params if len(shape_of(p)) == 3]
-    biases = [p for p in params if len(shape_of(p)) == 2]
+    stacked = [p for p in params if len(shape_of(p)) == 3 and not _row_bias(p)]
+    biases = [p for p in params if len(shape_of(p)) == 2 or _row_bias(p)]
     xs = _hidden_states(scoring, reached, tok)
     expect(xs, "no [T, d] hidden states read by both the router and the experts")
     # what each expert weight reaches, for every hypothesis
@@ -393,8 +400,8 @@ def _stacked_guesses(stacked: list[fx.Node], biases: list[fx.Node], d: int):
             if w1_in != d or w2_out != d:
                 continue
             w1_out *= 2 if w_up is not None else 1
-            up_biases = [None] + [b for b in biases if shape_of(b)[1] == w1_out and w_up is None]
-            down_biases = [None] + [b for b in biases if shape_of(b)[1] == d]
+            up_biases = [None] + [b for b in biases if shape_of(b)[-1] == w1_out and w_up is None]
+            down_biases = [None] + [b for b in biases if shape_of(b)[-1] == d]
             for b1, b2 in itertools.product(up_biases, down_biases):
                 inputs = tuple(p for p in (w1, w_up, w2, b1, b2) if p is not None)
                 yield _Guess(inputs, w1_out, n, w_up is not None, stacked=(w1, w_up, w2, transposed, b1, b2, swapped))

@@ -365,6 +365,7 @@ class _Region:
         if m.gates:
             weights = torch.gather(weights, 1, ids)
         w1, w2, b1, b2 = (at.get(n) for n in (m.w1, m.w2, m.b1, m.b2))
+        b1, b2 = (b.squeeze(1) if b is not None and b.dim() == 3 else b for b in (b1, b2))  # [E, 1, w] biases
         if m.w2_swapped:
             w2 = w2.transpose(1, 2)
         if m.expert_lists is not None:

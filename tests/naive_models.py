@@ -1832,7 +1832,7 @@ class CapacityDispatchMoE(Router):
               input, as transformers' Switch Transformers does: not the op), "misrouted" (the combine
               is not masked by the capacity: a dropped token reads its expert's last row, not the op)
     bias:     stacked [E, f] and [E, d] biases on the projections (an empty slot maps to them; its
-              combine weight is 0)
+              combine weight is 0); "rows": kept as [E, 1, f] and [E, 1, d] (tutel's), added as they are
     dispatch: "mask" (the one-hot slots), "positive" (GShard's `combine > 0`: the slots whose weight is
               positive, the same where gates never are negative or zero)
     gate_from: "probs" (softmax probabilities: never negative), "logits" (the raw score: a negative
@@ -1844,11 +1844,13 @@ class CapacityDispatchMoE(Router):
         self.capacity, self.dispatch, self.gate_from, self.dropped = capacity, dispatch, gate_from, dropped
         self.wi = stacked_param(E, n, d, "in_out")
         self.wo = stacked_param(E, d, n, "in_out")
-        self.bi = nn.Parameter(torch.randn(E, n) * 0.1) if bias else None
-        self.bo = nn.Parameter(torch.randn(E, d) * 0.1) if bias else None
+        rows = (1,) if bias == "rows" else ()
+        self.bi = nn.Parameter(torch.randn(E, *rows, n) * 0.1) if bias else None
+        self.bo = nn.Parameter(torch.randn(E, *rows, d) * 0.1) if bias else None
 
     def forward(self, x):
         T = x.shape[0]
+        row = lambda b: b if b.dim() == 3 else b[:, None]  # noqa: E731  (each expert's bias, over its C rows)
         probs = F.softmax(self.gate(x), dim=-1)
         top = torch.argmax(probs, dim=-1)
         scores = probs if self.gate_from == "probs" else self.gate(x)
@@ -1864,9 +1866,9 @@ class CapacityDispatchMoE(Router):
             dispatch = (combine > 0).to(x.dtype)
         buffers = torch.einsum("tec,td->ecd", dispatch, x)
         h = torch.einsum("ecd,edf->ecf", buffers, self.wi)
-        h = F.gelu(h + self.bi[:, None] if self.bi is not None else h)
+        h = F.gelu(h + row(self.bi) if self.bi is not None else h)
         y = torch.einsum("ecf,efd->ecd", h, self.wo)
-        y = y + self.bo[:, None] if self.bo is not None else y
+        y = y + row(self.bo) if self.bo is not None else y
         out = torch.einsum("tec,ecd->td", combine, y)
         if self.dropped == "passthrough":
             out = out + (1 - kept)[:, None] * x

@@ -32,7 +32,8 @@ def test_switch_dispatch_that_cannot_drop_is_found_by_evaluation(bias):
     lambda: CapacityDispatchMoE(capacity=2, bias=False, dispatch="positive"),
     # a dropped token keeps its input (transformers' Switch Transformers): that add stays in the graph
     lambda: CapacityDispatchMoE(capacity=2, dropped="passthrough"),
-], ids=["half", "two", "positive", "passthrough"])
+    lambda: CapacityDispatchMoE(capacity=2, bias="rows"),  # [E, 1, w] biases: the op reads their [E, w] views
+], ids=["half", "two", "positive", "passthrough", "row-biases"])
 def test_switch_dispatch_that_drops_tokens_is_found_with_its_kept_slots(make):
     """Slots past an expert's capacity add nothing: the region's own kept-slot values say which,
     and the op drops the others (the crowded routing drops tokens; so do these inputs)."""
@@ -192,12 +193,12 @@ def test_a_region_too_large_to_evaluate_stays(caplog, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make", [CapacityDispatchMoE, SlotGatherMoE, lambda: CapacityDispatchMoE(dispatch="positive"),
+@pytest.mark.parametrize("make", [lambda: CapacityDispatchMoE(capacity=2, bias="rows"), SlotGatherMoE, lambda: CapacityDispatchMoE(dispatch="positive"),
                                   lambda: CapacityDispatchMoE(capacity=2), CapacityTop2MoE, CapacityListMoE,
                                   lambda: CapacityListMoE(weights="columns", act="swiglu"), GroupedTokensMoE,
                                   SlotPriorityCapacityMoE, SortedRowsGatheredMoE, lambda: SlotGatherMoE(down="out_in"),
                                   lambda: GroupedTokensMoE(K=1), EveryTokenListMoE],
-                         ids=["capacity", "slots", "positive", "capacity-drops", "top2-capacity-drops", "list-capacity",
+                         ids=["capacity-row-biases", "slots", "positive", "capacity-drops", "top2-capacity-drops", "list-capacity",
                               "list-columns", "grouped-tokens", "flat-slots", "sorted-rows", "down-swapped",
                               "grouped-top1", "every-token-list"])
 def test_found_by_evaluation_gpu_bf16(make):
