@@ -97,7 +97,7 @@ from .canonical_routing import (add_of_rows_into_zeros_to_index_add, amax_to_max
                                 gate_rows_column_to_column_rows, masked_scatter_rows_to_index_add,
                                 one_hot_count_to_any_hit, position_copy_to_mask_write,
                                 scale_after_row_writes_to_scaled_rows, scattered_ones_to_one_hot, second_max_to_topk,
-                                slot_one_hots_to_gate_matrix, slot_token_rows_to_repeat)
+                                slot_one_hots_to_gate_matrix, slot_token_rows_to_repeat, tiled_rows_to_repeat)
 from .canonical_products import (addmm_to_matmul_plus_bias, broadcast_matmul_to_bmm, einsum_outer_to_product, einsum_to_bmm,
                                  einsum_weighted_sum_to_product, gathered_product_to_einsum, packed_linear_view_to_einsum,
                                  split_loop_to_grouped_mm)
@@ -1036,6 +1036,7 @@ RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, fr
          permuted_rows_put_back_to_rows, functional_row_writes_to_mask_writes,
          addmm_to_matmul_plus_bias, transpose_pair_to_base, elementwise_of_transpose_to_transpose, copied_rows_to_repeat, copies_added_back_to_sum,
          any_hit_where_to_hit_where, position_copy_to_mask_write, copies_at_slots_to_floor_div, slot_token_rows_to_repeat,
+         tiled_rows_to_repeat,
          arange_mask_to_one_hot, masked_weight_to_gate_column, gate_rows_column_to_column_rows, gate_column_rows_to_weights,
          keepdim_reduction_to_plain, column_then_none_to_one_index, zeros_plus_value_to_value,
          add_of_rows_into_zeros_to_index_add,

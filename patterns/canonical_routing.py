@@ -549,6 +549,52 @@ def slot_token_rows_to_repeat(gm: fx.GraphModule, node: fx.Node, order: dict) ->
     return f"{node.name} -> {x.name}.repeat_interleave({K}, 0)[{m.name}]"
 
 
+def tiled_rows_to_repeat(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """`x.view(T, 1, d).repeat(1, K, 1).reshape(T * K, d)` (x[:, None] or x.unsqueeze(1) for the view,
+    `.expand(T, K, d)` for the repeat, `view` for the reshape) with x [T, d] ->
+    `x.repeat_interleave(K, 0)`: row t * K + k of both is x[t] (vLLM's reference MoE copies each token
+    for its K slots so). The repeat is made once per (x, K), right after x."""
+    if not is_call(node, "reshape", "view") or len(shape_of(node)) != 2:
+        return None
+    tiled = node.args[0]
+    if not (is_call(tiled, "repeat", "expand") and isinstance(tiled.args[0], fx.Node)):
+        return None
+    column = tiled.args[0]
+    x = _unit_column_of(column)
+    if x is None:
+        return None
+    T, d = shape_of(x)
+    shape = shape_of(tiled)
+    if len(shape) != 3 or not (same_size(shape[0], T) and same_size(shape[2], d)) or not is_int(shape[1]):
+        return None
+    if is_call(tiled, "repeat"):  # repeat(1, K, 1) (or as one tuple): copies along the unit dim alone
+        counts = tiled.args[1] if len(tiled.args) == 2 and isinstance(tiled.args[1], (tuple, list)) else tiled.args[1:]
+        if tuple(counts) != (1, shape[1], 1) or tiled.kwargs:
+            return None
+    K = shape[1]
+    if not (same_size(shape_of(node)[0], T * K) and same_size(shape_of(node)[1], d)) or dtype_of(node) != dtype_of(x):
+        return None
+    rows = repeated_rows(gm, x, K)
+    node.replace_all_uses_with(rows)
+    return f"{node.name} -> {x.name}.repeat_interleave({K}, 0)"
+
+
+def _unit_column_of(node) -> fx.Node | None:
+    """x when `node` is a [T, d] x with a unit dim inserted at 1: `x.view(T, 1, d)` (or -1 for the 1,
+    or reshape), `x.unsqueeze(1)`, `x[:, None]`, `x[:, None, :]`; else None."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    x = node.args[0]
+    shape, base = shape_of(node), shape_of(x)
+    if len(base) != 2 or len(shape) != 3 or shape[1] != 1 or not (same_size(shape[0], base[0]) and same_size(shape[2], base[1])):
+        return None
+    if is_call(node, "view", "reshape") or (is_call(node, "unsqueeze") and node.args[1:] in ((1,), (-2,))):
+        return x
+    if is_getitem(node) and node.args[1] in ((slice(None), None), (slice(None), None, slice(None))):
+        return x
+    return None
+
+
 def copies_at_slots_to_floor_div(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
     """`arange(T).repeat_interleave(K)[torch.where(m)[0]]` (any `arange_copies` spelling of each
     slot's token, read by `index_select` too) with m [T * K] -> `torch.where(m)[0] // K`: entry p of

@@ -1139,14 +1139,20 @@ class RepeatLoopMoE(Router):
               "slots" (no repeat: y = x.new_zeros(T * K, d), each expert's slots `pos = (flat ==
               e).nonzero().flatten()` read as x[pos // K] and written by y.index_copy_(0, pos, ...))
     ids_int32: the ids cast to int32 before they are flattened (BailingMoE's variant)
+    tile:     how the method spelling copies each token K times: "repeat_interleave", "view_repeat"
+              (`x.view(T, 1, d).repeat(1, K, 1).reshape(-1, d)`, vLLM's reference), "unsqueeze_expand"
+              (`x.unsqueeze(1).expand(-1, K, -1).reshape(-1, d)`), "tiled" (`x.repeat(K, 1)`: row r is
+              token r mod T, not an MoE)
     Knobs that break it (the negative grid): transposed_ids (flat of ids.t(): k-major slots),
     experts_used, read_flipped (experts read their rows of the repeated rows flipped), y_read (y's
     sum added to the output), sum_dim
     """
 
     def __init__(self, d=16, n=8, E=4, K=2, experts="gated", spelling="method", bias=False, ids_int32=False,
-                 transposed_ids=False, experts_used=None, read_flipped=False, y_read=False, sum_dim=1, acts=None):
+                 transposed_ids=False, experts_used=None, read_flipped=False, y_read=False, sum_dim=1, acts=None,
+                 tile="repeat_interleave"):
         super().__init__(d, E, K)
+        self.tile = tile
         self.experts = make_experts(experts, d, n, E, acts, bias)
         self.spelling, self.ids_int32, self.transposed_ids = spelling, ids_int32, transposed_ids
         self.experts_used = list(range(E)) if experts_used is None else experts_used
@@ -1172,7 +1178,11 @@ class RepeatLoopMoE(Router):
             xr = x.repeat_interleave(self.K, dim=0)
             y = torch.zeros(xr.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
         else:
-            xr = x.repeat_interleave(self.K, dim=0)
+            T, d = x.shape
+            xr = {"repeat_interleave": lambda: x.repeat_interleave(self.K, dim=0),
+                  "view_repeat": lambda: x.view(T, 1, d).repeat(1, self.K, 1).reshape(-1, d),
+                  "unsqueeze_expand": lambda: x.unsqueeze(1).expand(-1, self.K, -1).reshape(-1, d),
+                  "tiled": lambda: x.repeat(self.K, 1)}[self.tile]()
             y = torch.empty_like(xr)
         rows = xr.flip(0) if self.read_flipped else xr
         for e in self.experts_used:

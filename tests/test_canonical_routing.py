@@ -1030,3 +1030,27 @@ def test_slices_put_back_whole_are_the_tensor():
 def test_other_concatenated_slices_stay(fn):
     gm = traced(fn, torch.randn(T, 4))
     assert "slices_cat_to_whole" not in rules(canonicalize(gm)) and "cat" in ops(gm), ops(gm)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x.view(T, 1, d).repeat(1, 3, 1).reshape(-1, d),
+    lambda x: x.unsqueeze(1).expand(-1, 3, -1).reshape(T * 3, d),
+    lambda x: x[:, None].repeat(1, 3, 1).view(-1, d),
+    lambda x: x.reshape(T, -1, d).expand(T, 3, d).reshape(-1, d),
+], ids=["view-repeat-reshape", "unsqueeze-expand", "none-repeat-view", "reshape-expand"])
+def test_each_token_tiled_for_its_slots_is_a_repeat_interleave(fn):
+    x = torch.randn(T, d)
+    gm = traced(lambda x: fn(x) * 2, x)
+    assert "tiled_rows_to_repeat" in rules(canonicalize(gm)) and "repeat_interleave" in ops(gm), ops(gm)
+    same_value(gm, lambda x: fn(x) * 2, x)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x.view(1, T, d).repeat(3, 1, 1).reshape(-1, d),  # the whole x three times: tiled
+    lambda x: x.view(T, 1, d).repeat(1, 3, 2).reshape(-1, 2 * d),  # copies along d too
+    lambda x: x.view(T, 1, d).repeat(1, 3, 1).transpose(0, 1).reshape(-1, d),  # slot-major
+    lambda x: x.view(T, 1, d).repeat(1, 3, 1).reshape(T, 3 * d),  # not one row per slot
+], ids=["tiled", "along-d", "slot-major", "rows-per-token"])
+def test_other_copies_of_the_tokens_stay(fn):
+    gm = traced(lambda x: fn(x) * 2, torch.randn(T, d))
+    assert "tiled_rows_to_repeat" not in rules(canonicalize(gm)), ops(gm)

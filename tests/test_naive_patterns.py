@@ -263,6 +263,8 @@ REPEAT_VARIANTS = {
     "int32-ids-function": dict(ids_int32=True, spelling="function"),
     "assign-zeros-scatter_add": dict(spelling="assign", K=3),
     "assign-flat-weights-index_add": dict(spelling="assign_flat"),
+    "tile-view_repeat": dict(tile="view_repeat"),  # vLLM's reference: x.view(T, 1, d).repeat(1, K, 1)
+    "tile-unsqueeze_expand-top3": dict(tile="unsqueeze_expand", K=3),
     # slots written by index_copy_ at their positions, tokens read at position // K: the repeat, spelled out
     "slots-index_copy-top3": dict(spelling="slots", K=3),
     "slots-index_copy-fused-bias": dict(spelling="slots", experts="fused", bias=True),
@@ -766,6 +768,8 @@ NEGATIVE = {
     "per-k-other-experts-for-a-column": (lambda: PerKLoopMoE(twin_for=1), "runs on different weights for different columns"),
     "repeat-subset": (lambda: RepeatLoopMoE(spelling="function", experts_used=[0, 1, 3]), "not every expert"),
     "repeat-reads-other-rows": (lambda: RepeatLoopMoE(read_flipped=True), "does not read the repeated rows"),
+    # x.repeat(K, 1): row r is token r mod T, not the token of slot r
+    "repeat-tiled-rows": (lambda: RepeatLoopMoE(tile="tiled"), "repeat_interleave'd hidden states"),
     "repeat-rows-returned": (lambda: RepeatLoopMoE(y_read=True), "read 2 times besides the loop's writes"),
     "repeat-sum-over-d": (lambda: RepeatLoopMoE(sum_dim=2), "not summed over each token's K experts"),
     "repeat-other-activation": (lambda: RepeatLoopMoE(acts=[F.silu, F.gelu, F.silu, F.silu]), "activation"),
@@ -1084,7 +1088,7 @@ def test_top2_by_two_argmaxes_gpu_bf16(combine, one_hot):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["deepseek-moe", "fused-bias", "assign-zeros-scatter_add", "slots-index_copy-top3"])
+@pytest.mark.parametrize("variant", ["deepseek-moe", "fused-bias", "assign-zeros-scatter_add", "slots-index_copy-top3", "tile-view_repeat"])
 def test_repeat_loop_gpu_bf16(variant):
     _check_gpu_bf16(lambda: RepeatLoopMoE(**REPEAT_VARIANTS[variant]), "repeat_loop")
 
