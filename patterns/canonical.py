@@ -1002,6 +1002,51 @@ def merge_duplicate_reads(gm: fx.GraphModule, node: fx.Node, order: dict) -> str
     return None
 
 
+def merge_duplicate_reductions(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
+    """A `max`, `min`, `argmax`, `argmin`, `topk` or `sort` over one dim identical to an earlier one
+    once their arguments are read by name, defaults filled and dims counted from 0
+    (`torch.max(p, -1)` and `p.max(dim=-1)`: a router's argmax, made a max by `argmax_to_max`, and
+    its own `max(p).values`), when nothing writes into either result or what they read between the
+    two: one node, so the ids and the weights are seen as one top-k's."""
+    key = _reduction_key(node)
+    if key is None:
+        return None
+    for twin in node.args[0].users:
+        if twin is node or twin not in order or order[twin] > order[node] or _reduction_key(twin) != key:
+            continue
+        if _unwritten(gm, order, twin, node):
+            node.replace_all_uses_with(twin)
+            return f"{node.name} -> {twin.name}"
+        return None
+    return None
+
+
+# each reduction's parameters in order, with the defaults of those that have one (no dim: not taken)
+_REDUCTIONS = {"max": (("input", "dim", "keepdim"), {"keepdim": False}),
+               "min": (("input", "dim", "keepdim"), {"keepdim": False}),
+               "argmax": (("input", "dim", "keepdim"), {"keepdim": False}),
+               "argmin": (("input", "dim", "keepdim"), {"keepdim": False}),
+               "topk": (("input", "k", "dim", "largest", "sorted"), {"dim": -1, "largest": True, "sorted": True}),
+               "sort": (("input", "dim", "descending"), {"dim": -1, "descending": False})}
+
+
+def _reduction_key(node: fx.Node) -> tuple | None:
+    """(name, every argument by name, the dim counted from 0) of a reduction over one dim, or None."""
+    name = node.target if node.op == "call_method" else op_name(node.target) if node.op == "call_function" else None
+    if name not in _REDUCTIONS or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    params, defaults = _REDUCTIONS[name]
+    if len(node.args) > len(params) or node.kwargs.keys() - set(params[1:]):
+        return None
+    bound = dict(defaults, **dict(zip(params, node.args)), **node.kwargs)
+    rank = len(shape_of(node.args[0]) or ())
+    dim = bound.get("dim")
+    if not is_int(dim) or rank == 0 or not -rank <= dim < rank or any(p not in bound for p in params):
+        return None
+    bound["dim"] = dim % rank
+    return name, tuple(bound[p] for p in params)
+
+
 def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node) -> bool:
     """No node writes in place into the storage of `first` or `second` anywhere, nor into an input of
     theirs between the two (storages from the fake tensors, which views share)."""
@@ -1025,7 +1070,7 @@ def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node)
 # sizes of the scattered rows and their indices as traced, which that rule's new torch.where would not share
 RULES = [opaque_op_to_torch, same_device_move_to_self, merge_duplicate_reads, fresh_inplace_to_functional,
          unit_pieces_to_select, sorted_prefix_to_topk,
-         argmax_to_max, amax_to_max_values, scattered_ones_to_one_hot, second_max_to_topk, slices_cat_to_whole,
+         argmax_to_max, amax_to_max_values, merge_duplicate_reductions, scattered_ones_to_one_hot, second_max_to_topk, slices_cat_to_whole,
          slot_one_hots_to_gate_matrix,
          one_hot_count_to_any_hit,
          gate_nonzero_to_any_hit, scale_after_row_writes_to_scaled_rows, masked_scatter_rows_to_index_add,

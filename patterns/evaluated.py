@@ -56,9 +56,9 @@ import torch.fx as fx
 
 from moe_compiler.codegen.activations import GATED
 
-from .common import (MoEMatch, NoMatch, RegionWalk, Rejection, arg, backward_slice, dtype_of, example_value, expect,
-                     finish_match, insert_call, is_call, module_path, op_name, same_shape, same_size, shape_of,
-                     writes_in_place)
+from .common import (ZEROS, MoEMatch, NoMatch, RegionWalk, Rejection, arg, backward_slice, dtype_of, example_value,
+                     expect, finish_match, insert_call, is_call, is_getitem, module_path, op_name, same_shape, same_size,
+                     shape_of, storage_of, writes_in_place)
 from .module_list import ExpertMLP, finish_list_match
 from .unmatched import _COMPARE, _feeding, _forward, _routers, counts_over_tokens
 
@@ -368,7 +368,7 @@ class _Guess:
             acts += [dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit) for alpha, limit in pairs]
         return acts
 
-    def finish(self, router, walk, anchor, x, ids, w, act, *, E, K, T, d, token_dims=False) -> MoEMatch:
+    def finish(self, router, walk, anchor, x, ids, w, act, *, E, K, T, d, token_dims=False, extra_region=()) -> MoEMatch:
         if self.stacked is not None:
             w1, w_up, w2, transposed, b1, b2, swapped = self.stacked
             return finish_match(IDIOM, router, walk, anchor, x, ids, w, w1, w2, b1, b2, transposed, act, E=E, K=K,
@@ -378,7 +378,7 @@ class _Guess:
         experts = [ExpertMLP(rows=x, w_gate=gate[e], w_up=up[e] if up else None, w_down=down[e], act=act,
                              biases=(bias(0, e), bias(1, e), bias(2, e))) for e in range(E)]
         return finish_list_match(IDIOM, router, walk, anchor, [anchor], x, ids, w, experts, E=E, K=K, T=T, d=d,
-                                 token_dims=token_dims)
+                                 token_dims=token_dims, extra_region=extra_region)
 
 
 def _stacked_guesses(stacked: list[fx.Node], biases: list[fx.Node], d: int):
@@ -525,6 +525,38 @@ def _inverse_permutation_writes(region: set[fx.Node]) -> set[fx.Node]:
     return found
 
 
+def _fresh_writes(region: set[fx.Node], anchor: fx.Node, inputs: set[fx.Node]) -> set[fx.Node]:
+    """Writes in place into a tensor of zeros the region makes and alone reads (`out =
+    torch.zeros_like(x); out[tok] = expert(x[tok])`, `out[tok] += y`), with all they read: part
+    of the region, run with it in the evaluation and gone with it after the rewrite."""
+    found: set[fx.Node] = set()
+    todo = list(region)
+    while todo:
+        buf = todo.pop()
+        if not is_call(buf, *ZEROS) or any(u not in region | found | {anchor} and not _writes_into(u, buf)
+                                           for u in buf.users):
+            continue
+        for write in [u for u in buf.users if _writes_into(u, buf) and u not in found]:
+            new = (backward_slice([write], stop=inputs) | {write}) - region - found
+            if any(writes_in_place(n) and n is not write and not _writes_into_copy(n, buf) for n in new):
+                continue  # another write rides along: not one into this buffer's rows
+            found |= new
+            todo += list(new)
+    return found
+
+
+def _writes_into(node: fx.Node, buf: fx.Node) -> bool:
+    return writes_in_place(node) and bool(node.args) and node.args[0] is buf
+
+
+def _writes_into_copy(node: fx.Node, buf: fx.Node) -> bool:
+    """`buf[tok] += y`'s add: into the rows `buf[tok]` read (a copy, by a tensor index), which the
+    setitem then writes back."""
+    target = node.args[0] if node.args else None
+    return (writes_in_place(node) and is_getitem(target) and target.args[0] is buf
+            and isinstance(target.args[1], fx.Node) and storage_of(target) != storage_of(buf))
+
+
 def _match(router, anchor, x, ids, w, guess: _Guess, act, *, E, K, T, d, top1, forward: dict,
            keep: tuple | None = None, gates: bool = False, token_dims: bool = False) -> MoEMatch | None:
     """The MoEMatch of one hypothesis, or None where it is not even well formed (shapes, dtypes, a
@@ -532,7 +564,11 @@ def _match(router, anchor, x, ids, w, guess: _Guess, act, *, E, K, T, d, top1, f
     is a [T, E] matrix the op reads at the ids (`MoEMatch.gates_dense`)."""
     inputs = {x, ids, w, *guess.inputs}
     region = backward_slice([anchor], stop=inputs)
-    if not region or any(writes_in_place(n) for n in region | {anchor}) or not inputs - {x} <= {
+    if not region:
+        return None
+    fresh = _fresh_writes(region, anchor, inputs)
+    region |= fresh
+    if any(writes_in_place(n) and n not in fresh for n in region | {anchor}) or not inputs - {x} <= {
             i for n in region | {anchor} for i in n.all_input_nodes}:
         return None  # a hypothesis whose inputs the region does not all read is not the op's
     if keep is not None and not all(node in region for node, _ in keep):
@@ -549,9 +585,11 @@ def _match(router, anchor, x, ids, w, guess: _Guess, act, *, E, K, T, d, top1, f
     walk = RegionWalk()
     walk.mark(*region, anchor)
     try:
-        match = guess.finish(router, walk, anchor, x, ids, w, act, E=E, K=K, T=T, d=d, token_dims=token_dims)
+        match = guess.finish(router, walk, anchor, x, ids, w, act, E=E, K=K, T=T, d=d, token_dims=token_dims,
+                             extra_region=fresh)
     except NoMatch:
         return None
+    match.region |= region  # the writes into fresh zeros, and all they read, go with it
     match.flat_top1, match.slot_keep = top1, keep
     match.gates = match.gates_dense = gates
     return match

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from moe_compiler.diagnostics import APART
 
-from .common import Rejection, arg, dtype_of, getitem_of, is_call, module_path, shape_of
+from .common import Rejection, arg, dtype_of, getitem_of, is_call, module_path, shape_of, writes_in_place
 
 IDIOM = "unmatched"
 _MAX_EXPERTS = 1024  # a top-k over more scores than this is not taken for a router (a vocabulary's)
@@ -64,14 +64,22 @@ def _routers(gm: fx.GraphModule):
 
 
 def _forward(start: fx.Node) -> list[fx.Node]:
-    """Nodes that read `start`, directly or not, in graph order (at most `_SLICE_LIMIT`)."""
+    """Nodes that read `start`, directly or not, in graph order (at most `_SLICE_LIMIT`); a write in
+    place among them (`out[tok] = y`, `out.index_add_(0, tok, y)`) carries on to what reads the
+    written tensor after it."""
+    order: dict[fx.Node, int] = {}
     seen, todo = {start}, [start]
     while todo and len(seen) < _SLICE_LIMIT:
-        for user in todo.pop().users:
+        node = todo.pop()
+        readers = list(node.users)
+        if node is not start and writes_in_place(node) and node.args and isinstance(node.args[0], fx.Node):
+            order = order or {n: i for i, n in enumerate(start.graph.nodes)}
+            readers += [u for u in node.args[0].users if order[u] > order[node]]
+        for user in readers:
             if user not in seen and user.op != "output":
                 seen.add(user)
                 todo.append(user)
-    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    order = order or {n: i for i, n in enumerate(start.graph.nodes)}
     return sorted(seen - {start}, key=order.__getitem__)
 
 

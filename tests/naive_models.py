@@ -1885,6 +1885,38 @@ class CapacityDispatchMoE(Router):
         return out
 
 
+class AssignedRowsSwitchMoE(nn.Module):
+    """Switch Transformers' earlier layer: tokens kept as [B, S, d]; each token's argmax expert as a
+    one_hot, its position among its sequence's tokens for that expert (a cumsum over S) kept up to
+    the capacity; each expert's rows assigned into a buffer of zeros, `out[sel] = expert(x[sel])`,
+    and the buffer scaled by the largest probability after the loop.
+
+    capacity: positions kept (16 tokens a sequence over 4 experts: 3 drops some on these inputs)
+    into:     "zeros" (a fresh buffer of zeros), "input" (x.clone(): a dropped token keeps its input,
+              not the op), "shared" (zeros, also summed over d into the output: not the op)
+    """
+
+    def __init__(self, d=16, n=8, E=4, capacity=3, into="zeros"):
+        super().__init__()
+        self.E, self.capacity, self.into = E, capacity, into
+        self.classifier = nn.Linear(d, E, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, n, bias=False), nn.ReLU(), nn.Linear(n, d, bias=False))
+                                     for _ in range(E))
+
+    def forward(self, x):
+        probs = F.softmax(self.classifier(x), dim=-1)
+        chosen = F.one_hot(torch.argmax(probs, dim=-1), num_classes=self.E)  # [B, S, E]
+        chosen = chosen * (torch.cumsum(chosen, dim=-2) <= self.capacity)
+        scale = torch.max(probs, dim=-1).values.unsqueeze(-1)
+        out = x.clone() if self.into == "input" else torch.zeros_like(x)
+        for e in range(self.E):
+            sel = chosen[:, :, e].bool()
+            out[sel] = self.experts[e](x[sel])
+        if self.into == "shared":
+            return scale * out + out.sum(-1, keepdim=True)
+        return scale * out
+
+
 class CapacityTop2MoE(Router):
     """GShard's top-2 with a capacity C: each expert's first choices counted over the tokens, its
     second choices counted after all of them, slots at a position >= C dropped (nothing added);

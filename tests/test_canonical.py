@@ -1411,3 +1411,35 @@ def test_nonzero_as_a_tuple_becomes_torch_where():
     canonicalize(want)
     assert [o for o in ops(gm) if o != "sym_size"] == [o for o in ops(want) if o != "sym_size"], (ops(gm), ops(want))
     same_value(gm, tuple_form, *args)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda p: torch.max(p, -1)[1].float() + p.max(dim=-1).values,
+    lambda p: p.topk(2)[0] + torch.topk(p, 2, dim=1, largest=True)[0],
+    lambda p: torch.sort(p, -1)[1] * 1.0 + p.sort(dim=1, descending=False)[0],
+], ids=["max", "topk", "sort"])
+def test_a_reduction_repeated_with_other_argument_spellings_is_one_node(fn):
+    p = torch.randn(T, E)
+    gm = traced(fn, p)
+    assert "merge_duplicate_reductions" in [a.split(":")[0] for a in canonicalize(gm)], ops(gm)
+    name = [o for o in ops(gm) if o in ("max", "topk", "sort")]
+    assert len(name) == 1, ops(gm)
+    same_value(gm, fn, p)
+
+
+def _written_between(p):
+    first = p.max(-1)[1].float()
+    p.mul_(-1)
+    return first + p.max(dim=-1).values
+
+
+@pytest.mark.parametrize("fn", [
+    lambda p: torch.max(p, -1)[0] + p.max(dim=0).values.sum(),  # other dims
+    lambda p: torch.max(p, -1, keepdim=True)[0] + p.max(dim=-1).values[:, None],  # keepdim differs
+    lambda p: p.topk(2)[0] + p.topk(2, largest=False)[0],  # the smallest
+    lambda p: p.topk(2)[0] + p.topk(3)[0][:, :2],  # another k
+    _written_between,  # the scores change between the two
+], ids=["dim", "keepdim", "largest", "k", "written"])
+def test_reductions_that_differ_stay_two(fn):
+    gm = traced(fn, torch.randn(T, E))
+    assert "merge_duplicate_reductions" not in [a.split(":")[0] for a in canonicalize(gm)], ops(gm)

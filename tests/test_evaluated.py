@@ -13,7 +13,7 @@ import moe_compiler.patterns.verify as verify
 import moe_compiler
 
 from .helpers import assert_close_to_eager
-from .naive_models import (CapacityDispatchMoE, CapacityListMoE, CapacityTop2MoE, EveryTokenListMoE, GatheredMoE,
+from .naive_models import (AssignedRowsSwitchMoE, CapacityDispatchMoE, CapacityListMoE, CapacityTop2MoE, EveryTokenListMoE, GatheredMoE,
                            GroupedTokensMoE, PermutedTop1MoE, SlotGatherMoE, SlotPriorityCapacityMoE,
                            SortedRowsGatheredMoE, TokenMajorMoE)
 from .test_naive_patterns import FLAG, _check_gpu_bf16, _check_rewrite, _compile, _inputs, _out_and_grads, assert_left_alone
@@ -85,6 +85,31 @@ def test_module_list_experts_on_every_token_are_found_by_evaluation():
     the Linears are found among what feeds the combine."""
     report = _check_rewrite(EveryTokenListMoE(), "evaluated", op="sonic::moe_experts_list")
     assert "per-expert list" in report.rewritten[0].details["layout"], str(report)
+
+
+@pytest.mark.parametrize("capacity", [3, 16], ids=["drops", "no-drop"])
+def test_rows_assigned_into_a_buffer_of_zeros_are_found_by_evaluation(capacity):
+    """`out[sel] = expert(x[sel])` into zeros, scaled after the loop: the writes are followed to what
+    reads the buffer after them, and run with the region; the argmax's `max` and the router's own
+    `max(probs).values` are one node (`merge_duplicate_reductions`), so the weights are the max's."""
+    model = AssignedRowsSwitchMoE(capacity=capacity)
+    x, cotangent = torch.randn(2, 16, 16), torch.randn(2, 16, 16)
+    params = dict(model.named_parameters())
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        eager = _out_and_grads(model, x, cotangent, params)
+        with moe_compiler.capture() as report:
+            got = _out_and_grads(_compile(model, "aot_eager"), x, cotangent, params)
+    assert [r.idiom for r in report.rewritten] == ["evaluated"], str(report)
+    assert ("capacity dropped" in report.rewritten[0].details["layout"]) == (capacity == 3), str(report)
+    for name in eager[1]:
+        assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
+    assert_close_to_eager(got[0], eager[0], what="output")
+
+
+@pytest.mark.parametrize("into,reason", [("input", "no hypothesis"), ("shared", "no hypothesis")])
+def test_rows_assigned_into_a_buffer_read_elsewhere_or_not_of_zeros_stay(into, reason, caplog):
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(AssignedRowsSwitchMoE(into=into), torch.randn(2, 16, 16), reason, caplog)
 
 
 def test_dispatch_by_positive_weights_is_found_where_the_weights_are_never_negative():
@@ -197,10 +222,10 @@ def test_a_region_too_large_to_evaluate_stays(caplog, monkeypatch):
                                   lambda: CapacityDispatchMoE(capacity=2), CapacityTop2MoE, CapacityListMoE,
                                   lambda: CapacityListMoE(weights="columns", act="swiglu"), GroupedTokensMoE,
                                   SlotPriorityCapacityMoE, SortedRowsGatheredMoE, lambda: SlotGatherMoE(down="out_in"),
-                                  lambda: GroupedTokensMoE(K=1), EveryTokenListMoE],
+                                  lambda: GroupedTokensMoE(K=1), EveryTokenListMoE, AssignedRowsSwitchMoE],
                          ids=["capacity-row-biases", "slots", "positive", "capacity-drops", "top2-capacity-drops", "list-capacity",
                               "list-columns", "grouped-tokens", "flat-slots", "sorted-rows", "down-swapped",
-                              "grouped-top1", "every-token-list"])
+                              "grouped-top1", "every-token-list", "assigned-rows"])
 def test_found_by_evaluation_gpu_bf16(make):
     _check_gpu_bf16(make, "evaluated")
 
