@@ -92,18 +92,24 @@ def test_rows_assigned_into_a_buffer_of_zeros_are_found_by_evaluation(capacity):
     """`out[sel] = expert(x[sel])` into zeros, scaled after the loop: the writes are followed to what
     reads the buffer after them, and run with the region; the argmax's `max` and the router's own
     `max(probs).values` are one node (`merge_duplicate_reductions`), so the weights are the max's."""
-    model = AssignedRowsSwitchMoE(capacity=capacity)
-    x, cotangent = torch.randn(2, 16, 16), torch.randn(2, 16, 16)
+    report = _evaluated_equal_to_eager(AssignedRowsSwitchMoE(capacity=capacity), torch.randn(2, 16, 16),
+                                       torch.randn(2, 16, 16))
+    assert ("capacity dropped" in report.rewritten[0].details["layout"]) == (capacity == 3), str(report)
+
+
+def _evaluated_equal_to_eager(model, x, cotangent):
+    """fp32 training through backend="sonic": one region rewritten, by the evaluated finder, output
+    and every gradient equal to eager; the report."""
     params = dict(model.named_parameters())
     with torch._dynamo.config.patch(**{FLAG: True}):
         eager = _out_and_grads(model, x, cotangent, params)
         with moe_compiler.capture() as report:
             got = _out_and_grads(_compile(model, "aot_eager"), x, cotangent, params)
     assert [r.idiom for r in report.rewritten] == ["evaluated"], str(report)
-    assert ("capacity dropped" in report.rewritten[0].details["layout"]) == (capacity == 3), str(report)
+    assert_close_to_eager(got[0], eager[0], what="output")
     for name in eager[1]:
         assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
-    assert_close_to_eager(got[0], eager[0], what="output")
+    return report
 
 
 @pytest.mark.parametrize("into,reason", [("input", "no hypothesis"), ("shared", "no hypothesis")])
@@ -167,18 +173,8 @@ def test_slot_loop_over_gathered_weights_is_found_by_evaluation(down):
 def test_a_layer_a_finder_refuses_is_found_by_evaluation(make, refused):
     """A finder refuses the layer and says so; evaluated on its own the region is the op's, and is
     rewritten."""
-    model = make()
-    x, cotangent = _inputs()
-    params = dict(model.named_parameters())
-    with torch._dynamo.config.patch(**{FLAG: True}):
-        eager = _out_and_grads(model, x, cotangent, params)
-        with moe_compiler.capture() as report:
-            got = _out_and_grads(_compile(model, "aot_eager"), x, cotangent, params)
-    assert [r.idiom for r in report.rewritten] == ["evaluated"], str(report)
+    report = _evaluated_equal_to_eager(make(), *_inputs())
     assert [r.idiom for r in report.rejected] == [refused], str(report)
-    assert_close_to_eager(got[0], eager[0], what="output")
-    for name in eager[1]:
-        assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
 
 
 @pytest.mark.parametrize("make,reason", [
