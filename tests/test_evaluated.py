@@ -218,12 +218,17 @@ def test_a_region_too_large_to_evaluate_stays(caplog, monkeypatch):
                                   lambda: CapacityDispatchMoE(capacity=2), CapacityTop2MoE, CapacityListMoE,
                                   lambda: CapacityListMoE(weights="columns", act="swiglu"), GroupedTokensMoE,
                                   SlotPriorityCapacityMoE, SortedRowsGatheredMoE, lambda: SlotGatherMoE(down="out_in"),
-                                  lambda: GroupedTokensMoE(K=1), EveryTokenListMoE, AssignedRowsSwitchMoE],
+                                  lambda: GroupedTokensMoE(K=1), EveryTokenListMoE],
                          ids=["capacity-row-biases", "slots", "positive", "capacity-drops", "top2-capacity-drops", "list-capacity",
                               "list-columns", "grouped-tokens", "flat-slots", "sorted-rows", "down-swapped",
-                              "grouped-top1", "every-token-list", "assigned-rows"])
+                              "grouped-top1", "every-token-list"])
 def test_found_by_evaluation_gpu_bf16(make):
     _check_gpu_bf16(make, "evaluated")
+
+
+@pytest.mark.gpu
+def test_rows_assigned_into_a_buffer_of_zeros_gpu_bf16():
+    _check_gpu_bf16(AssignedRowsSwitchMoE, "evaluated", tokens=(2, 16))
 
 
 @pytest.mark.gpu

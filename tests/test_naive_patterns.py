@@ -1051,13 +1051,16 @@ def test_checkpointed_block_is_rewritten(case):
 # -- bf16 on the GPU -----------------------------------------------------------------------------
 
 
-def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor"):
-    """bf16 on CUDA through Inductor (or `compiler` on `device`): as close to the fp32 model as eager bf16 is."""
+def _check_gpu_bf16(make, idiom, device="cuda", compiler="inductor", tokens=None):
+    """bf16 on CUDA through Inductor (or `compiler` on `device`): as close to the fp32 model as eager
+    bf16 is. `tokens`: the leading dims of x ([T] by default)."""
     torch.manual_seed(0)
     fp32 = make().to(device)
     bf16 = make().to(device, torch.bfloat16)
     bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in fp32.state_dict().items()})
     x, cotangent = _inputs(torch.float32, device)
+    if tokens is not None:
+        x, cotangent = (torch.randn(*tokens, D, generator=torch.Generator().manual_seed(i)).to(device) for i in (0, 1))
     xb, cb = x.to(torch.bfloat16), cotangent.to(torch.bfloat16)
     with torch._dynamo.config.patch(**{FLAG: True}):
         truth = _out_and_grads(fp32, x, cotangent, dict(fp32.named_parameters()))
