@@ -758,7 +758,7 @@ def rewrite(gm: fx.GraphModule, match: MoEMatch, token_rounding: str | None = No
         result = out = insert(torch.sum, (rows, 1))
     if match.token_dims:  # [T, d] -> the anchor's [B, S, d], which is x's shape
         result = out = insert(torch.Tensor.reshape_as, (out, match.x))
-    anchor_dtype = dtype_of(match.anchor)
+    anchor_dtype = dtype_of(match.anchor if match.accumulator is None else match.accumulator)
     if anchor_dtype is not None and anchor_dtype != match.dtype:
         result = to(out, anchor_dtype)
     if match.added_to is not None:  # the combine started from this tensor, not from zeros

@@ -323,17 +323,22 @@ def _as_weights(gm: fx.GraphModule, candidate):
 def _anchors(reached: list[fx.Node], x: fx.Node, forward: dict) -> list[fx.Node]:
     """Nodes of x's shape computed from every stacked weight (`forward`: what each reaches), the
     latest first (a sum built up over slots or experts is complete at its last step; a node past the
-    MoE, a residual add, fails the evaluation and costs one try)."""
+    MoE, a residual add, fails the evaluation and costs one try); then the last write in place into
+    a buffer of zeros of x's shape that every expert writes into (an in-place combine: the buffer
+    is the result, `MoEMatch.accumulator`)."""
     on_all = set.intersection(*forward.values())
     sx = shape_of(x)
-    found = []
+    found, last_write = [], {}
     for node in reached:
         shape = shape_of(node)
+        if node in on_all and writes_in_place(node) and node.args and is_call(node.args[0], *ZEROS) \
+                and same_shape(shape_of(node.args[0]), sx):
+            last_write[node.args[0]] = node
         if node not in on_all or not shape or dtype_of(node) is None or not dtype_of(node).is_floating_point:
             continue
         if same_shape(shape, sx):
             found.append(node)
-    return found[::-1][:2 * _MAX_CANDIDATES]
+    return found[::-1][:2 * _MAX_CANDIDATES] + list(last_write.values())[:2]
 
 
 @dataclasses.dataclass
@@ -368,7 +373,8 @@ class _Guess:
             acts += [dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit) for alpha, limit in pairs]
         return acts
 
-    def finish(self, router, walk, anchor, x, ids, w, act, *, E, K, T, d, token_dims=False, extra_region=()) -> MoEMatch:
+    def finish(self, router, walk, anchor, x, ids, w, act, *, E, K, T, d, token_dims=False, extra_region=(),
+               accumulator=None) -> MoEMatch:
         if self.stacked is not None:
             w1, w_up, w2, transposed, b1, b2, swapped = self.stacked
             return finish_match(IDIOM, router, walk, anchor, x, ids, w, w1, w2, b1, b2, transposed, act, E=E, K=K,
@@ -378,7 +384,7 @@ class _Guess:
         experts = [ExpertMLP(rows=x, w_gate=gate[e], w_up=up[e] if up else None, w_down=down[e], act=act,
                              biases=(bias(0, e), bias(1, e), bias(2, e))) for e in range(E)]
         return finish_list_match(IDIOM, router, walk, anchor, [anchor], x, ids, w, experts, E=E, K=K, T=T, d=d,
-                                 token_dims=token_dims, extra_region=extra_region)
+                                 token_dims=token_dims, extra_region=extra_region, accumulator=accumulator)
 
 
 def _stacked_guesses(stacked: list[fx.Node], biases: list[fx.Node], d: int):
@@ -525,24 +531,35 @@ def _inverse_permutation_writes(region: set[fx.Node]) -> set[fx.Node]:
     return found
 
 
-def _fresh_writes(region: set[fx.Node], anchor: fx.Node, inputs: set[fx.Node]) -> set[fx.Node]:
+def _fresh_writes(region: set[fx.Node], anchor: fx.Node, inputs: set[fx.Node],
+                  accumulator: fx.Node | None = None) -> tuple[set[fx.Node], set[fx.Node]]:
     """Writes in place into a tensor of zeros the region makes and alone reads (`out =
     torch.zeros_like(x); out[tok] = expert(x[tok])`, `out[tok] += y`), with all they read: part
-    of the region, run with it in the evaluation and gone with it after the rewrite."""
+    of the region, run with it in the evaluation and gone with it after the rewrite. The
+    `accumulator` (written last by the anchor) is read after it too: those reads get the op's result.
+    (the nodes to add to the region, every write in place so vouched for)"""
     found: set[fx.Node] = set()
+    writes_ok: set[fx.Node] = set()
+    order: dict[fx.Node, int] = {}
     todo = list(region)
     while todo:
         buf = todo.pop()
-        if not is_call(buf, *ZEROS) or any(u not in region | found | {anchor} and not _writes_into(u, buf)
-                                           for u in buf.users):
+        writes = [u for u in buf.users if _writes_into(u, buf)] if is_call(buf, *ZEROS) else []
+        if not writes:
             continue
-        for write in [u for u in buf.users if _writes_into(u, buf) and u not in found]:
-            new = (backward_slice([write], stop=inputs) | {write}) - region - found
-            if any(writes_in_place(n) and n is not write and not _writes_into_copy(n, buf) for n in new):
-                continue  # another write rides along: not one into this buffer's rows
-            found |= new
-            todo += list(new)
-    return found
+        read = set().union(*(backward_slice([w], stop=inputs) | {w} for w in writes))
+        if any(writes_in_place(n) and n not in writes and not _writes_into_copy(n, buf) for n in read):
+            continue  # another write rides along: not one into this buffer's rows
+        if buf is accumulator:
+            order = order or {n: i for i, n in enumerate(anchor.graph.nodes)}
+        if any(u not in region | found | read | {anchor} and not (buf is accumulator and order[u] > order[anchor])
+               for u in buf.users):
+            continue  # read elsewhere: the writes stay, and so would the experts they hold
+        new = read - region - found
+        found |= new
+        writes_ok |= {n for n in read if writes_in_place(n)}
+        todo += list(new)
+    return found, writes_ok
 
 
 def _writes_into(node: fx.Node, buf: fx.Node) -> bool:
@@ -553,8 +570,10 @@ def _writes_into_copy(node: fx.Node, buf: fx.Node) -> bool:
     """`buf[tok] += y`'s add: into the rows `buf[tok]` read (a copy, by a tensor index), which the
     setitem then writes back."""
     target = node.args[0] if node.args else None
-    return (writes_in_place(node) and is_getitem(target) and target.args[0] is buf
-            and isinstance(target.args[1], fx.Node) and storage_of(target) != storage_of(buf))
+    index = target.args[1] if is_getitem(target) else None
+    by_tensor = isinstance(index, fx.Node) or (isinstance(index, (tuple, list)) and any(isinstance(i, fx.Node) for i in index))
+    return (writes_in_place(node) and is_getitem(target) and target.args[0] is buf and by_tensor
+            and storage_of(target) != storage_of(buf))
 
 
 def _match(router, anchor, x, ids, w, guess: _Guess, act, *, E, K, T, d, top1, forward: dict,
@@ -566,9 +585,10 @@ def _match(router, anchor, x, ids, w, guess: _Guess, act, *, E, K, T, d, top1, f
     region = backward_slice([anchor], stop=inputs)
     if not region:
         return None
-    fresh = _fresh_writes(region, anchor, inputs)
+    accumulator = anchor.args[0] if writes_in_place(anchor) and anchor.args and is_call(anchor.args[0], *ZEROS) else None
+    fresh, writes_ok = _fresh_writes(region, anchor, inputs, accumulator)
     region |= fresh
-    if any(writes_in_place(n) and n not in fresh for n in region | {anchor}) or not inputs - {x} <= {
+    if any(writes_in_place(n) and n not in writes_ok for n in region | {anchor}) or not inputs - {x} <= {
             i for n in region | {anchor} for i in n.all_input_nodes}:
         return None  # a hypothesis whose inputs the region does not all read is not the op's
     if keep is not None and not all(node in region for node, _ in keep):
@@ -586,9 +606,10 @@ def _match(router, anchor, x, ids, w, guess: _Guess, act, *, E, K, T, d, top1, f
     walk.mark(*region, anchor)
     try:
         match = guess.finish(router, walk, anchor, x, ids, w, act, E=E, K=K, T=T, d=d, token_dims=token_dims,
-                             extra_region=fresh)
+                             extra_region=fresh, accumulator=accumulator)
     except NoMatch:
         return None
+    match.accumulator = accumulator
     match.region |= region  # the writes into fresh zeros, and all they read, go with it
     match.flat_top1, match.slot_keep = top1, keep
     match.gates = match.gates_dense = gates

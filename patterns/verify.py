@@ -398,7 +398,8 @@ class _Region:
         else:
             out = torch_moe_experts(x, ids, weights, w1, w2, b1, b2, **flags)
         if m.token_dims:
-            out = out.reshape(tuple(_concrete(s) for s in shape_of(m.anchor)))
+            result = m.anchor if m.accumulator is None else m.accumulator  # (an in-place combine's anchor is a write)
+            out = out.reshape(tuple(_concrete(s) for s in shape_of(result)))
         return out if m.added_to is None else at[m.added_to] + out
 
 

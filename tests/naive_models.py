@@ -1917,6 +1917,38 @@ class AssignedRowsSwitchMoE(nn.Module):
         return scale * out
 
 
+class MaskedRowsAddedMoE(nn.Module):
+    """makeMoE's sparse layer (the tutorial's, in eval): a top-k of the logits scattered into -inf
+    and softmaxed ([B, S, E] gates, zero off the top-k), each expert's rows picked by the flat view
+    of its [B, S] hit mask, weighted by its gate column, and added in place into a buffer of zeros
+    through the [B, S] mask itself; the buffer is the result.
+
+    read:  "end" (the buffer read after the loop only), "between" (its sum read after expert 0 too,
+           added to the output: an in-place combine read half-way, not the op)
+    """
+
+    def __init__(self, d=16, n=8, E=4, K=2, read="end"):
+        super().__init__()
+        self.E, self.K, self.read = E, K, read
+        self.gate = nn.Linear(d, E)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, n), nn.ReLU(), nn.Linear(n, d)) for _ in range(E))
+
+    def forward(self, x):
+        logits = self.gate(x)
+        top, ids = logits.topk(self.K, dim=-1)
+        gates = F.softmax(torch.full_like(logits, float("-inf")).scatter(-1, ids, top), dim=-1)
+        out = torch.zeros_like(x)
+        rows, flat_gates = x.view(-1, x.shape[-1]), gates.view(-1, self.E)
+        early = 0
+        for e, expert in enumerate(self.experts):
+            hit = (ids == e).any(dim=-1)
+            flat = hit.view(-1)
+            out[hit] += expert(rows[flat]) * flat_gates[flat, e].unsqueeze(1)
+            if self.read == "between" and e == 0:
+                early = out.sum()
+        return out + early
+
+
 class CapacityTop2MoE(Router):
     """GShard's top-2 with a capacity C: each expert's first choices counted over the tokens, its
     second choices counted after all of them, slots at a position >= C dropped (nothing added);

@@ -13,7 +13,7 @@ import moe_compiler.patterns.verify as verify
 import moe_compiler
 
 from .helpers import assert_close_to_eager
-from .naive_models import (AssignedRowsSwitchMoE, CapacityDispatchMoE, CapacityListMoE, CapacityTop2MoE, EveryTokenListMoE, GatheredMoE,
+from .naive_models import (AssignedRowsSwitchMoE, CapacityDispatchMoE, MaskedRowsAddedMoE, CapacityListMoE, CapacityTop2MoE, EveryTokenListMoE, GatheredMoE,
                            GroupedTokensMoE, PermutedTop1MoE, SlotGatherMoE, SlotPriorityCapacityMoE,
                            SortedRowsGatheredMoE, TokenMajorMoE)
 from .test_naive_patterns import FLAG, _check_gpu_bf16, _check_rewrite, _compile, _inputs, _out_and_grads, assert_left_alone
@@ -110,6 +110,18 @@ def _evaluated_equal_to_eager(model, x, cotangent):
     for name in eager[1]:
         assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
     return report
+
+
+def test_rows_added_in_place_into_a_returned_buffer_are_found_by_evaluation():
+    """makeMoE's combine: `out[hit] += y` into zeros with a [B, S] mask, rows from the flat view; the
+    buffer is the result (an in-place combine: `MoEMatch.accumulator`), read after the last write."""
+    report = _evaluated_equal_to_eager(MaskedRowsAddedMoE(), torch.randn(2, 6, 16), torch.randn(2, 6, 16))
+    assert "per-expert list" in report.rewritten[0].details["layout"], str(report)
+
+
+def test_an_in_place_combine_read_half_way_stays(caplog):
+    with torch._dynamo.config.patch(**{FLAG: True}):
+        assert_left_alone(MaskedRowsAddedMoE(read="between"), torch.randn(2, 6, 16), "no hypothesis", caplog)
 
 
 @pytest.mark.parametrize("into,reason", [("input", "no hypothesis"), ("shared", "no hypothesis")])
@@ -227,8 +239,9 @@ def test_found_by_evaluation_gpu_bf16(make):
 
 
 @pytest.mark.gpu
-def test_rows_assigned_into_a_buffer_of_zeros_gpu_bf16():
-    _check_gpu_bf16(AssignedRowsSwitchMoE, "evaluated", tokens=(2, 16))
+@pytest.mark.parametrize("make", [AssignedRowsSwitchMoE, MaskedRowsAddedMoE], ids=["assigned", "added-in-place"])
+def test_rows_written_into_a_buffer_of_zeros_gpu_bf16(make):
+    _check_gpu_bf16(make, "evaluated", tokens=(2, 16))
 
 
 @pytest.mark.gpu
