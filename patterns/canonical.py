@@ -103,8 +103,8 @@ from .canonical_products import (addmm_to_matmul_plus_bias, broadcast_matmul_to_
                                  split_loop_to_grouped_mm)
 from .canonical_permuted import permuted_rows_put_back_to_rows
 from .canonical_views import reshape_chain_to_base, reshape_through_elementwise, slices_cat_to_whole, unit_pieces_to_select
-from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, flattens_indices, getitem_of, insert_call, is_call,
-                     is_getitem, is_int, op_name, same_shape, same_size, shape_of, storage_of, unit_slice,
+from .common import (ZEROS, arg, dtype_of, example_value, fake_mode_of, flattens_indices, getitem_of, grad_modes,
+                     insert_call, is_call, is_getitem, is_int, op_name, same_shape, same_size, shape_of, storage_of, unit_slice,
                      writes_in_place)
 
 
@@ -983,8 +983,9 @@ _PURE_METHODS = ("to", "float", "half", "bfloat16", "double", "type_as", "contig
 
 
 def merge_duplicate_reads(gm: fx.GraphModule, node: fx.Node, order: dict) -> str | None:
-    """A cast, view or `x[index]` identical to an earlier one, when nothing in the graph writes into
-    either result, nor into what they read between the two."""
+    """A cast, view or `x[index]` identical to an earlier one, when both run under one grad mode (one
+    under `torch.no_grad` passes no gradient) and nothing in the graph writes into either result,
+    nor into what they read between the two."""
     pure = (node.op == "call_method" and node.target in _PURE_METHODS) or (
         is_getitem(node) and isinstance(example_value(node.args[0]), torch.Tensor))
     if not pure or not isinstance(node.args[0], fx.Node):
@@ -995,7 +996,7 @@ def merge_duplicate_reads(gm: fx.GraphModule, node: fx.Node, order: dict) -> str
         if twin is node or twin not in order or order[twin] > order[node]:
             continue
         if twin.op == node.op and twin.target == node.target and twin.args == node.args and twin.kwargs == node.kwargs:
-            if _unwritten(gm, order, twin, node):
+            if _same_grad_mode(gm, twin, node) and _unwritten(gm, order, twin, node):
                 node.replace_all_uses_with(twin)
                 return f"{node.name} -> {twin.name}"
             return None
@@ -1006,7 +1007,8 @@ def merge_duplicate_reductions(gm: fx.GraphModule, node: fx.Node, order: dict) -
     """A `max`, `min`, `argmax`, `argmin`, `topk` or `sort` over one dim identical to an earlier one
     once their arguments are read by name, defaults filled and dims counted from 0
     (`torch.max(p, -1)` and `p.max(dim=-1)`: a router's argmax, made a max by `argmax_to_max`, and
-    its own `max(p).values`), when nothing writes into either result or what they read between the
+    its own `max(p).values`), when both run under one grad mode (a max under `torch.no_grad` has no
+    gradient for its values) and nothing writes into either result or what they read between the
     two: one node, so the ids and the weights are seen as one top-k's."""
     key = _reduction_key(node)
     if key is None:
@@ -1014,7 +1016,7 @@ def merge_duplicate_reductions(gm: fx.GraphModule, node: fx.Node, order: dict) -
     for twin in node.args[0].users:
         if twin is node or twin not in order or order[twin] > order[node] or _reduction_key(twin) != key:
             continue
-        if _unwritten(gm, order, twin, node):
+        if _same_grad_mode(gm, twin, node) and _unwritten(gm, order, twin, node):
             node.replace_all_uses_with(twin)
             return f"{node.name} -> {twin.name}"
         return None
@@ -1045,6 +1047,13 @@ def _reduction_key(node: fx.Node) -> tuple | None:
         return None
     bound["dim"] = dim % rank
     return name, tuple(bound[p] for p in params)
+
+
+def _same_grad_mode(gm: fx.GraphModule, first: fx.Node, second: fx.Node) -> bool:
+    memo = gm.meta.setdefault(_PASS, {})  # a merging pass adds no switch: the modes found once
+    if "grad_modes" not in memo:
+        memo["grad_modes"] = grad_modes(gm.graph)
+    return memo["grad_modes"].get(first) == memo["grad_modes"].get(second)
 
 
 def _unwritten(gm: fx.GraphModule, order: dict, first: fx.Node, second: fx.Node) -> bool:

@@ -143,6 +143,17 @@ def test_duplicate_casts_and_row_reads_merge():
     same_value(gm, twice, *args)
 
 
+def test_duplicates_under_two_grad_modes_stay_two():
+    def twice(x):
+        with torch.no_grad():
+            a = x.float() * 2
+        return a + x.float()
+
+    gm = traced(twice, torch.randn(T, d, dtype=torch.float64, requires_grad=True))
+    canonicalize(gm)
+    assert ops(gm).count("float") == 2, ops(gm)
+
+
 def test_a_write_between_duplicates_keeps_both():
     def written(x, tok):
         a = x[tok]
@@ -1427,6 +1438,12 @@ def test_a_reduction_repeated_with_other_argument_spellings_is_one_node(fn):
     same_value(gm, fn, p)
 
 
+def _under_no_grad_then_with_grad(p):
+    with torch.no_grad():
+        first = torch.max(p, -1)
+    return first[1].float() + p.max(dim=-1).values
+
+
 def _written_between(p):
     first = p.max(-1)[1].float()
     p.mul_(-1)
@@ -1439,7 +1456,8 @@ def _written_between(p):
     lambda p: p.topk(2)[0] + p.topk(2, largest=False)[0],  # the smallest
     lambda p: p.topk(2)[0] + p.topk(3)[0][:, :2],  # another k
     _written_between,  # the scores change between the two
-], ids=["dim", "keepdim", "largest", "k", "written"])
+    _under_no_grad_then_with_grad,  # the first max's values carry no gradient
+], ids=["dim", "keepdim", "largest", "k", "written", "grad-mode"])
 def test_reductions_that_differ_stay_two(fn):
     gm = traced(fn, torch.randn(T, E))
     assert "merge_duplicate_reductions" not in [a.split(":")[0] for a in canonicalize(gm)], ops(gm)
