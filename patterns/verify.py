@@ -570,7 +570,7 @@ class _Float64(fx.Interpreter):
     def __init__(self, module, on_cpu: bool = False, on_host: set[fx.Node] | None = None, device=None):
         super().__init__(module)
         self.on_cpu, self.on_host, self.device = on_cpu, on_host, device
-        self.moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a CPU value: (it, its GPU copy)
+        self.moved: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (id, version) of a CPU value: (it, its GPU copy)
 
     def run_node(self, n: fx.Node):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -599,9 +599,10 @@ class _Float64(fx.Interpreter):
 
     def _to_device(self, tree):
         if isinstance(tree, torch.Tensor) and tree.device.type == "cpu":
-            if id(tree) not in self.moved:
-                self.moved[id(tree)] = (tree, tree.to(self.device))
-            return self.moved[id(tree)][1]
+            key = (id(tree), tree._version)  # a value written in place since its last move moves again
+            if key not in self.moved:
+                self.moved[key] = (tree, tree.to(self.device))
+            return self.moved[key][1]
         if isinstance(tree, (list, tuple)):
             return type(tree)(self._to_device(t) for t in tree)
         if isinstance(tree, dict):
