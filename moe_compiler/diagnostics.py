@@ -87,7 +87,9 @@ def capture():
                     if len(line) > len(lines.get(head, "")):
                         lines[head] = line
         report.graph_breaks.extend(lines.values())
-        if not report.graph_breaks:  # a top-k returned from its graph, with no break in sight: no router compiled apart
+        if not any(_data_dependent(line) for line in report.graph_breaks):
+            # a top-k returned from its graph with no data-dependent break in sight: a router on its own
+            # (a sampler; a router whose experts another op runs), not one Dynamo compiled apart
             report.records = [r for r in report.records if APART not in r.reason]
 
 
@@ -108,6 +110,11 @@ def _break_line(reason: str) -> tuple[str, str]:
     if "data-dependent" in head.lower():
         line += f": {_DATA_DEPENDENT}"
     return head, line
+
+
+def _data_dependent(line: str) -> bool:
+    """A break on a value only the data decides: a branch on it, or an op whose output size it sets."""
+    return "data-dependent" in line.lower() or "dynamic shape operator" in line.lower()
 
 
 _DATA_DEPENDENT = ("a Python branch on a tensor's value; in an expert loop usually one that skips an expert with no "
