@@ -15,7 +15,7 @@ import moe_compiler
 from .helpers import assert_close_to_eager
 from .naive_models import (AssignedRowsSwitchMoE, CapacityDispatchMoE, MaskedRowsAddedMoE, CapacityListMoE, CapacityTop2MoE, EveryTokenListMoE, GatheredMoE,
                            GroupedTokensMoE, PermutedTop1MoE, SlotGatherMoE, SlotPriorityCapacityMoE,
-                           SortedRowsGatheredMoE, TokenMajorMoE)
+                           SortedRowsGatheredMoE, StackedLoopMoE, TokenMajorMoE)
 from .test_naive_patterns import FLAG, _check_gpu_bf16, _check_rewrite, _compile, _inputs, _out_and_grads, assert_left_alone
 
 
@@ -181,7 +181,10 @@ def test_slot_loop_over_gathered_weights_is_found_by_evaluation(down):
     (lambda: CapacityListMoE(experts="index", act="swiglu"), "dense_experts"),
     # gathered weights whose down projection is stored the other way round: "two orientations"
     (lambda: GatheredMoE(gate_up="plain", down_orient="in_out"), "gathered_weights"),
-], ids=["token-major-view", "capacity-buffers-indexed", "gathered-down-swapped"])
+    # an expert loop reading gate and up as column halves W[e, :, :n], W[e, :, n:] of one [E, d, 2n]
+    # parameter (the op's concatenated, transposed w1), added into zeros: the loop finder takes rows only
+    (lambda: StackedLoopMoE(orient="in_out", gate_up="halves"), "expert_loop"),
+], ids=["token-major-view", "capacity-buffers-indexed", "gathered-down-swapped", "loop-column-halves"])
 def test_a_layer_a_finder_refuses_is_found_by_evaluation(make, refused):
     """A finder refuses the layer and says so; evaluated on its own the region is the op's, and is
     rewritten."""

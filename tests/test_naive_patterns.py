@@ -749,8 +749,6 @@ NEGATIVE = {
     "stacked-packed-modified-in-loop": (lambda: StackedLoopMoE(packed=True, mutate=True),
                                         "from different stacked parameters"),
     # DBRX's layout: packed gate and up read as [out, in], the packed down as [in, out]
-    # column ranges W[e, :, :n] of an [E, in, out] parameter are not taken
-    "stacked-in_out-halves": (lambda: StackedLoopMoE(orient="in_out", gate_up="halves"), "nor a slice W[e] (or rows W[e, a:b])"),
     "dense-softmax-gates": (lambda: DenseMoE(gates="probs"), "not provably zero outside the top-k"),
     "dense-softmax-gate-columns": (lambda: DenseMoE(gates="probs", combine="slices"), "not provably zero outside the top-k"),
     "dense-mixed-activations": (lambda: DenseMoE(combine="einsum", acts=[F.silu, F.gelu, F.silu, F.silu]), "expert 1's activation"),
