@@ -97,11 +97,12 @@ def test_rows_assigned_into_a_buffer_of_zeros_are_found_by_evaluation(capacity):
     assert ("capacity dropped" in report.rewritten[0].details["layout"]) == (capacity == 3), str(report)
 
 
-def _evaluated_equal_to_eager(model, x, cotangent):
+def _evaluated_equal_to_eager(model, x, cotangent, **flags):
     """fp32 training through backend="sonic": one region rewritten, by the evaluated finder, output
-    and every gradient equal to eager; the report."""
+    and every gradient equal to eager; the report. `flags`: Dynamo's config while it runs (by
+    default `capture_dynamic_output_shape_ops`)."""
     params = dict(model.named_parameters())
-    with torch._dynamo.config.patch(**{FLAG: True}):
+    with torch._dynamo.config.patch(**(flags or {FLAG: True})):
         eager = _out_and_grads(model, x, cotangent, params)
         with moe_compiler.capture() as report:
             got = _out_and_grads(_compile(model, "aot_eager"), x, cotangent, params)

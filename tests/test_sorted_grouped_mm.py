@@ -78,20 +78,10 @@ def test_experts_for_loop_in_float32_is_left_alone_with_the_reason(variant, capl
 def test_experts_for_loop_in_float32_weighted_after_is_found_by_evaluation():
     """The float32 loop keeps no grouped_mm form, but weighted after the experts it computes the op:
     the evaluated finder's hypothesis evaluates equal, and the output and gradients are eager's."""
-    from .helpers import assert_close_to_eager
-    from .test_naive_patterns import _out_and_grads
+    from .test_evaluated import _evaluated_equal_to_eager
 
-    model = SortedGroupedMoE(**FOR_LOOPS["for-loop-fused-scores-after"])
-    x, cotangent = _inputs()
-    params = dict(model.named_parameters())
-    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
-        eager = _out_and_grads(model, x, cotangent, params)
-        with moe_compiler.capture() as report:
-            got = _out_and_grads(_compile(model, "aot_eager"), x, cotangent, params)
-    assert [r.idiom for r in report.rewritten] == ["evaluated"], str(report)
-    assert_close_to_eager(got[0], eager[0], what="output")
-    for name in eager[1]:
-        assert_close_to_eager(got[1][name], eager[1][name], what=f"grad {name}")
+    _evaluated_equal_to_eager(SortedGroupedMoE(**FOR_LOOPS["for-loop-fused-scores-after"]), *_inputs(),
+                              capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
